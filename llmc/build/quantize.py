@@ -1,0 +1,179 @@
+"""int4 weight-only quantization (AWQ or round-to-nearest) of a model source into the W4A16_AWQ checkpoint IR.
+
+Library choice: **llm-compressor** (``llmcompressor>=0.14,<0.15``, the ``quant`` extra), because
+- it is maintained (vLLM project) and supports exactly the calibration we need: a ``loss_mask`` dataset
+  column with ``use_loss_mask=True`` keeps special-token positions in the model's input but out of AWQ's
+  activation statistics and of its scale-search error;
+- it pins transformers 5.15-5.17, the range llmc uses. Its only CPU issue is ``IntermediatesCache.pin_memory``
+  (pinning fails on a CPU-only torch), patched to a no-op in a narrow context (``awq_lib.library_context``).
+Rejected: nvidia-modelopt 0.47 (``INT4_AWQ_CFG``) can export the TensorRT-LLM checkpoint directly but has no
+token mask, its TensorRT-LLM export is deprecated in 0.48 and removed in 0.49, and its ``[hf]`` extra pins
+transformers < 5.15 and pulls deepspeed and diffusers; autoawq is deprecated upstream.
+
+Method: int4, symmetric (no zero point), one scale per group of ``group_size`` inputs, scales rounded to the IR
+dtype by the library itself, so the checkpoint holds exactly the weights the library evaluated. Embeddings
+and lm_head stay 16-bit. ``awq`` = AWQModifier (duo scaling, grid of AWQ_N_GRID ratios) then the quantizer;
+``rtn`` = the same quantizer alone (round-to-nearest baseline, identical rounding, no calibration).
+``exclude_special_tokens: false`` is the unmasked comparison mode.
+
+CPU budget knobs (measured in docs/AWQ.md): activations are averaged over every calibration token, but the
+grid search scores its candidates on the first AWQ_SEARCH_SAMPLES samples (``search_batches``), and layer
+outputs are not re-propagated after smoothing (AWQ's folding preserves the float function, so they would be
+the same). The scales are folded into the previous RMSNorm / v_proj / up_proj, so every prequant scale is 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from llmc.build import awq_lib
+from llmc.build.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
+from llmc.errors import BuildError
+
+AWQ_N_GRID = 20
+AWQ_DUO_SCALING = True
+AWQ_SEARCH_SAMPLES = 16
+CALIBRATION_BATCH = 4
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class StepProgress(Protocol):
+    """What quantize reports progress to (``llmc.build.progress.StepHandle``)."""
+
+    def update(self, completed: float, total: float | None = None) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+
+def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
+                        progress: StepProgress | None = None) -> dict[str, Any]:
+    """Quantize ``source`` (a SourceModel) per ``recipe.quantization`` and write the W4A16_AWQ IR.
+
+    Bad input (method, group size vs. the model's features, calibration dataset/file/sizes) raises RecipeError
+    before any model is loaded. ``progress`` (optional) gets a per-layer bar. Returns the report: method,
+    group size, mask on/off, calibration summary, seconds per phase, CPU seconds, library versions.
+    """
+    quant = recipe.quantization
+    recipe_file = str(recipe.path) if getattr(recipe, "path", None) else None
+    check_inputs(recipe, source.hf_config, recipe_file)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    seconds: dict[str, float] = {}
+    calib = None
+    if quant.method == "awq":
+        _note(progress, "calibration data")
+        calib = make_calibration_set(source, recipe, recipe_file)
+        seconds["calibration_data"] = _lap(started)
+    _note(progress, "loading model")
+    t = time.perf_counter()
+    model = load_float32_model(source.hf_dir)
+    seconds["load_model"] = _lap(t)
+    t = time.perf_counter()
+    awq_lib.run_oneshot(model, int4_options(recipe), calib, progress=_layer_progress(progress))
+    seconds["quantize"] = _lap(t)
+    _note(progress, "writing checkpoint")
+    t = time.perf_counter()
+    written = export_int4(model, source, recipe, checkpoint_dir)
+    seconds["export"] = _lap(t)
+    seconds["total"] = _lap(started)
+    return make_report(recipe, calib, seconds, time.process_time() - cpu_started, written)
+
+
+def int4_options(recipe: Any) -> awq_lib.Int4Options:
+    """The library run a recipe asks for (AWQ knobs are this module's constants, see the docstring)."""
+    quant = recipe.quantization
+    return awq_lib.Int4Options(
+        method=quant.method, group_size=quant.group_size, scale_dtype=TORCH_DTYPES[recipe.model.dtype],
+        duo_scaling=AWQ_DUO_SCALING, n_grid=AWQ_N_GRID,
+        search_batches=math.ceil(AWQ_SEARCH_SAMPLES / CALIBRATION_BATCH), batch_size=CALIBRATION_BATCH,
+        use_loss_mask=bool(quant.exclude_special_tokens),
+    )
+
+
+def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None) -> None:
+    """Every check that can fail before work starts: method, recipe vs. model (group size), calibration spec."""
+    from llmc.recipe.checks import check_recipe_against_model
+
+    quant = recipe.quantization
+    if quant.method not in ("awq", "rtn"):
+        raise BuildError(f"quantize_checkpoint handles quantization.method awq or rtn, not {quant.method!r}; "
+                         "use llmc.build.export.export_checkpoint for method none")
+    check_recipe_against_model(recipe, hf_config)
+    if quant.method == "awq":
+        check_calibration_spec(quant.calibration, recipe_file)
+
+
+def make_calibration_set(source: Any, recipe: Any, recipe_file: str | None) -> CalibrationSet:
+    """The recipe's calibration windows, tokenized with the source's tokenizer and chat template."""
+    from llmc.build.load import load_tokenizer
+
+    quant = recipe.quantization
+    return build_calibration_set(
+        quant.calibration, load_tokenizer(source.hf_dir),
+        exclude_special_tokens=bool(quant.exclude_special_tokens), chat_template=source.chat_template,
+        add_special_tokens=bool(recipe.model.add_special_tokens),
+        extra_special_ids=(*source.special_token_ids, *source.eos_token_ids), recipe_file=recipe_file,
+    )
+
+
+def load_float32_model(hf_dir: str | Path) -> torch.nn.Module:
+    """The HF causal LM in ``hf_dir`` in float32 on CPU, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+
+def export_int4(model: torch.nn.Module, source: Any, recipe: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
+    """Write the library's int4 results (and the folded 16-bit tensors) as the W4A16_AWQ IR."""
+    from llmc.build.export import kv_cache_quant_algo, write_w4a16_checkpoint
+
+    group_size = recipe.quantization.group_size
+    layers = awq_lib.extract_int4(model, group_size)
+    return write_w4a16_checkpoint(source.hf_config, recipe.model.dtype, awq_lib.plain_state_dict(model), layers,
+                                  group_size, recipe.engine.tp_size, checkpoint_dir,
+                                  kv_cache_quant_algo(recipe.kv_cache.dtype))
+
+
+def make_report(recipe: Any, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
+                written: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-able quantization report for build_report.json."""
+    quant = recipe.quantization
+    awq = quant.method == "awq"
+    return {
+        "method": quant.method,
+        "bits": 4,
+        "symmetric": True,
+        "group_size": quant.group_size,
+        "loss_mask": bool(quant.exclude_special_tokens) if awq else None,
+        "calibration": calib.summary() if calib is not None else None,
+        "awq": {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID, "search_samples": AWQ_SEARCH_SAMPLES,
+                "batch_size": CALIBRATION_BATCH} if awq else None,
+        "seconds": seconds,
+        "cpu_seconds": round(cpu_seconds, 1),
+        "checkpoint": written,
+        "library": awq_lib.library_versions(),
+    }
+
+
+def _layer_progress(progress: StepProgress | None) -> awq_lib.ProgressFn | None:
+    if progress is None:
+        return None
+
+    def report(phase: str, done: int, total: int) -> None:
+        progress.update(done, total)
+        progress.note(f"{phase} {min(done + 1, total)}/{total}")
+
+    return report
+
+
+def _note(progress: StepProgress | None, text: str) -> None:
+    if progress is not None:
+        progress.note(text)
+
+
+def _lap(start: float) -> float:
+    return round(time.perf_counter() - start, 2)

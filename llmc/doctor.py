@@ -1,0 +1,177 @@
+"""``llmc doctor``: what this machine has (GPU, driver, CUDA, library versions) and which engine
+backends are usable here, each with the reason when not.
+
+Nothing here needs a GPU or TensorRT: every probe reports what it found or why it found nothing.
+``tensorrt`` and ``tensorrt_llm`` are imported lazily, only when the report is collected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+
+import click
+
+from llmc.engine.tensorrt_llm.checks import INT4_REFUSED_SM
+from llmc.engine.tensorrt_llm.versions import PIP_SPEC, Importer, check_version, probe_module
+from llmc.errors import BackendUnavailableError
+
+# Distribution names read from package metadata (no import: llmcompressor takes seconds to import).
+METADATA_PACKAGES = ("torch", "transformers", "tritonclient", "llmcompressor")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device as torch sees it."""
+
+    index: int
+    name: str
+    compute_capability: str  # "9.0"
+    memory_gib: float
+
+    @property
+    def sm(self) -> int:
+        major, minor = self.compute_capability.split(".")
+        return int(major) * 10 + int(minor)
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether an engine backend can build/run on this machine, and why not."""
+
+    name: str
+    usable: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """Everything ``llmc doctor`` prints."""
+
+    gpus: tuple[GpuInfo, ...]
+    driver: str | None
+    cuda: str | None
+    versions: dict[str, str | None]
+    notes: dict[str, str]  # package or probe -> why it is missing / failed
+    backends: tuple[BackendStatus, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cuda_gpus() -> tuple[GpuInfo, ...]:
+    """Every CUDA device visible to torch (empty without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(GpuInfo(i, props.name, f"{props.major}.{props.minor}", round(props.total_memory / 2**30, 1)))
+    return tuple(gpus)
+
+
+def driver_version() -> tuple[str | None, str]:
+    """(driver version, how it was found or why not) from nvidia-smi, else pynvml."""
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        result = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20, check=False)
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip().splitlines()[0], "nvidia-smi"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return (version.decode() if isinstance(version, bytes) else str(version)), "pynvml"
+    except Exception as exc:  # noqa: BLE001 - reported in the doctor's notes
+        return None, f"no NVIDIA driver found (nvidia-smi {'failed' if smi else 'not on PATH'}; pynvml: {exc})"
+
+
+def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
+    """Installed versions of the packages llmc cares about, from metadata; notes for the missing ones."""
+    versions: dict[str, str | None] = {}
+    notes: dict[str, str] = {}
+    for name in METADATA_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+            notes[name] = "not installed"
+    return versions, notes
+
+
+def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None
+                     ) -> tuple[BackendStatus, ...]:
+    """Which backends are usable, from what was found (pure: tests pass the findings in)."""
+    torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
+    statuses = [BackendStatus("torch", True, torch_detail)]
+    problems = []
+    if trtllm_version is None:
+        problems.append(f"tensorrt_llm is not importable ({trtllm_note}); it needs {PIP_SPEC} "
+                        "(NVIDIA's TensorRT-LLM container or wheel index)")
+    else:
+        try:
+            check_version(trtllm_version)
+        except BackendUnavailableError as exc:
+            problems.append(str(exc))
+    if not gpus:
+        problems.append("it needs an NVIDIA GPU and none is visible")
+    if problems:
+        statuses.append(BackendStatus("tensorrt_llm", False, "; ".join(problems)))
+        return tuple(statuses)
+    refused = [g for g in gpus if g.sm in INT4_REFUSED_SM]
+    detail = f"TensorRT-LLM {trtllm_version} on {gpus[0].name} (SM{gpus[0].sm})"
+    if refused:
+        detail += (f"; INT4 AWQ (W4A16_AWQ) engines are refused on SM100-SM119 "
+                   f"({', '.join(f'GPU {g.index} SM{g.sm}' for g in refused)}): use 16-bit or backend: torch")
+    statuses.append(BackendStatus("tensorrt_llm", True, detail))
+    return tuple(statuses)
+
+
+def collect_report(importer: Importer = importlib.import_module) -> DoctorReport:
+    """Probe this machine. ``importer`` imports tensorrt / tensorrt_llm (tests may pass a test double)."""
+    import torch
+
+    gpus = cuda_gpus()
+    driver, driver_note = driver_version()
+    versions, notes = package_versions()
+    if driver is None:
+        notes["driver"] = driver_note
+    for name in ("tensorrt", "tensorrt_llm"):
+        probe = probe_module(name, importer)
+        versions[name] = probe.version
+        if probe.error:
+            notes[name] = probe.error
+    backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"))
+    return DoctorReport(gpus, driver, torch.version.cuda, versions, notes, backends)
+
+
+def format_report(report: DoctorReport) -> str:
+    """Human-readable text of the report."""
+    lines = ["GPUs:"]
+    lines += [f"  {g.index}: {g.name}, compute capability {g.compute_capability}, {g.memory_gib} GiB"
+              for g in report.gpus] or ["  none visible to torch (CUDA not available)"]
+    lines.append(f"driver: {report.driver or 'none (' + report.notes.get('driver', '?') + ')'}")
+    lines.append(f"CUDA (torch build): {report.cuda or 'none (CPU build of torch)'}")
+    lines.append("versions:")
+    for name, version in report.versions.items():
+        lines.append(f"  {name}: {version or 'missing (' + report.notes.get(name, 'not installed') + ')'}")
+    lines.append("backends:")
+    for b in report.backends:
+        lines.append(f"  {b.name}: {'usable' if b.usable else 'NOT usable'} - {b.detail}")
+    return "\n".join(lines)
+
+
+@click.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor_cmd(as_json: bool) -> None:
+    """Show GPU, driver, CUDA and library versions, and which engine backends work on this machine."""
+    report = collect_report()
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

@@ -1,0 +1,57 @@
+"""Backend dispatch: compile a checkpoint IR into an engine folder, and load a build folder's model runner.
+
+Backends: ``torch`` (the portable engine in ``llmc.engine.torch``) and ``tensorrt_llm`` (``llmc.engine.
+tensorrt_llm``, imported lazily so that llmc works where TensorRT-LLM is not installed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmc.errors import BackendUnavailableError, EngineError
+
+BACKENDS = ("torch", "tensorrt_llm")
+
+
+def compile_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: str | Path) -> dict[str, Any]:
+    """Turn the IR in ``checkpoint_dir`` into ``engine_dir`` for ``recipe.backend``; returns the backend's report.
+
+    torch: writes ``engine.json``. tensorrt_llm: ``llmc.engine.tensorrt_llm.build.build_engines``.
+    """
+    if recipe.backend == "torch":
+        from llmc.engine.torch.compile import compile_torch_engine
+
+        return compile_torch_engine(recipe, checkpoint_dir, engine_dir)
+    if recipe.backend == "tensorrt_llm":
+        from llmc.engine.tensorrt_llm.build import build_engines
+
+        return build_engines(recipe, checkpoint_dir, engine_dir)
+    raise EngineError(f"unknown backend {recipe.backend!r}. Fix: set backend to one of {', '.join(BACKENDS)}")
+
+
+def load_runner(build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None) -> Any:
+    """The model runner of a build folder (``execute(SchedulerOutput) -> ModelRunnerOutput``), by its backend.
+
+    ``device="auto"`` picks CUDA when available. Raises EngineError for an unreadable build folder or an
+    unknown backend, BackendUnavailableError when the backend's runner cannot be imported here.
+    """
+    from llmc.build.manifest import read_manifest
+
+    backend = read_manifest(Path(build_dir)).backend
+    if backend == "torch":
+        from llmc.engine.torch.runner import TorchModelRunner
+
+        return TorchModelRunner(build_dir, device=device, num_blocks=num_blocks)
+    if backend == "tensorrt_llm":
+        try:
+            from llmc.engine.tensorrt_llm.runner import TrtllmModelRunner
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the tensorrt_llm runner cannot be loaded ({exc}). Fix: install llmc[tensorrt] on a machine "
+                f"with an NVIDIA GPU, or rebuild the recipe with backend: torch"
+            ) from exc
+        return TrtllmModelRunner(build_dir, device=device, num_blocks=num_blocks)
+    raise EngineError(f"{build_dir}: unknown backend {backend!r} in manifest.json. Fix: rebuild with llmc build")

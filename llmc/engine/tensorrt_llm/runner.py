@@ -1,0 +1,172 @@
+"""llmc's runtime adapter over TensorRT-LLM's ``ModelRunnerCpp`` (reference lines 85-91).
+
+TensorRT-LLM batches and samples inside its C++ executor; llmc keeps the parts users see identical
+to the torch backend by running every token TensorRT-LLM returns through the torch engine's own
+per-request output pipeline, :class:`llmc.runtime.outputs.RequestOutput` (stop ids ->
+IncrementalDetokenizer -> StopStringMatcher -> length limits), which yields the same
+:class:`StreamEvent` objects with the same finish reasons and metrics.
+
+Streaming outputs (line 91): each item is a dict with ``output_ids`` int32 [batch, beams, max_seq_len]
+padded with end_id *including the prompt*, and ``sequence_lengths`` [batch, beams]; the new tokens of
+request b are ``output_ids[b, 0, prompt_len:sequence_lengths[b, 0]]``. llmc slices from the tokens it
+has already emitted, so it does not matter whether TensorRT-LLM sends cumulative or partial outputs.
+
+When TensorRT-LLM's stream ends before llmc's pipeline saw a stop or a length limit, it stopped at
+``end_id`` without counting it in ``sequence_lengths``: llmc then feeds ``end_id`` through the pipeline,
+which finishes the request with reason "stop" and stop_reason end_id, like the torch backend does when
+it samples the eos token. (If TensorRT-LLM does count it, the pipeline sees it first; either way one
+finished event per request.)
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.engine.tensorrt_llm.manifest import check_engine_versions
+from llmc.engine.tensorrt_llm.sampling import generate_kwargs
+from llmc.engine.tensorrt_llm.versions import Importer, require_tensorrt_llm
+from llmc.errors import RequestError
+from llmc.runtime.metrics import RequestMetrics
+from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
+from llmc.runtime.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TrtllmRunnerConfig:
+    """The ``ModelRunnerCpp.from_dir`` arguments, taken from the recipe the engine was built with."""
+
+    engine_dir: Path
+    rank: int
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    kv_cache_free_gpu_memory_fraction: float
+    enable_chunked_context: bool
+
+    @classmethod
+    def from_recipe(cls, recipe: Any, engine_dir: Path, rank: int = 0) -> TrtllmRunnerConfig:
+        return cls(Path(engine_dir), rank, recipe.engine.max_batch_size, recipe.engine.max_input_len,
+                   recipe.engine.max_seq_len, recipe.kv_cache.memory_fraction,
+                   recipe.serving.enable_chunked_context)
+
+    def from_dir_kwargs(self) -> dict[str, Any]:
+        """``max_output_len`` = max_seq_len - max_input_len: from_dir sizes sequences as input + output."""
+        return {
+            "rank": self.rank, "max_batch_size": self.max_batch_size, "max_input_len": self.max_input_len,
+            "max_output_len": self.max_seq_len - self.max_input_len,
+            "kv_cache_free_gpu_memory_fraction": self.kv_cache_free_gpu_memory_fraction,
+            "enable_chunked_context": self.enable_chunked_context,
+        }
+
+
+class TrtllmRunner:
+    """Generate with a TensorRT-LLM engine, streaming llmc :class:`StreamEvent` objects.
+
+    ``model_runner_cls`` is ``tensorrt_llm.runtime.ModelRunnerCpp`` by default (imported through
+    :func:`require_tensorrt_llm`); tests pass a recording test double with the same methods.
+    """
+
+    def __init__(self, config: TrtllmRunnerConfig, tokenizer: Any, eos_token_ids: Sequence[int],
+                 model_runner_cls: Any = None, importer: Importer = importlib.import_module):
+        if not eos_token_ids:
+            raise RequestError("eos_token_ids", "the engine records no eos id; rebuild with llmc build --force")
+        if model_runner_cls is None:
+            require_tensorrt_llm(importer)
+            model_runner_cls = importer("tensorrt_llm.runtime").ModelRunnerCpp
+        self.config, self.tokenizer = config, tokenizer
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.runner = model_runner_cls.from_dir(str(config.engine_dir), **config.from_dir_kwargs())
+
+    @classmethod
+    def from_build_dir(cls, build_dir: Path, rank: int = 0, model_runner_cls: Any = None,
+                       found_versions: dict[str, str | None] | None = None,
+                       importer: Importer = importlib.import_module) -> TrtllmRunner:
+        """Open ``build_dir`` (llmc build folder): refuse engines built under other TensorRT versions
+        (:func:`check_engine_versions`; ``found_versions`` defaults to the installed ones), then load."""
+        from llmc.build.load import load_tokenizer
+        from llmc.build.manifest import read_manifest
+
+        build_dir = Path(build_dir)
+        engine_dir = build_dir / "engine"
+        check_engine_versions(engine_dir, found_versions)
+        manifest = read_manifest(build_dir)
+        config = TrtllmRunnerConfig.from_recipe(manifest.recipe_obj(), engine_dir, rank)
+        return cls(config, load_tokenizer(build_dir / "tokenizer"), manifest.eos_token_ids,
+                   model_runner_cls, importer)
+
+    def _max_new_tokens(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> int:
+        longest = max(len(p) for p in prompts)
+        if longest > self.config.max_input_len or min(len(p) for p in prompts) == 0:
+            raise RequestError("prompt", f"prompts must have 1..{self.config.max_input_len} tokens "
+                                         f"(engine.max_input_len); got {longest}. Shorten the prompt")
+        if len(prompts) > self.config.max_batch_size:
+            raise RequestError("prompt", f"{len(prompts)} prompts exceed engine.max_batch_size "
+                                         f"{self.config.max_batch_size}; send fewer at once")
+        room = self.config.max_seq_len - longest
+        if room < 1:
+            raise RequestError("prompt", f"a {longest}-token prompt leaves no room to generate within "
+                                         f"engine.max_seq_len {self.config.max_seq_len}; shorten the prompt")
+        return min(params.max_new_tokens, room)
+
+    def stream_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None,
+                     request_ids: Sequence[str] | None = None) -> Iterator[StreamEvent]:
+        """Run ``prompts`` (token ids) as one batch; yield each request's events as tokens arrive.
+
+        One event per generated token (like the torch backend); every request ends with exactly one
+        event whose ``finished`` is True.
+        """
+        import torch
+
+        params = params or SamplingParams()
+        request_ids = list(request_ids or [f"trt-{i}" for i in range(len(prompts))])
+        max_new = self._max_new_tokens(prompts, params)
+        kwargs = generate_kwargs(self.tokenizer, params, self.eos_token_ids, self.pad_id, len(prompts), max_new)
+        arrival = time.perf_counter()
+        outputs = [
+            RequestOutput(rid, tuple(p), params, self.tokenizer, self.eos_token_ids, self.config.max_seq_len,
+                          RequestMetrics(arrival_time=arrival, prompt_tokens=len(p)))
+            for rid, p in zip(request_ids, prompts)
+        ]
+        finished = [False] * len(prompts)
+        batch_input_ids = [torch.tensor(list(p), dtype=torch.int32) for p in prompts]  # each [prompt_len]
+        stream = self.runner.generate(batch_input_ids, **kwargs)
+        for out in outputs:
+            out.metrics.record_scheduled()  # TensorRT-LLM's executor queues internally; llmc sees submit time
+        for step in stream:
+            output_ids = step["output_ids"]  # [batch, beams, max_seq_len] int32, includes the prompt
+            lengths = step["sequence_lengths"]  # [batch, beams]
+            now = time.perf_counter()
+            for b, out in enumerate(outputs):
+                start = out.num_prompt + out.num_generated
+                for token in output_ids[b, 0, start:int(lengths[b, 0])].tolist():
+                    if finished[b]:
+                        break
+                    event = out.on_token(int(token), now)
+                    finished[b] = event.finished
+                    yield event
+            if all(finished):
+                return
+        for b, out in enumerate(outputs):
+            if not finished[b]:
+                yield out.on_token(self.eos_token_ids[0], time.perf_counter())
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams | None = None,
+               request_id: str = "trt-0") -> Iterator[StreamEvent]:
+        """One request's events (see :meth:`stream_batch`)."""
+        return self.stream_batch([prompt], params, [request_id])
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
+                 ) -> list[Completion]:
+        """Non-streaming: one :class:`Completion` per prompt (``prompt`` = its token ids), in order."""
+        ids = [f"trt-{i}" for i in range(len(prompts))]
+        events: dict[str, list[StreamEvent]] = {i: [] for i in ids}
+        for event in self.stream_batch(prompts, params, ids):
+            events[event.request_id].append(event)
+        return [Completion.from_events(list(p), events[i]) for i, p in zip(ids, prompts)]

@@ -1,0 +1,198 @@
+"""Paged-attention metadata and the reference attention over a block-table KV cache.
+
+KV cache layout, per layer: ``k_cache, v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_size]``.
+Token ``p`` of a sequence lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``; its flat
+slot is ``block_id * block_size + offset``.
+
+A step runs a *packed* batch: the new tokens of every sequence are concatenated (no padding) into ``T`` tokens.
+Each layer first writes the new k/v into the cache (``slot_mapping``), then every query token at absolute
+position ``p`` attends to the sequence's cached positions ``<= p``. Sequences with one new token (decodes) are
+attended in one batched call; sequences with several new tokens (prefill chunks) one at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from llmc.errors import EngineError
+from llmc.runtime.types import ScheduledSequence
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one packed step (B sequences, T new tokens, S sampled ones).
+
+    Device tensors drive the kernels; the host tuples let the per-sequence path slice without a device sync.
+    ``block_tables`` rows are padded with block 0: padded entries are only ever read beyond ``context_lens``
+    and are masked out.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: new tokens of sequence i are cu[i] .. cu[i+1]-1
+    context_lens: torch.Tensor  # [B] int32: tokens in the cache after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    logits_indices: torch.Tensor  # [S] int64: packed index of the last new token of each sampled sequence
+    decode_seqs: torch.Tensor  # [D] int64: sequences with exactly one new token (batched path)
+    decode_tokens: torch.Tensor  # [D] int64: their packed token index
+    query_lens: tuple[int, ...]  # [B] host copy
+    query_starts: tuple[int, ...]  # [B] host: packed index of each sequence's first new token
+    num_computed: tuple[int, ...]  # [B] host: tokens already cached before this step
+    prefill_seqs: tuple[int, ...]  # sequences with several new tokens (per-sequence path)
+    max_query_len: int
+    max_context_len: int
+    max_decode_context_len: int  # 0 when there are no decodes
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def build_attention_metadata(
+    seqs: Sequence[ScheduledSequence], block_size: int, device: torch.device | str
+) -> AttentionMetadata:
+    """Turn the scheduler's per-sequence work into packed tensors on ``device`` (built on the host, copied once).
+
+    Raises EngineError when a sequence's block table is too short for its tokens (a scheduler bug).
+    """
+    query_lens = tuple(len(s.token_ids) for s in seqs)
+    num_computed = tuple(s.num_computed for s in seqs)
+    context_lens = [c + q for c, q in zip(num_computed, query_lens)]
+    for s, ctx in zip(seqs, context_lens):
+        if not s.token_ids:
+            raise EngineError(f"request {s.request_id} was scheduled with no new tokens. Fix: drop it from the step")
+        if len(s.block_ids) * block_size < ctx:
+            raise EngineError(
+                f"request {s.request_id}: {len(s.token_ids)} new tokens after {s.num_computed} cached need "
+                f"{-(-ctx // block_size)} blocks of {block_size}, the scheduler gave {len(s.block_ids)}. "
+                f"Fix: the scheduler must allocate blocks before scheduling tokens"
+            )
+    max_blocks = max(-(-ctx // block_size) for ctx in context_lens)
+    tables = [list(s.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in seqs]
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in seqs:
+        for p in range(s.num_computed, s.num_computed + len(s.token_ids)):
+            positions.append(p)
+            slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    logits_idx = [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+
+    def dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        cu_seqlens_q=dev(cu, torch.int32),
+        context_lens=dev(context_lens, torch.int32),
+        block_tables=dev(tables, torch.int32),
+        slot_mapping=dev(slots, torch.int64),
+        positions=dev(positions, torch.int64),
+        logits_indices=dev(logits_idx, torch.int64),
+        decode_seqs=dev(decodes, torch.int64),
+        decode_tokens=dev([cu[i] for i in decodes], torch.int64),
+        query_lens=query_lens,
+        query_starts=tuple(cu[:-1]),
+        num_computed=num_computed,
+        prefill_seqs=tuple(i for i, q in enumerate(query_lens) if q > 1),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        max_decode_context_len=max((context_lens[i] for i in decodes), default=0),
+        block_size=block_size,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new ``k, v [T, nkv, hd]`` at their flat cache slots (in the cache's dtype)."""
+    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
+
+    ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first. Returns ``[T, nh, hd]``.
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.decode_seqs.numel() > 0:
+        q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
+        out.index_copy_(0, meta.decode_tokens, _decode_attention(q_dec, k_cache, v_cache, meta, scale))
+    for i in meta.prefill_seqs:
+        start, end = meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i]
+        if meta.num_computed[i] == 0:
+            # Fresh prefill: the whole context is this step's k/v, no need to read the cache back.
+            k_ctx, v_ctx = k[start:end], v[start:end]
+        else:
+            k_ctx, v_ctx = _gather_context(k_cache, v_cache, meta, i)
+        out[start:end] = _prefill_attention(q[start:end], k_ctx, v_ctx, meta.num_computed[i], scale)
+    return out
+
+
+def _gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, i: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``i``'s cached keys and values, ``[context_len, nkv, hd]`` each."""
+    ctx = meta.num_computed[i] + meta.query_lens[i]
+    blocks = meta.block_tables[i, : -(-ctx // meta.block_size)]  # [nb]
+    k_ctx = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, nkv, hd]
+    v_ctx = v_cache[blocks].flatten(0, 1)[:ctx]
+    return k_ctx, v_ctx
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int, scale: float
+) -> torch.Tensor:
+    """One sequence: queries ``[n, nh, hd]`` at positions ``num_computed + j`` over keys ``[ctx, nkv, hd]``."""
+    n, num_heads, head_size = q.shape
+    ctx, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    # GQA without copying k/v: fold the `group` query heads of each kv head into the query axis.
+    q_g = q.view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_size)
+    q_pos = torch.arange(num_computed, num_computed + n, device=q.device)  # [n]
+    k_pos = torch.arange(ctx, device=q.device)  # [ctx]
+    mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * n, ctx]
+    out = F.scaled_dot_product_attention(
+        q_g, k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
+    )  # [nkv, group * n, hd]
+    return out.view(num_kv_heads, group, n, head_size).permute(2, 0, 1, 3).reshape(n, num_heads, head_size)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """All one-token sequences at once: queries ``[D, nh, hd]`` over their padded contexts -> ``[D, nh, hd]``."""
+    d, num_heads, head_size = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-meta.max_decode_context_len // meta.block_size)
+    tables = meta.block_tables.index_select(0, meta.decode_seqs)[:, :num_blocks]  # [D, nb]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    lens = meta.context_lens.index_select(0, meta.decode_seqs)  # [D]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [D, L]
+    q_g = q.view(d, num_kv_heads, group, head_size)  # query heads of one kv head share its keys
+    out = F.scaled_dot_product_attention(q_g, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(d, num_heads, head_size)

@@ -1,0 +1,156 @@
+"""Load a TensorRT-LLM checkpoint IR folder into the portable engine's :class:`LlamaForCausalLM`.
+
+Steps: read config.json + every rank's safetensors, dequantize W4A16_AWQ linears per rank (on CPU, in float32),
+merge the tensor-parallel shards into full weights, check every shape, then copy into a model allocated on
+the target device.
+
+Compute dtype: the IR dtype on CUDA; float32 on CPU unless ``dtype`` is given, because float16/bfloat16
+matmuls on CPU are several times slower than float32 and less accurate.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from llmc.checkpoint import names
+from llmc.checkpoint.convert import merge_shards
+from llmc.checkpoint.int4 import dequantize_w4a16
+from llmc.checkpoint.io import read_checkpoint
+from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
+from llmc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The dtype the engine computes in: ``dtype`` if given, else the IR dtype on CUDA and float32 on CPU."""
+    if dtype is not None:
+        return DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    return DTYPES[ir_dtype]
+
+
+def load_model(
+    checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None
+) -> LlamaForCausalLM:
+    """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
+
+    Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing or extra
+    tensor, or a shape that does not match the config.
+    """
+    raw_config, rank_weights = read_checkpoint(Path(checkpoint_dir))
+    config = ModelConfig.from_checkpoint_config(raw_config)
+    quant = raw_config.get("quantization") or {}
+    if quant.get("quant_algo") not in (None, "W4A16_AWQ"):
+        raise CheckpointError(
+            f"quant_algo {quant.get('quant_algo')!r} is not supported by the torch engine; "
+            f"Fix: build with quantization.method none, awq or rtn"
+        )
+    if quant.get("quant_algo") == "W4A16_AWQ":
+        rank_weights = [_dequantize_rank(w, int(quant["group_size"])) for w in rank_weights]
+    weights = _merge(rank_weights, raw_config)
+    weights = _select_model_weights(weights, config)
+    _check_shapes(weights, config)
+    target_dtype = compute_dtype(config.dtype, device, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype=target_dtype)
+    model.to_empty(device=device)
+    model.load_state_dict(weights, strict=True)
+    model.reset_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[str, torch.Tensor]:
+    """Full weights from the TP shards (already dequantized, so merged as plain 16/32-bit tensors)."""
+    if len(rank_weights) == 1:
+        return dict(rank_weights[0])
+    plain_config = {**config, "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+    return merge_shards(rank_weights, plain_config)
+
+
+def _dequantize_rank(weights: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """Replace every W4A16_AWQ linear (packed int4 + scales + prequant) by its effective float32 weight."""
+    out = {}
+    for name, tensor in weights.items():
+        parsed = names.parse_trt_layer_name(name)
+        suffix = parsed[2] if parsed else None
+        if suffix in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR):
+            continue  # consumed together with their packed weight below
+        if suffix == names.WEIGHT and tensor.dtype == torch.int8:
+            out[name] = _dequantize_linear(weights, parsed[0], parsed[1], group_size)
+        else:
+            out[name] = tensor
+    return out
+
+
+def _dequantize_linear(weights: dict[str, torch.Tensor], layer: int, module: str, group_size: int) -> torch.Tensor:
+    parts = [names.trt_layer(layer, module, s) for s in
+             (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR)]
+    for needed in parts[1:]:
+        if needed not in weights:
+            raise CheckpointError(
+                f"W4A16_AWQ checkpoint lacks {needed!r} for the packed weight {parts[0]!r}. "
+                f"Fix: re-run the quantization step of `llmc build --force`"
+            )
+    packed, scales, prequant = (weights[p] for p in parts)
+    # The layer computes (x * prequant) @ (q * scale)^T = x @ ((q * scale) * prequant[None, :])^T.
+    return dequantize_w4a16(packed, scales.float(), prequant.float(), group_size).float()
+
+
+def _select_model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Drop what the model does not hold: a tied lm_head, the lm_head's vocab padding rows, unused scales."""
+    if config.tie_word_embeddings:
+        weights = {k: v for k, v in weights.items() if k != names.LM_HEAD}  # the embedding is used instead
+    elif names.LM_HEAD in weights:
+        weights = {**weights, names.LM_HEAD: weights[names.LM_HEAD][: config.vocab_size]}
+    expected = _expected_shapes(config)
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        # As in TensorRT-LLM: extra tensors (e.g. kv-cache scales) are ignored with a warning.
+        logger.warning("ignoring %d checkpoint tensors the torch engine does not use, e.g. %s", len(extra), extra[:3])
+    return {name: weights[name] for name in expected if name in weights}
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, i = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        names.VOCAB_EMBEDDING: (config.vocab_size, h),
+        names.LN_F: (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes[names.LM_HEAD] = (config.vocab_size, h)
+    per_layer = {
+        "input_layernorm": (h,),
+        "post_layernorm": (h,),
+        "attention.qkv": (config.qkv_size, h),
+        "attention.dense": (h, config.num_heads * config.head_size),
+        "mlp.fc": (i, h),
+        "mlp.gate": (i, h),
+        "mlp.proj": (h, i),
+    }
+    for layer in range(config.num_layers):
+        for module, shape in per_layer.items():
+            shapes[names.trt_layer(layer, module)] = shape
+    return shapes
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks {len(missing)} tensors its config needs, e.g. {missing[:3]}. "
+            f"Fix: re-export the checkpoint with `llmc build --force`"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} has shape {tuple(weights[name].shape)}, the config implies {shape}. "
+                f"Fix: re-export the checkpoint with `llmc build --force`"
+            )

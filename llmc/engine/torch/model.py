@@ -1,0 +1,220 @@
+"""A Llama-family decoder over a paged KV cache, laid out exactly like the TensorRT-LLM checkpoint IR.
+
+Module names equal the IR tensor names (``transformer.layers.N.attention.qkv.weight`` ...), so a merged,
+dequantized IR state dict loads with ``load_state_dict(strict=True)``. The fused layouts are used as-is:
+``attention.qkv`` stacks q, k, v rows; ``mlp.fc`` is the SiLU branch (HF gate_proj), ``mlp.gate`` the linear
+branch (HF up_proj) and ``mlp.proj`` the down projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmc.engine.torch.attention import AttentionMetadata, paged_attention
+from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
+from llmc.errors import CheckpointError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_size]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model shape and numerics, read from the checkpoint IR's config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    norm_epsilon: float
+    rotary_base: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str  # the IR's storage dtype: float16 | bfloat16 | float32
+
+    @classmethod
+    def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
+        """Validate and read an IR config dict; unsupported features raise CheckpointError."""
+        _check_supported(cfg)
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            config = cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_size=int(cfg.get("head_size") or hidden // num_heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
+                rotary_base=float(cfg.get("rotary_base", 10000.0)),
+                rope_scaling=RopeScaling.from_config(cfg.get("rotary_scaling")),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                dtype=str(cfg.get("dtype", "float16")),
+            )
+        except KeyError as e:
+            raise CheckpointError(
+                f"checkpoint config.json lacks the field {e.args[0]!r}. Fix: re-export the checkpoint with llmc build"
+            ) from None
+        if config.num_heads % config.num_kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads={config.num_heads} is not a multiple of num_key_value_heads="
+                f"{config.num_kv_heads}. Fix: check the model's config.json"
+            )
+        return config
+
+    @property
+    def qkv_size(self) -> int:
+        """Rows of the stacked qkv weight: (nh + 2 * nkv) * hd."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_size
+
+
+def _check_supported(cfg: dict) -> None:
+    checks = [
+        ("architecture", cfg.get("architecture", "LlamaForCausalLM") == "LlamaForCausalLM", "LlamaForCausalLM"),
+        ("hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu"),
+        ("position_embedding_type", cfg.get("position_embedding_type", "rope_gpt_neox") == "rope_gpt_neox",
+         "rope_gpt_neox"),
+        ("attn_bias", not cfg.get("attn_bias", False), "false"),
+        ("mlp_bias", not cfg.get("mlp_bias", False), "false"),
+    ]
+    for key, ok, expected in checks:
+        if not ok:
+            raise CheckpointError(
+                f"checkpoint config {key}={cfg.get(key)!r} is not supported by the torch engine (expects "
+                f"{expected}). Fix: use a Llama-family model"
+            )
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (as transformers does)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused qkv, NeoX RoPE and the paged reference attention."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
+        self.scale = config.head_size**-0.5
+        self.qkv = nn.Linear(config.hidden_size, config.qkv_size, bias=False, dtype=dtype)
+        self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_size), cos, sin)  # [T, nh, hd]
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_size), cos, sin)  # [T, nkv, hd]
+        v = v.view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
+        return self.dense(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    """proj(silu(fc(x)) * gate(x)) with the IR's names (fc = HF gate_proj, gate = HF up_proj)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
+        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
+        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.fc(x)) * self.gate(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
+        self.attention = Attention(config, dtype)
+        self.post_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        h = h + self.attention(self.input_layernorm(h), cos, sin, attn, kv_cache)
+        return h + self.mlp(self.post_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder layers and final norm (the IR's ``transformer.*`` tensors)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.vocab_embedding = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.ln_f = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The portable engine's model. Runs packed batches (no padding) over a paged KV cache.
+
+    After loading weights into a model built on the meta device, call :meth:`reset_buffers` (the RoPE
+    frequencies are a non-persistent buffer, not part of the checkpoint).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        self.transformer = Transformer(config, dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        )
+        self.register_buffer("inv_freq", torch.empty(config.head_size // 2, dtype=torch.float32), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the RoPE inverse frequencies in float32 on the model's device."""
+        inv_freq = rope_inv_freq(self.config.head_size, self.config.rotary_base, self.config.rope_scaling)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq.copy_(inv_freq)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Packed tokens ``input_ids [T]`` at ``positions [T]`` -> final-normed hidden states ``[T, H]``.
+
+        Writes this step's keys and values into ``kv_caches`` (one ``(k, v)`` pair per layer).
+        """
+        h = self.transformer.vocab_embedding(input_ids)  # [T, H]
+        cos, sin = rope_cos_sin(self.inv_freq, positions)  # [T, hd/2] each, shared by all layers
+        for layer, kv_cache in zip(self.transformer.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, attn, kv_cache)
+        return self.transformer.ln_f(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[S, V]`` float32 for the hidden states of the sampled positions only."""
+        weight = self.transformer.vocab_embedding.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,110 @@
+"""TorchModelRunner: the portable engine's implementation of the scheduler -> runner contract.
+
+One ``execute`` call runs one engine step: build the packed paged-attention metadata, run the forward pass
+under ``torch.inference_mode``, compute logits only for the sequences that sample this step, sample on the
+device and bring the sampled ids to the host with a single ``.tolist()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from llmc.engine.torch.attention import build_attention_metadata
+from llmc.engine.torch.compile import read_engine_config
+from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
+from llmc.engine.torch.loader import load_model
+from llmc.errors import EngineError
+from llmc.runtime.params import SamplingParams
+from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+WARMUP_REQUEST_ID = "__llmc_warmup__"
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class TorchModelRunner:
+    """Loads a build folder's torch engine and executes scheduler steps over a paged KV cache.
+
+    Attributes: ``device``, ``block_size`` (recipe ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
+    from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
+    weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``.
+    """
+
+    def __init__(self, build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None):
+        from llmc.build.manifest import read_manifest
+        from llmc.runtime.sampler import Sampler
+
+        build_dir = Path(build_dir)
+        manifest = read_manifest(build_dir)
+        recipe = manifest.recipe_obj()
+        engine = read_engine_config(build_dir / "engine")
+        self.device = resolve_device(device)
+        self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device)
+        config = self.model.config
+        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, self.model.transformer.ln_f.weight.dtype)
+        self.block_size = recipe.kv_cache.tokens_per_block
+        self.vocab_size = config.vocab_size
+        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_dtype)
+        self.num_blocks = num_blocks or plan_num_blocks(
+            self.kv_bytes_per_token,
+            self.block_size,
+            self.device,
+            recipe.kv_cache.cpu_budget_mb,
+            recipe.kv_cache.memory_fraction,
+        )
+        self.kv_caches = allocate_kv_cache(config, self.num_blocks, self.block_size, kv_dtype, self.device)
+        self.sampler = Sampler(self.device, eos_token_ids=manifest.eos_token_ids)
+
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the sampled token of every sequence with ``sample=True``.
+
+        Raises EngineError when a sequence references a block outside ``0 .. num_blocks - 1``.
+        """
+        seqs = scheduled.sequences
+        if not seqs:
+            return ModelRunnerOutput()
+        self._check_blocks(seqs)
+        meta = build_attention_metadata(seqs, self.block_size, self.device)
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
+        sampled = [s for s in seqs if s.sample]
+        with torch.inference_mode():
+            hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
+            if not sampled:
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
+            token_ids = self.sampler(logits, sampled)  # [S] on device
+        return ModelRunnerOutput(
+            sampled_token_ids={s.request_id: t for s, t in zip(sampled, token_ids.tolist(), strict=True)}
+        )
+
+    def warmup(self, prompt_len: int = 8) -> None:
+        """One tiny prefill + decode (greedy) so the first real request does not pay the first-call costs.
+
+        Writes into block 0 only; that is harmless: a sequence only ever reads slots it wrote itself.
+        """
+        prompt_len = min(prompt_len, self.block_size - 1)
+        blocks = (0,)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+        prompt = tuple(range(prompt_len))
+        prefill = ScheduledSequence(WARMUP_REQUEST_ID, prompt, 0, blocks, True, greedy, prompt_token_ids=prompt)
+        first = self.execute(SchedulerOutput(step=-2, sequences=(prefill,))).sampled_token_ids[WARMUP_REQUEST_ID]
+        decode = ScheduledSequence(
+            WARMUP_REQUEST_ID, (first,), prompt_len, blocks, True, greedy, prompt_token_ids=prompt,
+            output_token_ids=(first,),
+        )
+        self.execute(SchedulerOutput(step=-1, sequences=(decode,)))
+
+    def _check_blocks(self, seqs: tuple[ScheduledSequence, ...]) -> None:
+        for s in seqs:
+            if s.block_ids and (max(s.block_ids) >= self.num_blocks or min(s.block_ids) < 0):
+                raise EngineError(
+                    f"request {s.request_id} references blocks {min(s.block_ids)}..{max(s.block_ids)} but the "
+                    f"KV cache has {self.num_blocks} blocks. Fix: size the block manager with runner.num_blocks"
+                )

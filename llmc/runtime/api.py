@@ -1,0 +1,344 @@
+"""The Python API: ``Engine.from_dir(build_dir)`` -> ``generate`` / ``stream`` / ``astream`` / ``abort``.
+
+One engine step: ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()`` -> each new token
+goes through its request's output pipeline (stop ids, incremental detokenization, stop strings, lengths)
+and becomes a :class:`StreamEvent` delivered to that request's sink.
+
+Threading: request preparation (tokenization, chat templates, validation) runs in the caller's thread;
+scheduler state is guarded by one lock that is *not* held while the model runs, so callers can add and
+abort requests during a step. ``start()`` runs steps in a background thread for concurrent callers
+(threads or asyncio, e.g. the server); without it, ``generate``/``stream`` drive the steps themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.runtime.engine_loop import EngineLoop
+from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
+from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.metrics import MetricsLog, RequestMetrics, StepMetrics
+from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
+from llmc.runtime.params import SamplingParams
+from llmc.runtime.scheduler import Request, Scheduler
+from llmc.runtime.types import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+Sink = Callable[[StreamEvent], None]
+
+
+class Engine:
+    """A loaded engine serving requests with continuous batching over a paged KV cache.
+
+    ``runner`` implements the runner contract (``block_size``, ``num_blocks``, ``vocab_size``,
+    ``execute(SchedulerOutput) -> ModelRunnerOutput``). Default sampling parameters are the recipe's
+    ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
+    with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first.
+    """
+
+    def __init__(self, runner: Any, tokenizer: Any, recipe: Any, eos_token_ids: Sequence[int],
+                 metrics_log: str | Path | None = None, max_wait_s: float | None = None,
+                 num_blocks: int | None = None, clock: Callable[[], float] = time.monotonic):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.default_params = recipe.runtime.sampling
+        self.clock = clock
+        limits = recipe.engine
+        if num_blocks is not None and not 0 < num_blocks <= runner.num_blocks:
+            raise ValueError(f"num_blocks must be in 1..{runner.num_blocks} (the runner's KV cache), got {num_blocks}")
+        self.block_manager = BlockManager(num_blocks or runner.num_blocks, runner.block_size,
+                                          enable_prefix_caching=recipe.serving.enable_kv_cache_reuse)
+        self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
+                                   limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock)
+        self._outputs: dict[str, RequestOutput] = {}
+        self._lock = threading.Lock()  # scheduler + outputs
+        self._step_lock = threading.Lock()  # one step at a time
+        self._metrics_log = MetricsLog(metrics_log) if metrics_log else None
+        self._loop = EngineLoop(self.step, self.scheduler.has_unfinished)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, device: str = "auto", num_blocks: int | None = None,
+                 metrics_log: str | Path | None = None, max_wait_s: float | None = None) -> Engine:
+        """Load a build folder (``llmc build`` output). ``device``: "auto" (CUDA if available), "cpu", "cuda".
+
+        ``num_blocks`` overrides the KV-cache size planned from the recipe."""
+        from llmc.build.load import load_tokenizer
+        from llmc.build.manifest import read_manifest
+        from llmc.engine.base import load_runner
+
+        build_dir = Path(path)
+        manifest = read_manifest(build_dir)
+        recipe = manifest.recipe_obj()
+        tokenizer = load_tokenizer(build_dir / "tokenizer")
+        runner = load_runner(build_dir, device, num_blocks)
+        return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s)
+
+    # ----------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, sink: Sink | None = None) -> str:
+        """Validate and queue a request; returns its id. ``priority``: lower number = served first.
+
+        Raises RequestError (bad prompt or params, naming the field) or QueueFullError (retry later).
+        ``sink`` (optional) receives this request's events from the stepping thread."""
+        arrival = self.clock()
+        params = self.default_params if params is None else params
+        params.validate(self.runner.vocab_size)
+        ids = prompt_to_token_ids(self.tokenizer, prompt, self.recipe.model.add_special_tokens,
+                                  self.runner.vocab_size)
+        check_prompt_length(len(ids), self.recipe.engine.max_input_len)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
+        output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
+                               self.recipe.engine.max_seq_len, metrics, sink)
+        with self._lock:
+            if request_id in self._outputs:
+                raise RequestError("request_id", f"{request_id!r} is already in flight; use a unique id")
+            self.scheduler.add(Request(request_id, ids, params, priority=priority))
+            self._outputs[request_id] = output
+        self._loop.wake()
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request from any thread: frees its KV blocks and ends its stream with finish_reason
+        "abort". Returns False when the request is unknown or already finished."""
+        with self._lock:
+            output = self._outputs.pop(request_id, None)
+            if output is None:
+                return False
+            self.scheduler.abort(request_id)
+            event = output.terminal(self.clock(), "abort")
+        self._deliver([event], {request_id: output})
+        return True
+
+    # --------------------------------------------------------------------------------------------- step
+    def step(self) -> list[StreamEvent]:
+        """Run one engine step; returns the events it produced (also delivered to each request's sink)."""
+        with self._step_lock:
+            start = self.clock()
+            scheduled: SchedulerOutput | None = None
+            try:
+                with self._lock:
+                    scheduled = self.scheduler.schedule()
+                result = self.runner.execute(scheduled) if scheduled.sequences else ModelRunnerOutput()
+                with self._lock:
+                    new_tokens = self.scheduler.update(result)
+                    events, owners = self._process(new_tokens)
+                    self._record_step(scheduled, start)
+            except Exception as exc:
+                log.exception("engine step failed")
+                events, owners = self._fail(scheduled, exc)
+        self._deliver(events, owners)
+        return events
+
+    def _process(self, new_tokens: dict[str, int]) -> tuple[list[StreamEvent], dict[str, RequestOutput]]:
+        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed)."""
+        now = self.clock()
+        events, owners = [], {}
+        for request_id, token in new_tokens.items():
+            output = self._outputs.get(request_id)
+            if output is None:
+                continue
+            request = self.scheduler.get(request_id)
+            if request is not None and output.metrics.scheduled_time is None:
+                output.metrics.scheduled_time = request.first_scheduled_time
+            event = output.on_token(token, now)
+            events.append(event)
+            owners[request_id] = output
+            if event.finished:
+                self.scheduler.finish_request(request_id)
+                del self._outputs[request_id]
+        return events, owners
+
+    def _fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> tuple[list[StreamEvent], dict]:
+        """Fail the requests of a step that raised (all live requests if the failure was not in the runner)."""
+        message = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            ids = [s.request_id for s in scheduled.sequences] if scheduled is not None else list(self._outputs)
+            events, owners = [], {}
+            now = self.clock()
+            for request_id in ids:
+                output = self._outputs.pop(request_id, None)
+                if output is None:
+                    continue
+                self.scheduler.finish_request(request_id)
+                events.append(output.terminal(now, "error", message))
+                owners[request_id] = output
+        return events, owners
+
+    def _deliver(self, events: list[StreamEvent], owners: dict[str, RequestOutput]) -> None:
+        for event in events:
+            sink = owners[event.request_id].sink
+            if sink is not None:
+                sink(event)
+
+    def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
+        if self._metrics_log is None:
+            return
+        self._metrics_log.write(StepMetrics(
+            step=scheduled.step,
+            time=start,
+            duration_s=self.clock() - start,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            scheduled_tokens=scheduled.num_tokens,
+            scheduled_seqs=len(scheduled.sequences),
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            preemptions=len(scheduled.preempted_request_ids),
+        ))
+
+    # --------------------------------------------------------------------------------- high-level API
+    def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """Generate for a batch of prompts (continuous batching across them); returns completions in order.
+
+        ``params``: one SamplingParams for all, one per prompt, or None (recipe defaults). Requests beyond
+        the queue's capacity are submitted as room frees up. Raises EngineError if a request fails."""
+        if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise RequestError("params", f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        for p in per_prompt:  # fail fast before anything is queued
+            (self.default_params if p is None else p).validate(self.runner.vocab_size)
+        inbox: queue.Queue[StreamEvent] = queue.Queue()
+        events: dict[str, list[StreamEvent]] = {}
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                ids.append(self._submit_when_room(prompt, p, inbox.put))
+                events[ids[-1]] = []
+            done = 0
+            while done < len(ids):
+                event = self._next_event(inbox)
+                events[event.request_id].append(event)
+                done += event.finished
+        except BaseException:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        for request_id in ids:
+            _raise_if_error(events[request_id][-1])
+        return [Completion.from_events(prompt, events[i]) for prompt, i in zip(prompts, ids)]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0) -> Iterator[StreamEvent]:
+        """Yield the request's events as tokens arrive; the last has ``finished=True``.
+
+        Closing the iterator early aborts the request (its blocks are freed). Raises EngineError if the
+        request fails in the step loop."""
+        inbox: queue.Queue[StreamEvent] = queue.Queue()
+        request_id = self.add_request(prompt, params, request_id, priority, sink=inbox.put)
+        finished = False
+        try:
+            while not finished:
+                event = self._next_event(inbox)
+                finished = event.finished
+                _raise_if_error(event)
+                yield event
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def astream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                      priority: int = 0) -> AsyncIterator[StreamEvent]:
+        """Async version of :meth:`stream`. Tokenization runs in a worker thread, never on the event loop;
+        with ``start()`` the background loop steps, otherwise steps run in a worker thread."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[StreamEvent] = asyncio.Queue()
+
+        def sink(event: StreamEvent) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
+        request_id = await asyncio.to_thread(self.add_request, prompt, params, request_id, priority, sink)
+        finished = False
+        try:
+            while not finished:
+                if inbox.empty() and not self._loop.running:
+                    await asyncio.to_thread(self.step)
+                    await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
+                    if inbox.empty():
+                        continue
+                event = await inbox.get()
+                finished = event.finished
+                _raise_if_error(event)
+                yield event
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _submit_when_room(self, prompt: Prompt, params: SamplingParams | None, sink: Sink) -> str:
+        """add_request, waiting (or stepping) while the waiting queue is full."""
+        while True:
+            try:
+                return self.add_request(prompt, params, sink=sink)
+            except QueueFullError:
+                if self._loop.running:
+                    time.sleep(0.005)
+                else:
+                    self.step()
+
+    def _next_event(self, inbox: queue.Queue) -> StreamEvent:
+        """The next event from ``inbox``, stepping the engine ourselves when no background loop runs."""
+        while True:
+            try:
+                return inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if self._loop.running:
+                try:
+                    return inbox.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            if not self.scheduler.has_unfinished():
+                raise EngineError("the engine has no unfinished request but a stream is still waiting (a bug)")
+            self.step()
+
+    # ------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Run the step loop in a background thread (for concurrent callers, e.g. the server)."""
+        self._loop.start()
+
+    def shutdown(self) -> None:
+        """Stop the background loop and abort every unfinished request (their streams end with "abort")."""
+        self._loop.stop()
+        with self._lock:
+            ids = list(self._outputs)
+        for request_id in ids:
+            self.abort(request_id)
+        if self._metrics_log is not None:
+            self._metrics_log.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def stats(self) -> dict[str, int]:
+        """Current load: running / waiting requests, KV blocks used / free / total, preemptions so far."""
+        with self._lock:
+            return {
+                "running": self.scheduler.num_running,
+                "waiting": self.scheduler.num_waiting,
+                "kv_blocks_used": self.block_manager.num_used_blocks,
+                "kv_blocks_free": self.block_manager.num_free_blocks,
+                "kv_blocks_total": self.block_manager.num_blocks,
+                "preemptions": self.scheduler.num_preemptions_total,
+            }
+
+
+def _raise_if_error(event: StreamEvent) -> None:
+    if event.finish_reason == "error":
+        raise EngineError(f"request {event.request_id} failed in the engine step: {event.error}")

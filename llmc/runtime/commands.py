@@ -1,0 +1,63 @@
+"""``llmc generate ENGINE_DIR PROMPT``: stream one answer from a build folder, then print its latency."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from llmc.runtime.params import SamplingParams
+
+
+def _overrides(**given) -> dict:
+    """Only the flags the user passed override the recipe's runtime.sampling (one source of defaults)."""
+    return {k: v for k, v in given.items() if v is not None and v != ()}
+
+
+@click.command("generate")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's chat template.")
+@click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate at most [recipe default].")
+@click.option("--temperature", type=float, default=None, help="0 = greedy [recipe default].")
+@click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1] [recipe default].")
+@click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens; 0 = off.")
+@click.option("--seed", type=int, default=None, help="Make sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Append per-step and per-request metrics as JSON lines to FILE.")
+def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
+                 top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...], device: str,
+                 metrics_log: Path | None) -> None:
+    """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
+    tokens/s to stderr. Sampling defaults come from the recipe's runtime.sampling."""
+    from llmc.runtime.api import Engine
+
+    engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log)
+    try:
+        params: SamplingParams = engine.default_params.replace(**_overrides(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            stop=tuple(stop)))
+        request = [{"role": "user", "content": prompt}] if chat else prompt
+        last = None
+        for event in engine.stream(request, params):
+            click.echo(event.text, nl=False)
+            click.get_text_stream("stdout").flush()
+            last = event
+        click.echo()
+    finally:
+        engine.shutdown()
+    if last is not None and last.metrics is not None:
+        click.echo(_summary(last.metrics, last.finish_reason, last.stop_reason), err=True)
+
+
+def _summary(metrics, finish_reason: str | None, stop_reason) -> str:
+    """One line: TTFT, mean ITL, tokens/s (generated tokens over end-to-end latency), finish reason."""
+    itls = list(metrics.itls)
+    mean_itl = sum(itls) / len(itls) * 1000 if itls else float("nan")
+    e2e = metrics.e2e_latency or float("nan")
+    n = metrics.generated_tokens
+    reason = finish_reason if stop_reason is None else f"{finish_reason} ({stop_reason!r})"
+    return (f"TTFT {metrics.ttft * 1000:.1f} ms | mean ITL {mean_itl:.1f} ms | {n} tokens in {e2e:.2f} s "
+            f"= {n / e2e:.1f} tokens/s | finish: {reason}")

@@ -1,0 +1,76 @@
+"""Request input handling: prompts (text, bytes, chat messages, token ids) -> validated token ids.
+
+Runs in the caller's thread (never on the engine's step loop): tokenization and chat templating are CPU
+work that must not stall the model. Every problem raises :class:`RequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+from llmc.errors import RequestError
+
+Prompt = Union[str, bytes, Sequence[int], Sequence[dict]]
+
+
+def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool, vocab_size: int) -> tuple[int, ...]:
+    """Tokenize a prompt.
+
+    ``str`` is tokenized with ``add_special_tokens`` (the recipe's ``model.add_special_tokens``); ``bytes`` must
+    be UTF-8; a list of ``{"role", "content"}`` dicts goes through the tokenizer's chat template with the
+    generation prompt appended; a list of ints is taken as token ids (each in ``[0, vocab_size)``).
+    """
+    if isinstance(prompt, (bytes, bytearray)):
+        try:
+            prompt = bytes(prompt).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(
+                "prompt", f"is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 encoded text"
+            ) from None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt", "is empty; send at least one character")
+        ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    elif isinstance(prompt, Sequence) and len(prompt) == 0:
+        raise RequestError("prompt", "is empty; send text, chat messages or at least one token id")
+    elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
+        ids = chat_to_token_ids(tokenizer, prompt)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        ids = list(prompt)
+    else:
+        raise RequestError(
+            "prompt", f"must be a string, UTF-8 bytes, a list of chat messages or a list of token ids, "
+            f"not {type(prompt).__name__}"
+        )
+    if not ids:
+        raise RequestError("prompt", "tokenizes to no tokens; send non-empty text")
+    return tuple(int(t) for t in ids)
+
+
+def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """Render chat messages with the model's own chat template (generation prompt appended) and tokenize.
+
+    The template already contains every special token it needs, so none are added on top."""
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise RequestError(
+                f"prompt[{i}]", 'a chat message needs a string "role" and a string "content"'
+            )
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def check_prompt_length(num_tokens: int, max_input_len: int) -> None:
+    """Reject (never truncate) prompts longer than the engine's ``max_input_len``."""
+    if num_tokens > max_input_len:
+        raise RequestError(
+            "prompt",
+            f"has {num_tokens} tokens, more than the engine's max_input_len={max_input_len}; shorten the prompt "
+            "or rebuild with a larger engine.max_input_len",
+        )

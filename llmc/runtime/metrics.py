@@ -1,0 +1,173 @@
+"""Latency and throughput records: per request, per engine step, JSON-lines logging and percentiles.
+
+Times are seconds from one monotonic clock (``time.perf_counter`` unless the caller passes its own
+timestamps); only differences are meaningful. TTFT is measured from ``arrival_time``, the moment the request
+was accepted (before queueing), to the first generated token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+TTFT_BUCKETS = ("<=128", "129-512", ">512")
+
+
+@dataclass
+class RequestMetrics:
+    """Timeline of one request, filled in by the engine as it progresses (hence mutable)."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # first time the scheduler gave it work
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one timestamp per generated token
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    def record_scheduled(self, now: float | None = None) -> None:
+        """Mark the first scheduling (later calls, e.g. after a preemption, keep the first time)."""
+        if self.scheduled_time is None:
+            self.scheduled_time = time.perf_counter() if now is None else now
+
+    def record_token(self, now: float | None = None) -> None:
+        """Record one generated token."""
+        now = time.perf_counter() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+        self.generated_tokens += 1
+
+    def record_finished(self, now: float | None = None) -> None:
+        """Mark the end of the request (finish, abort or error)."""
+        self.finished_time = time.perf_counter() if now is None else now
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from acceptance to the first scheduling."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, from acceptance."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itls(self) -> list[float]:
+        """Every inter-token gap (``len(token_times) - 1`` values, in token order)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from acceptance to the end."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record: the raw fields plus the derived latencies."""
+        d = asdict(self)
+        d.update(queue_time=self.queue_time, ttft=self.ttft, itls=self.itls, e2e_latency=self.e2e_latency,
+                 ttft_bucket=ttft_bucket(self.prompt_tokens))
+        return d
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One engine step: what ran, how long it took, and the state of the queue and the KV cache after it."""
+
+    step: int
+    time: float  # step start
+    duration_s: float
+    running: int
+    waiting: int
+    scheduled_tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    preemptions: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record of every field."""
+        return asdict(self)
+
+
+class MetricsLog:
+    """Appends records as JSON lines (``{"type": "request" | "step", ...}``); safe to share between threads.
+
+    Usable as a context manager; every line is flushed as it is written so a crash loses nothing.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log_request(self, metrics: RequestMetrics, request_id: str | None = None, **extra: Any) -> None:
+        """Write one request record (``request_id`` and ``extra`` keys are added to it)."""
+        self._write({"type": "request", "request_id": request_id, **metrics.to_dict(), **extra})
+
+    def log_step(self, metrics: StepMetrics) -> None:
+        """Write one step record."""
+        self._write({"type": "step", **metrics.to_dict()})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines metrics log, in order."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
+    """``{"p50": ..., "p95": ..., "p99": ...}`` by linear interpolation between closest ranks.
+
+    This is numpy's default ("linear", Hyndman-Fan type 7): rank ``(n - 1) * q / 100`` of the sorted values,
+    interpolated. Empty input gives ``None`` for every key (JSON ``null``). Keys are ``f"p{q:g}"``.
+    """
+    data = sorted(float(v) for v in values)
+    out: dict[str, float | None] = {}
+    for q in qs:
+        assert 0 <= q <= 100, q
+        key = f"p{q:g}"
+        if not data:
+            out[key] = None
+            continue
+        rank = (len(data) - 1) * q / 100
+        lo = math.floor(rank)
+        hi = min(lo + 1, len(data) - 1)
+        out[key] = data[lo] + (data[hi] - data[lo]) * (rank - lo)
+    return out
+
+
+def ttft_bucket(prompt_tokens: int) -> str:
+    """The prompt-length bucket TTFT is reported by: ``"<=128"``, ``"129-512"`` or ``">512"``."""
+    if prompt_tokens <= 128:
+        return TTFT_BUCKETS[0]
+    if prompt_tokens <= 512:
+        return TTFT_BUCKETS[1]
+    return TTFT_BUCKETS[2]

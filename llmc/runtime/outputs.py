@@ -1,0 +1,133 @@
+"""What the engine hands back (``StreamEvent``, ``Completion``) and the per-request output pipeline that
+turns sampled token ids into them: stop ids -> incremental detokenization -> stop strings -> length limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llmc.runtime.detokenize import IncrementalDetokenizer
+from llmc.runtime.metrics import RequestMetrics
+from llmc.runtime.params import SamplingParams
+from llmc.runtime.stop import StopStringMatcher, check_stop_token
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One increment of a request's output.
+
+    ``text`` is the new text (possibly empty while a multi-byte character is incomplete) and ``token_ids``
+    the new token ids. The last event has ``finished=True`` and a ``finish_reason``: "stop" (``stop_reason``
+    is the matched stop string or stop token id), "length" (max_new_tokens or max_seq_len), "abort", or
+    "error" (``error`` says what failed; the request's KV blocks are freed). Concatenating every event's
+    ``text`` gives the final text.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: the whole generated text and token ids (see :class:`StreamEvent`)."""
+
+    request_id: str
+    prompt: Any
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+    metrics: RequestMetrics | None
+
+    @classmethod
+    def from_events(cls, prompt: Any, events: Sequence[StreamEvent]) -> Completion:
+        last = events[-1]
+        return cls(
+            request_id=last.request_id,
+            prompt=prompt,
+            text="".join(e.text for e in events),
+            token_ids=tuple(t for e in events for t in e.token_ids),
+            finish_reason=last.finish_reason,
+            stop_reason=last.stop_reason,
+            metrics=last.metrics,
+        )
+
+
+class RequestOutput:
+    """The output side of one request (owned by the engine, used under its lock).
+
+    ``sink`` receives every event of this request (called from the thread that ran the step).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_token_ids: Sequence[int],
+        max_seq_len: int,
+        metrics: RequestMetrics,
+        sink: Callable[[StreamEvent], None] | None = None,
+    ):
+        self.request_id = request_id
+        self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_total = min(len(prompt_token_ids) + params.max_new_tokens, max_seq_len)
+        self.num_prompt = len(prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.metrics = metrics
+        self.sink = sink
+        self.num_generated = 0
+
+    def on_token(self, token_id: int, now: float) -> StreamEvent:
+        """Process one sampled token: returns its event (finished when a stop or a length limit hit)."""
+        self.num_generated += 1
+        self.metrics.token_times.append(now)
+        self.metrics.generated_tokens = self.num_generated
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        if check_stop_token(token_id, self.num_generated, self.params, self.eos_token_ids):
+            text, matched = self._flush()
+            return self._finish(now, text, (token_id,), "stop", matched if matched is not None else token_id)
+        text, matched = self._feed(self.detokenizer.add(token_id))
+        if matched is not None:
+            return self._finish(now, text, (token_id,), "stop", matched)
+        if self.num_prompt + self.num_generated >= self.max_total:
+            tail, matched = self._flush()
+            reason = "stop" if matched is not None else "length"
+            return self._finish(now, text + tail, (token_id,), reason, matched)
+        return StreamEvent(self.request_id, text, (token_id,))
+
+    def _feed(self, text: str) -> tuple[str, str | None]:
+        """Run new text through the stop-string matcher (stops count once more than min_tokens were made,
+        exactly like stop token ids)."""
+        return self.matcher.feed(text, can_stop=self.num_generated > self.params.min_tokens)
+
+    def _flush(self) -> tuple[str, str | None]:
+        """Release text held back by the detokenizer and the matcher at the end of the request."""
+        text, matched = self._feed(self.detokenizer.flush())
+        if matched is None:
+            text += self.matcher.flush()
+        return text, matched
+
+    def _finish(self, now: float, text: str, token_ids: tuple[int, ...], reason: FinishReason,
+                stop_reason: str | int | None) -> StreamEvent:
+        self.metrics.finished_time = now
+        return StreamEvent(self.request_id, text, token_ids, True, reason, stop_reason, self.metrics)
+
+    def terminal(self, now: float, reason: FinishReason, error: str | None = None) -> StreamEvent:
+        """The closing event of an aborted or failed request (no new tokens, held-back text dropped)."""
+        self.metrics.finished_time = now
+        return StreamEvent(self.request_id, "", (), True, reason, None, self.metrics, error)

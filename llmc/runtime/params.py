@@ -1,0 +1,178 @@
+"""SamplingParams: the one sampling-parameter type used by the CLI, the Python API and the server.
+
+Construct it directly (Python) or with :meth:`SamplingParams.from_dict` (CLI flags, server JSON, recipe
+``runtime.sampling``); call :meth:`SamplingParams.validate` at the edge, once the vocabulary size is known.
+Every problem raises :class:`~llmc.errors.RequestError` whose ``field`` names the offending field and whose
+message says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from llmc.errors import RequestError
+
+_UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation parameters. Defaults are identical on every entry point.
+
+    ``temperature == 0`` means greedy. ``seed`` makes a request reproducible regardless of the batch.
+    Penalties follow the OpenAI / vLLM semantics: ``repetition_penalty`` (multiplicative, > 1 discourages)
+    applies to every token seen in the prompt or the output; ``presence_penalty`` (subtracted once) and
+    ``frequency_penalty`` (subtracted per occurrence) apply to tokens of the output only. Stop tokens and stop
+    strings are honoured only after ``min_tokens`` generated tokens.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    # ------------------------------------------------------------------------------------------------
+    # Derived flags (read by the sampler to skip work no row needs)
+    # ------------------------------------------------------------------------------------------------
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when any of the repetition / presence / frequency penalties changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    # ------------------------------------------------------------------------------------------------
+    # Validation
+    # ------------------------------------------------------------------------------------------------
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Check every field; return ``self`` so calls chain. Raises :class:`RequestError` naming the field.
+
+        ``vocab_size`` (when known) bounds ``stop_token_ids`` to ``[0, vocab_size)``.
+        """
+        self._validate_types()
+        self._validate_ranges()
+        self._validate_stops(vocab_size)
+        return self
+
+    def _validate_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "seed":
+                if value is not None and not _is_int(value):
+                    raise RequestError("seed", f"must be an integer or null, got {value!r}; pass e.g. seed=0")
+            elif isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise RequestError(f.name, f"must be true or false, got {value!r}")
+            elif isinstance(f.default, int):
+                if not _is_int(value):
+                    raise RequestError(f.name, f"must be an integer, got {value!r}")
+            elif isinstance(f.default, float):
+                if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                    raise RequestError(f.name, f"must be a finite number, got {value!r}")
+
+    def _validate_ranges(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise RequestError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}; ask for at least one "
+                                                 f"token (the default is 256)")
+        if self.temperature < 0:
+            raise RequestError("temperature", f"must be >= 0, got {self.temperature}; use 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}; use 1.0 to disable nucleus sampling")
+        if self.top_k < 0:
+            raise RequestError("top_k", f"must be >= 0, got {self.top_k}; use 0 to disable top-k")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p}; use 0 to disable min-p")
+        if self.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty", f"must be > 0, got {self.repetition_penalty}; use 1.0 to "
+                                                     f"disable it (> 1 discourages repeats)")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise RequestError("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got "
+                                             f"{self.min_tokens}; lower min_tokens or raise max_new_tokens")
+        if self.seed is not None and not 0 <= self.seed <= _UINT64_MAX:
+            raise RequestError("seed", f"must be in [0, 2**64 - 1], got {self.seed}; pass a non-negative 64-bit "
+                                       f"integer")
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        if not isinstance(self.stop, (tuple, list)):
+            raise RequestError("stop", f"must be a list of strings, got {self.stop!r}; wrap a single stop string "
+                                       f"in a list")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise RequestError("stop", f"every stop string must be a non-empty string, got {s!r}; remove it")
+        if not isinstance(self.stop_token_ids, (tuple, list)):
+            raise RequestError("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+                raise RequestError("stop_token_ids", f"unknown token id {t!r}: ids must be integers in {bound}; "
+                                                     f"remove it or look the id up with the model's tokenizer")
+
+    # ------------------------------------------------------------------------------------------------
+    # Conversion
+    # ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], vocab_size: int | None = None) -> SamplingParams:
+        """Build and validate from a plain mapping (JSON body, CLI options, recipe section).
+
+        Unknown keys raise :class:`RequestError` naming the key. Lists become tuples; ``stop`` may be a single
+        string; ``None`` values keep the default (except ``seed``, where ``None`` means unseeded).
+        """
+        if not isinstance(d, Mapping):
+            raise RequestError("sampling", f"must be a mapping of parameter names to values, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in names:
+                raise RequestError(str(key), f"unknown sampling parameter; valid ones are: {', '.join(sorted(names))}")
+            if value is None and key != "seed":
+                continue
+            if key == "stop" and isinstance(value, str):
+                value = (value,)
+            elif isinstance(value, list):
+                value = tuple(value)
+            elif key in _FLOAT_FIELDS and _is_int(value):
+                value = float(value)
+            kwargs[key] = value
+        return cls(**kwargs).validate(vocab_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every field (tuples become lists); ``from_dict(p.to_dict()) == p``."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied (same key rules as :meth:`from_dict`), validated without vocab size."""
+        merged = self.to_dict()
+        merged.update(changes)
+        return type(self).from_dict(merged)
+
+
+_FLOAT_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if isinstance(f.default, float))
+
+
+def _is_int(value: Any) -> bool:
+    """True for real integers (``bool`` is not accepted as a number)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,260 @@
+"""Batched on-device sampling: one call turns a step's logits into one token id per sequence.
+
+Pipeline per row (each stage skipped when no row in the batch needs it):
+
+1. sanitize: float32, NaN -> -inf, +inf -> the largest finite float;
+2. ``min_tokens``: stop ids (request ids, plus eos unless ``ignore_eos``) get -inf while fewer than
+   ``min_tokens`` tokens were generated (consistent with :func:`llmc.runtime.stop.check_stop_token`);
+3. penalties (OpenAI / vLLM semantics): repetition over prompt + output ids, presence and frequency over
+   output ids, counted on the device with ``scatter_add`` from padded id tensors;
+4. temperature-0 rows take the argmax here; the others are shifted so their maximum is 0 and divided by the
+   temperature (the shift makes overflow impossible at any temperature: every value stays in [-inf, 0]);
+5. min-p (``log p_i - log p_max < log min_p``), then top-k and top-p (one sort, only when a row asks);
+6. exponential race (Gumbel-max in disguise): ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn per token, which
+   draws exactly from the filtered distribution (``p = exp(scaled)``; tokens more than ~87 nats below the
+   best one underflow to 0 and are never drawn). Seeded rows draw ``E`` from their own generator seeded with
+   ``mix(seed, tokens generated so far)``, so a seeded request's tokens do not depend on its batch companions
+   or its row; unseeded rows share the sampler's generator.
+
+A row whose distribution collapses (every logit -inf, e.g. NaN logits) falls back to the argmax of the
+sanitized logits instead of failing. Host work is building a handful of small tensors from the sequences'
+parameters; nothing reads device values back (no ``.item()``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from llmc.runtime.types import ScheduledSequence
+
+_MASK64 = (1 << 64) - 1
+_FLOAT_MAX = torch.finfo(torch.float32).max
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def mix_seed(seed: int, num_generated: int) -> int:
+    """A 64-bit generator seed from a request seed and its token index (splitmix64 of both)."""
+    return _splitmix64(seed ^ _splitmix64(num_generated + 0x632BE59BD9B4E019))
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass(frozen=True)
+class _BatchParams:
+    """The per-row parameters of one batch, gathered on the host and moved to the device in one copy each."""
+
+    greedy: torch.Tensor  # [S] bool
+    temperature: torch.Tensor  # [S, 1] float32 (1.0 on greedy rows, unused there)
+    top_k: torch.Tensor  # [S] int64 (0 = off)
+    top_p: torch.Tensor  # [S, 1] float32
+    log_min_p: torch.Tensor  # [S, 1] float32 (-inf = off)
+    any_sampled: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_top_k: int
+    top_p_within_top_k: bool  # every sampled row with top_p < 1 also has top_k > 0
+
+
+def _gather_params(seqs: Sequence[ScheduledSequence], device: torch.device) -> _BatchParams:
+    rows = []
+    for s in seqs:
+        p = s.params
+        rows.append((float(p.greedy), p.temperature if not p.greedy else 1.0, float(p.top_k), p.top_p, p.min_p))
+    table = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)  # [S, 5]
+    top_ks = [s.params.top_k for s in seqs if not s.params.greedy]
+    sampled = [s.params for s in seqs if not s.params.greedy]
+    return _BatchParams(
+        greedy=table[:, 0] > 0,
+        temperature=table[:, 1:2],
+        top_k=table[:, 2].long(),
+        top_p=table[:, 3:4],
+        log_min_p=torch.log(table[:, 4:5]),
+        any_sampled=bool(sampled),
+        any_top_k=any(k > 0 for k in top_ks),
+        any_top_p=any(p.top_p < 1.0 for p in sampled),
+        any_min_p=any(p.min_p > 0.0 for p in sampled),
+        max_top_k=max(top_ks, default=0),
+        top_p_within_top_k=all(p.top_k > 0 for p in sampled if p.top_p < 1.0),
+    )
+
+
+class Sampler:
+    """Samples one token per row of a ``[S, V]`` logits matrix, with each row's own :class:`SamplingParams`.
+
+    ``eos_token_ids`` (the engine's recorded list) are masked together with each request's
+    ``stop_token_ids`` until ``min_tokens`` tokens were generated. ``seed`` seeds the generator shared by
+    unseeded rows (random when None).
+    """
+
+    def __init__(self, device: torch.device | str, eos_token_ids: Sequence[int] = (), seed: int | None = None):
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """Token ids ``[S]`` (int64, on the sampler's device) for ``logits [S, V]`` in ``seqs`` order."""
+        assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
+        if not seqs:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        batch = _gather_params(seqs, self.device)
+        raw = _sanitize(logits.to(self.device, torch.float32))  # [S, V]
+        logits = self._mask_min_tokens(raw, seqs)
+        if any(s.params.uses_penalties for s in seqs):
+            logits = _sanitize(apply_penalties(logits, seqs, self.device))
+        fallback = raw.argmax(dim=-1)  # [S] greedy on the unfiltered logits
+        chosen = fallback if logits is raw else logits.argmax(dim=-1)  # [S] the greedy answer
+        if batch.any_sampled:
+            scaled = _scale(logits, batch.temperature)  # [S, V], values in [-inf, 0]
+            probs = _filter(scaled, batch).exp()  # [S, V] unnormalized, row max exactly 1
+            noise = self._exponential_noise(seqs, logits.shape[1])  # [S, V] Exp(1), > 0
+            sampled = (probs / noise).argmax(dim=-1)  # [S] exponential race
+            chosen = torch.where(batch.greedy, chosen, sampled)
+        if logits is raw and not batch.any_sampled:
+            return chosen
+        alive = torch.isfinite(logits).any(dim=-1)  # [S] False: the distribution collapsed
+        return torch.where(alive, chosen, fallback)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
+        """-inf on the stop ids of rows that have not generated ``min_tokens`` tokens yet."""
+        vocab = logits.shape[1]
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if len(s.output_token_ids) >= p.min_tokens:
+                continue
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            for t in sorted(t for t in stops if 0 <= t < vocab):
+                rows.append(i)
+                cols.append(t)
+        if not rows:
+            return logits
+        index = torch.tensor([rows, cols], dtype=torch.long).to(self.device, non_blocking=True)  # [2, n]
+        masked = logits.clone()
+        masked[index[0], index[1]] = float("-inf")
+        return masked
+
+    def _exponential_noise(self, seqs: Sequence[ScheduledSequence], vocab: int) -> torch.Tensor:
+        """Exp(1) noise ``[S, V]`` as ``-log(U)``; a seeded row's noise depends only on its seed and token index.
+
+        Drawing uniforms and taking the log is several times cheaper on CPU than ``exponential_``. ``U`` is
+        clamped away from 0, so every value is finite and > 0.
+        """
+        uniform = torch.rand(len(seqs), vocab, device=self.device, generator=self._generator)
+        for i, s in enumerate(seqs):
+            if s.params.seed is None or s.params.greedy:
+                continue
+            g = torch.Generator(device=self.device)
+            g.manual_seed(mix_seed(s.params.seed, len(s.output_token_ids)))
+            uniform[i].uniform_(generator=g)
+        return uniform.clamp_min_(_TINY).log_().neg_()
+
+
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """A new float32 tensor with NaN -> -inf and +inf -> the largest finite float32."""
+    return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor, seqs: Sequence[ScheduledSequence], device: torch.device
+) -> torch.Tensor:
+    """Penalized copy of ``logits [S, V]``: repetition (prompt + output ids), then frequency and presence.
+
+    Repetition divides positive logits and multiplies negative ones by ``repetition_penalty`` for every token
+    seen in the prompt or the output; then ``frequency_penalty * count + presence_penalty * (count > 0)``
+    is subtracted, counting the output ids only. Rows without penalties come back unchanged.
+    """
+    num_rows, vocab = logits.shape
+    seen_ids, out_ids, factors = [], [], []
+    for s in seqs:
+        p = s.params
+        use = p.uses_penalties
+        seen_ids.append(tuple(s.prompt_token_ids) + tuple(s.output_token_ids) if use else ())
+        out_ids.append(tuple(s.output_token_ids) if use else ())
+        factors.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+    seen = _padded(seen_ids, pad=vocab).to(device, non_blocking=True)  # [S, Ls], pad = vocab
+    out = _padded(out_ids, pad=vocab).to(device, non_blocking=True)  # [S, Lo]
+    f = torch.tensor(factors, dtype=torch.float32).to(device, non_blocking=True)  # [S, 3]
+    rep, freq, pres = f[:, 0:1], f[:, 1:2], f[:, 2:3]
+
+    # one extra column absorbs the padding, then is dropped
+    seen_mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
+    seen_mask.scatter_(1, seen, True)
+    seen_mask = seen_mask[:, :vocab]  # [S, V]
+    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
+    counts = counts[:, :vocab]  # [S, V]
+
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen_mask, penalized, logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _padded(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """``[len(rows), max_len]`` int64 on the host, right-padded with ``pad`` (at least one column)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``(logits - row max) / T``: log-probabilities up to a constant, every value in [-inf, 0]."""
+    row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-_FLOAT_MAX)  # finite even for collapsed rows
+    return (logits - row_max) / temperature
+
+
+def _filter(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
+    """Apply min-p, then top-k and top-p; filtered entries become -inf (the row maximum always survives)."""
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    if batch.any_min_p:
+        scaled = torch.where(scaled < batch.log_min_p, neg_inf, scaled)
+    if batch.any_top_p:
+        return _top_k_top_p_sorted(scaled, batch)
+    if batch.any_top_k:
+        k = min(batch.max_top_k, scaled.shape[1])
+        top_values = scaled.topk(k, dim=-1).values  # [S, k], descending
+        kth = top_values.gather(1, (batch.top_k.clamp(1, k) - 1).unsqueeze(1))  # [S, 1]
+        kth = torch.where(batch.top_k.unsqueeze(1) > 0, kth, neg_inf)
+        scaled = torch.where(scaled < kth, neg_inf, scaled)
+    return scaled
+
+
+def _top_k_top_p_sorted(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
+    """Top-k by rank and top-p by cumulative mass from one descending sort.
+
+    The kept tokens form a prefix of the sorted row; the row is cut at the value of its last kept token, so
+    tokens tied with it survive too (as on the top-k-only path) and the result does not depend on how a sort
+    orders ties. When every top-p row also has a top-k, only the ``max_top_k`` best values are sorted.
+    """
+    vocab = scaled.shape[1]
+    if batch.top_p_within_top_k:
+        values = scaled.topk(min(batch.max_top_k, vocab), dim=-1).values  # [S, W] descending
+    else:
+        values = scaled.sort(dim=-1, descending=True).values  # [S, V]
+    width = values.shape[1]
+    ranks = torch.arange(width, device=scaled.device).unsqueeze(0)  # [1, W]
+    k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=width), width).unsqueeze(1)  # [S, 1]
+    in_top_k = ranks < k  # [S, W]
+    probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [S, W] mass of the strictly earlier tokens
+    keep = in_top_k & ~((mass_before >= batch.top_p) & (batch.top_p < 1.0))
+    num_keep = keep.sum(dim=-1, keepdim=True).clamp_min(1)  # [S, 1]
+    neg_inf = torch.tensor(float("-inf"), device=scaled.device)
+    cutoff = values.gather(1, num_keep - 1)  # [S, 1]
+    filtered_rows = ((batch.top_k > 0).unsqueeze(1) | (batch.top_p < 1.0))  # [S, 1]
+    cutoff = torch.where(filtered_rows, cutoff, neg_inf)
+    return torch.where(scaled < cutoff, neg_inf, scaled)

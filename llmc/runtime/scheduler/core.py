@@ -1,0 +1,242 @@
+"""Continuous batching over a paged KV cache: one device-free policy, one step at a time.
+
+Each :meth:`Scheduler.schedule` call builds one :class:`SchedulerOutput` under a token budget
+(``max_num_tokens``) and a sequence cap (``max_num_seqs``):
+
+1. running sequences first, most important first: decodes (1 token each) before unfinished prefills, so a
+   long prompt never stalls decodes; a prefill continues in a chunk of whatever budget is left;
+2. then waiting requests are admitted (queue order, see :class:`WaitingQueue`) while the budget, the
+   sequence cap and the free blocks allow; prompt tokens found in the prefix cache count as computed and
+   the rest is prefilled in chunks of the remaining budget.
+
+When a running sequence needs a new block and none is free, the least important running sequence that is
+not yet scheduled this step (lowest priority, then latest arrival; possibly the sequence itself) is
+preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue with
+``num_computed = 0``, its generated tokens kept as part of the input to recompute.
+
+:meth:`update` applies the runner's sampled tokens. The engine decides when a request is done (stop
+tokens, stop strings, lengths) and calls :meth:`finish_request`; finish, abort and error all return
+every block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from llmc.errors import RequestError
+from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.scheduler.queue import WaitingQueue
+from llmc.runtime.scheduler.request import Request, RequestStatus
+from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+
+
+class Scheduler:
+    """Decides which tokens of which requests run each step. Not thread-safe: the engine serializes calls."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        max_queue_size: int,
+        max_wait_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_num_seqs <= 0 or max_num_tokens <= 0 or max_model_len <= 0:
+            raise ValueError("max_num_seqs, max_num_tokens and max_model_len must be positive")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting = WaitingQueue(max_queue_size, max_wait_s, clock)
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self._next_seq_no = 0
+        self._step = 0
+        self._last_scheduled: list[tuple[Request, int, bool]] = []  # (request, num tokens, sample)
+        self.num_preemptions_total = 0
+        self.last_step_preemptions = 0
+
+    # ----------------------------------------------------------------------------------------- queries
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, or None."""
+        return self._requests.get(request_id)
+
+    # ------------------------------------------------------------------------------------ admission
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises QueueFullError when the waiting queue is full and RequestError when
+        the request can never fit the KV cache or the model length."""
+        if request.request_id in self._requests:
+            raise RequestError("request_id", f"{request.request_id!r} is already in flight; use a unique id")
+        if not request.prompt_token_ids:
+            raise RequestError("prompt", "the prompt has no tokens")
+        if len(request.prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"{len(request.prompt_token_ids)} tokens leave no room to generate within max_seq_len="
+                f"{self.max_model_len}; shorten the prompt",
+            )
+        self._check_capacity(request)
+        request.arrival_time = self.clock()
+        request.seq_no = self._next_seq_no
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+        self._next_seq_no += 1
+        self._requests[request.request_id] = request
+
+    def _check_capacity(self, request: Request) -> None:
+        bm = self.block_manager
+        worst = min(len(request.prompt_token_ids) + request.params.max_new_tokens, self.max_model_len)
+        if bm.blocks_for(worst) > bm.num_blocks:
+            raise RequestError(
+                "max_new_tokens",
+                f"prompt + max_new_tokens = {worst} tokens need {bm.blocks_for(worst)} KV blocks but the cache "
+                f"has {bm.num_blocks} blocks of {bm.block_size} tokens; lower max_new_tokens or give the "
+                "KV cache more memory",
+            )
+
+    def finish_request(self, request_id: str) -> bool:
+        """End a request (finished, aborted or failed): leave the queues and return every block.
+
+        Returns False when the request is unknown or already finished (idempotent)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.block_manager.free(request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        return True
+
+    abort = finish_request
+
+    # ------------------------------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (see the module docstring)."""
+        self._step += 1
+        budget = self.max_num_tokens
+        planned: list[tuple[Request, int, bool]] = []
+        preempted: list[str] = []
+        order = sorted(self.running, key=lambda r: r.rank)
+        decodes = [r for r in order if r.num_remaining == 1]
+        prefills = [r for r in order if r.num_remaining > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(request.num_remaining, budget)
+            if self._reserve(request, n, {id(p[0]) for p in planned}, preempted):
+                planned.append((request, n, request.num_computed + n == request.num_tokens))
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, planned)
+        self._last_scheduled = planned
+        self.last_step_preemptions = len(preempted)
+        self.num_preemptions_total += len(preempted)
+        return SchedulerOutput(
+            step=self._step,
+            sequences=tuple(self._to_scheduled(r, n, sample) for r, n, sample in planned),
+            preempted_request_ids=tuple(preempted),
+        )
+
+    def _reserve(self, request: Request, n: int, planned_ids: set[int], preempted: list[str]) -> bool:
+        """Reserve KV slots for ``n`` more tokens of a running request, preempting as needed.
+
+        Returns False when the request itself was preempted."""
+        bm = self.block_manager
+        need = request.num_computed + n - bm.num_slots(request.request_id)
+        if need <= 0:
+            return True
+        while not bm.can_append(request.request_id, need):
+            candidates = [r for r in self.running if id(r) not in planned_ids]
+            victim = max(candidates, key=lambda r: r.rank)  # ``request`` itself is a candidate
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        bm.append(request.request_id, need)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+        self.running.remove(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.push_front(request)
+
+    def _admit(self, budget: int, planned: list[tuple[Request, int, bool]]) -> int:
+        """Admit waiting requests in queue order while budget, sequence cap and blocks allow."""
+        bm = self.block_manager
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            if request is None:
+                break
+            tokens = request.all_token_ids
+            if not bm.can_allocate(tokens):
+                break  # head-of-line: keep queue order rather than letting small requests overtake
+            self.waiting.remove(request)
+            bm.allocate(request.request_id, tokens)
+            request.num_computed = bm.num_cached_tokens(request.request_id)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            self.running.append(request)
+            n = min(request.num_remaining, budget)
+            planned.append((request, n, request.num_computed + n == request.num_tokens))
+            budget -= n
+        return budget
+
+    def _to_scheduled(self, request: Request, n: int, sample: bool) -> ScheduledSequence:
+        start = request.num_computed
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            num_computed=start,
+            block_ids=self.block_manager.block_table(request.request_id),
+            sample=sample,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=tuple(request.output_token_ids),
+        )
+
+    # ----------------------------------------------------------------------------------------- update
+    def update(self, output: ModelRunnerOutput) -> dict[str, int]:
+        """Apply the last step's results: advance ``num_computed``, append sampled tokens.
+
+        Returns {request_id: new token} for the live requests that sampled. Requests finished or aborted
+        while the step ran are skipped."""
+        new_tokens: dict[str, int] = {}
+        for request, n, sample in self._last_scheduled:
+            if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
+                continue
+            request.num_computed += n
+            self.block_manager.commit(request.request_id, request.num_computed)
+            if sample:
+                token = output.sampled_token_ids.get(request.request_id)
+                assert token is not None, f"runner returned no token for {request.request_id!r}"
+                request.output_token_ids.append(int(token))
+                new_tokens[request.request_id] = int(token)
+        self._last_scheduled = []
+        return new_tokens
+
+    def scheduled_request_ids(self) -> list[str]:
+        """Ids of the requests in the step planned by the last :meth:`schedule` (until :meth:`update`)."""
+        return [r.request_id for r, _, _ in self._last_scheduled]

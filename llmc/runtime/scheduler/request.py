@@ -1,0 +1,57 @@
+"""Per-request scheduling state (owned and mutated by the scheduler only)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from llmc.runtime.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    The single scheduling model: ``all_token_ids`` (prompt + generated) is the sequence, the first
+    ``num_computed`` of them have KV entries, and each step computes the next chunk until
+    ``num_computed == num_tokens``; the step that computes the last token samples the next one.
+    Preemption by recompute resets ``num_computed`` to 0 and keeps the generated tokens.
+
+    ``priority``: lower number = served first (0 is the default; negative values jump ahead).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0  # scheduler clock at ``Scheduler.add``
+    seq_no: int = 0  # admission order, the FCFS tie-break
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens not yet in the KV cache (the rest of the prompt, or the last sampled token)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Sort key of importance: smaller is served first and preempted last."""
+        return (self.priority, self.seq_no)

@@ -1,0 +1,108 @@
+"""`llmc build` and `llmc inspect` through click's CliRunner: output, JSON plan, and exit codes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from llmc.build.commands import build_cmd, inspect_cmd
+from tests.build.test_pipeline import write_recipe
+
+
+@pytest.fixture(scope="module")
+def built_dir(tmp_path_factory, tiny_hf_dir):
+    root = tmp_path_factory.mktemp("cli")
+    recipe = write_recipe(root, tiny_hf_dir)
+    out = root / "out" / "tiny"
+    result = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "output:" in result.stdout and str(out) in result.stdout.replace("\n", "")
+    assert "compile engine" in result.stdout
+    return recipe, out
+
+
+def test_second_build_is_up_to_date_and_force_rebuilds(built_dir):
+    recipe, out = built_dir
+    again = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(out)])
+    assert again.exit_code == 0 and "up to date" in again.stdout
+    forced = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(out), "--force"])
+    assert forced.exit_code == 0 and "up to date" not in forced.stdout and "built tiny" in forced.stdout
+
+
+def test_inspect_json_kv_plan_and_weight_bytes(built_dir, tiny_hf_dir):
+    _, out = built_dir
+    result = CliRunner().invoke(inspect_cmd, [str(out), "--json", "--kv-gib", "0.5"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    cfg = json.loads((tiny_hf_dir / "config.json").read_text())
+    assert info["model"] == {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                             "vocab": cfg["vocab_size"], "intermediate": 128}
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head dim x float32 bytes
+    kv = info["kv_cache"]
+    assert kv["bytes_per_token"] == per_token and kv["dtype"] == "float32"
+    assert kv["tokens_in_budget"] == math.floor(0.5 * 2**30 / per_token)
+    assert kv["tokens_in_budget_80pct"] == math.floor(0.8 * 0.5 * 2**30 / per_token)
+    assert kv["max_batch_x_max_seq_len"]["bytes"] == per_token * 2 * 128
+    numel = 0
+    with safe_open(str(out / "checkpoint" / "rank0.safetensors"), "pt") as f:
+        for name in f.keys():
+            numel += f.get_tensor(name).numel()
+    assert info["weights"]["bytes_by_dtype"] == {"F32": numel * 4}
+    assert info["eos_token_ids"] == [2] and info["quantization"]["recipe"]["method"] == "none"
+
+
+def test_inspect_human_output(built_dir):
+    _, out = built_dir
+    result = CliRunner().invoke(inspect_cmd, [str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("tiny", "layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]", "quantization: none"):
+        assert text in result.stdout, text
+
+
+@pytest.mark.parametrize("setup,match", [("absent", "does not exist"), ("empty", "has no manifest.json"),
+                                         ("corrupt", "corrupt")])
+def test_inspect_errors_exit_2(tmp_path, setup, match):
+    target = tmp_path / "b"
+    if setup != "absent":
+        target.mkdir()
+    if setup == "corrupt":
+        (target / "manifest.json").write_text("{")
+    result = CliRunner().invoke(inspect_cmd, [str(target)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and match in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_build_missing_model_path_exits_2_without_a_folder(tmp_path):
+    recipe = write_recipe(tmp_path, "absent-model")
+    out = tmp_path / "out" / "tiny"
+    result = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(out)])
+    assert result.exit_code == 2 and "error: " in result.stderr and "absent-model" in result.stderr
+    assert not out.exists()
+
+
+def test_build_bad_recipe_exits_2(tmp_path, tiny_hf_dir):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(f"name: tiny\nmodel:\n  source: {tiny_hf_dir}\n  dtpye: float16\n")
+    result = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "error: " in result.stderr and "dtpye" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_output_not_writable_exits_2(tmp_path, tiny_hf_dir):
+    (tmp_path / "some_file").write_text("x")
+    recipe = write_recipe(tmp_path, tiny_hf_dir)
+    result = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(tmp_path / "some_file" / "sub")])
+    assert result.exit_code == 2 and "is a file, not a folder" in result.stderr
+
+
+def test_build_a_file_that_is_not_a_model_exits_2(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("hello")
+    result = CliRunner().invoke(build_cmd, [str(write_recipe(tmp_path, fake)), "-o", str(tmp_path / "o" / "t")])
+    assert result.exit_code == 2 and "neither a GGUF file" in result.stderr
+    assert not (tmp_path / "o" / "t").exists()

@@ -1,0 +1,90 @@
+"""IR config.json: exact field names and values from the TensorRT-LLM reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.checkpoint.config import ModelShape, trtllm_config_from_hf, with_tp_size
+from llmc.errors import CheckpointError, SourceError
+from tests.checkpoint.helpers import LLAMA3_8B_HF, LLAMA3_ROPE, SMOLLM2_HF, tiny_hf
+
+# Field names exactly as shared/reference/tensorrt-llm.md lists them.
+REFERENCE_KEYS = {
+    "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_size", "intermediate_size", "hidden_act",
+    "norm_epsilon", "position_embedding_type", "rotary_base", "rotary_scaling", "max_position_embeddings",
+    "tie_word_embeddings", "mlp_bias", "attn_bias", "mapping", "quantization",
+}  # fmt: skip
+
+
+def test_smollm2_config_fields_and_values():
+    cfg = trtllm_config_from_hf(SMOLLM2_HF, "float16")
+    assert set(cfg) == REFERENCE_KEYS
+    assert cfg["architecture"] == "LlamaForCausalLM"
+    assert (cfg["dtype"], cfg["logits_dtype"]) == ("float16", "float32")
+    assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (49152, 576, 30)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"]) == (9, 3, 64)
+    assert cfg["intermediate_size"] == 1536 and cfg["hidden_act"] == "silu"
+    assert cfg["norm_epsilon"] == 1e-5 and cfg["position_embedding_type"] == "rope_gpt_neox"
+    assert cfg["rotary_base"] == 100000.0 and cfg["rotary_scaling"] is None
+    assert cfg["max_position_embeddings"] == 8192 and cfg["tie_word_embeddings"] is True
+    assert cfg["mlp_bias"] is False and cfg["attn_bias"] is False
+    assert cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    assert cfg["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": None}
+
+
+def test_llama3_rope_scaling_transformers4_layout():
+    cfg = trtllm_config_from_hf(LLAMA3_8B_HF, "bfloat16", tp_size=8)
+    assert cfg["rotary_base"] == 500000.0
+    assert cfg["rotary_scaling"] == {**LLAMA3_ROPE, "type": "llama3"}
+    assert cfg["head_size"] == 128 and cfg["tie_word_embeddings"] is False
+    assert cfg["mapping"] == {"world_size": 8, "tp_size": 8, "pp_size": 1}
+
+
+def test_llama3_rope_scaling_transformers5_layout():
+    hf = {k: v for k, v in LLAMA3_8B_HF.items() if k not in ("rope_theta", "rope_scaling")}
+    hf["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": 500000.0}
+    cfg = trtllm_config_from_hf(hf, "float16")
+    assert cfg["rotary_base"] == 500000.0
+    assert cfg["rotary_scaling"] == {**LLAMA3_ROPE, "type": "llama3"}
+
+
+def test_w4a16_quantization_block_is_exact():
+    cfg = trtllm_config_from_hf(LLAMA3_8B_HF, "float16", 2, {"quant_algo": "W4A16_AWQ", "group_size": 128})
+    assert cfg["quantization"] == {
+        "quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None, "group_size": 128,
+        "has_zero_point": False, "pre_quant_scale": True, "exclude_modules": ["lm_head"],
+    }  # fmt: skip
+
+
+def test_fp8_kv_cache_block():
+    cfg = trtllm_config_from_hf(SMOLLM2_HF, "float16", 1, {"quant_algo": None, "kv_cache_quant_algo": "FP8"})
+    assert cfg["quantization"] == {"quant_algo": None, "kv_cache_quant_algo": "FP8"}
+
+
+def test_model_shape_per_rank_sizes():
+    shape = ModelShape.from_config(trtllm_config_from_hf(tiny_hf(num_attention_heads=32, num_key_value_heads=8,
+                                                                 hidden_size=512, head_dim=16), "float16", 16))
+    assert (shape.heads_per_rank, shape.kv_heads_per_rank) == (2, 1)  # kv duplicated x2
+    assert shape.qkv_out_per_rank == (2 + 2) * 16
+    assert with_tp_size(trtllm_config_from_hf(tiny_hf(), "float16"), 2)["mapping"]["tp_size"] == 2
+
+
+@pytest.mark.parametrize(
+    "hf, dtype, tp, quant, error, words",
+    [
+        ({"model_type": "bert", "architectures": ["BertModel"]}, "float16", 1, None, SourceError,
+         "unsupported architecture"),
+        (tiny_hf(), "int8", 1, None, CheckpointError, "dtype"),
+        (tiny_hf(), "float16", 3, None, CheckpointError, "must divide num_attention_heads"),
+        (tiny_hf(num_attention_heads=6, head_dim=16, num_key_value_heads=3), "float16", 2, None, CheckpointError,
+         "must divide one another"),
+        (tiny_hf(), "float16", 1, {"quant_algo": "W8A8"}, CheckpointError, "unsupported quant_algo"),
+        (tiny_hf(), "float16", 1, {"quant_algo": "W4A16_AWQ"}, CheckpointError, "group_size"),
+        (tiny_hf(), "float16", 1, {"quant_algo": "W4A16_AWQ", "group_size": 128}, CheckpointError, "does not divide"),
+        ({k: v for k, v in tiny_hf().items() if k != "vocab_size"}, "float16", 1, None, SourceError, "vocab_size"),
+    ],
+)
+def test_bad_inputs_raise_typed_errors(hf, dtype, tp, quant, error, words):
+    with pytest.raises(error, match=words):
+        trtllm_config_from_hf(hf, dtype, tp, quant)

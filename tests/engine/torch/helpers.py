@@ -1,0 +1,146 @@
+"""Test helpers for the portable engine: write the IR of a HF folder, make a build folder, drive paged steps."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from llmc.build.load import load_state_dict
+from llmc.build.manifest import Manifest, write_manifest
+from llmc.checkpoint import names
+from llmc.checkpoint.config import trtllm_config_from_hf
+from llmc.checkpoint.convert import hf_to_trtllm, shard
+from llmc.checkpoint.int4 import quantize_rtn
+from llmc.checkpoint.io import write_checkpoint
+from llmc.engine.base import compile_engine
+from llmc.engine.torch.attention import build_attention_metadata
+from llmc.engine.torch.kv_alloc import allocate_kv_cache
+from llmc.engine.torch.model import LlamaForCausalLM
+from llmc.recipe import recipe_from_dict, recipe_to_dict
+from llmc.runtime.params import SamplingParams
+from llmc.runtime.types import ScheduledSequence, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def write_ir(
+    hf_dir: Path, out_dir: Path, dtype: str = "float32", tp_size: int = 1, quantized: dict | None = None,
+    group_size: int | None = None,
+) -> Path:
+    """Convert a HF folder to the checkpoint IR with llmc.checkpoint (optionally W4A16 from ``quantized``)."""
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    quant = {"quant_algo": "W4A16_AWQ", "group_size": group_size} if quantized else None
+    config = trtllm_config_from_hf(hf_config, dtype, tp_size=tp_size, quantization=quant)
+    weights = hf_to_trtllm(load_state_dict(Path(hf_dir)), config, quantized)
+    write_checkpoint(out_dir, config, [shard(weights, config, r) for r in range(tp_size)])
+    return Path(out_dir)
+
+
+def rtn_quantize_hf(hf_dir: Path, group_size: int, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
+    """RTN int4 of every HF decoder linear with a random AWQ pre-quant scale shared per input.
+
+    Returns (``quantized`` for hf_to_trtllm, expected effective weight per HF module computed here as
+    ``q * scale * prequant`` from the unpacked int4 values).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = load_state_dict(Path(hf_dir))
+    n_layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
+    quantized, effective = {}, {}
+    for layer in range(n_layers):
+        for spec in names.LINEARS:
+            in_features = state[names.hf_layer(layer, spec.hf[0])].shape[1]
+            prequant = torch.rand(in_features, generator=gen) + 0.5  # shared by modules reading one input
+            for module in spec.hf:
+                w = state[names.hf_layer(layer, module)].float()
+                q, scales = quantize_rtn(w / prequant[None, :], group_size)
+                key = names.hf_module(layer, module)
+                quantized[key] = (q, scales, prequant)
+                effective[key] = q.float() * scales.float().repeat_interleave(group_size, dim=1) * prequant
+    return quantized, effective
+
+
+def make_build_dir(hf_dir: Path, build_dir: Path, dtype: str = "float32", tokens_per_block: int = 8) -> Path:
+    """A minimal torch-backend build folder: checkpoint/, engine/ (compile_engine) and manifest.json."""
+    write_ir(hf_dir, build_dir / "checkpoint", dtype=dtype)
+    recipe = recipe_from_dict(
+        {
+            "name": "tiny",
+            "model": {"source": str(hf_dir), "dtype": dtype},
+            "kv_cache": {"tokens_per_block": tokens_per_block, "cpu_budget_mb": 4},
+            "backend": "torch",
+        },
+        check_inputs=False,
+    )
+    compile_engine(recipe, build_dir / "checkpoint", build_dir / "engine")
+    manifest = Manifest(
+        name="tiny", recipe=recipe_to_dict(recipe), recipe_sha256="0" * 64, backend="torch", dtype=dtype,
+        quantization={"method": "none"}, eos_token_ids=(2,), special_token_ids=(0, 1, 2),
+        source={"kind": "hf", "origin": str(hf_dir), "sha256": "0" * 64}, model={}, tools={}, timings={},
+    )
+    write_manifest(build_dir, manifest)
+    return build_dir
+
+
+class PagedSession:
+    """A stand-in for the scheduler: hands out KV blocks in a scrambled order and runs packed steps.
+
+    ``step({request_id: new_token_ids})`` runs one packed forward and returns each sequence's logits at every
+    new position (``[n_new, V]``), so tests can compare them with a full-sequence reference.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        weight = model.transformer.ln_f.weight
+        self.model, self.block_size = model, block_size
+        self.kv = allocate_kv_cache(model.config, num_blocks, block_size, weight.dtype, weight.device)
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.blocks: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def step(self, work: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        seqs = []
+        for rid, tokens in work.items():
+            blocks, done = self.blocks.setdefault(rid, []), self.computed.get(rid, 0)
+            while len(blocks) * self.block_size < done + len(tokens):
+                blocks.append(self.free.pop())
+            seqs.append(ScheduledSequence(rid, tuple(tokens), done, tuple(blocks), True, GREEDY))
+            self.computed[rid] = done + len(tokens)
+        device = self.model.transformer.ln_f.weight.device
+        meta = build_attention_metadata(seqs, self.block_size, device)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=device)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(self.model(ids, meta.positions, meta, self.kv))
+        return {s.request_id: logits[a:a + len(s.token_ids)] for s, a in zip(seqs, meta.query_starts)}
+
+
+class MiniScheduler:
+    """Just enough scheduling for the test: per-step chunk budget, blocks from a free list, greedy decode."""
+
+    def __init__(self, block_size: int, num_blocks: int, chunk: int):
+        self.block_size, self.chunk = block_size, chunk
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.reqs: dict[str, dict] = {}
+
+    def add(self, rid: str, prompt: list[int], max_new: int) -> None:
+        self.reqs[rid] = {"prompt": prompt, "out": [], "done": 0, "blocks": [], "max_new": max_new}
+
+    def schedule(self, step: int) -> SchedulerOutput:
+        seqs = []
+        for rid, r in self.reqs.items():
+            if len(r["out"]) >= r["max_new"]:
+                continue
+            tokens = (r["prompt"] + r["out"])[r["done"] : r["done"] + self.chunk]
+            while len(r["blocks"]) * self.block_size < r["done"] + len(tokens):
+                r["blocks"].append(self.free.pop())
+            is_last = r["done"] + len(tokens) == len(r["prompt"]) + len(r["out"])
+            seqs.append(ScheduledSequence(rid, tuple(tokens), r["done"], tuple(r["blocks"]), is_last, GREEDY,
+                                          tuple(r["prompt"]), tuple(r["out"])))
+            r["done"] += len(tokens)
+        return SchedulerOutput(step=step, sequences=tuple(seqs))
+
+    def update(self, sampled: dict[str, int]) -> None:
+        for rid, token in sampled.items():
+            self.reqs[rid]["out"].append(token)

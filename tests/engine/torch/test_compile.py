@@ -1,0 +1,62 @@
+"""compile_engine for the torch backend: engine.json describes the engine; bad inputs fail clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from llmc.engine.base import compile_engine
+from llmc.engine.torch.compile import read_engine_config
+from llmc.errors import CheckpointError, EngineError
+from llmc.recipe import recipe_from_dict
+
+
+def recipe(tiny_hf_dir, **kv_cache):
+    return recipe_from_dict(
+        {"name": "tiny", "model": {"source": str(tiny_hf_dir), "dtype": "bfloat16"}, "kv_cache": kv_cache,
+         "engine": {"max_batch_size": 4, "max_input_len": 128, "max_seq_len": 256}, "backend": "torch"},
+        check_inputs=False,
+    )
+
+
+def test_engine_json_describes_the_engine(tiny_hf_dir, tiny_ir_dir, tmp_path):
+    engine_dir = tiny_ir_dir.parent / "engine"
+    report = compile_engine(recipe(tiny_hf_dir, tokens_per_block=16), tiny_ir_dir, engine_dir)
+    engine = json.loads((engine_dir / "engine.json").read_text())
+    assert engine["backend"] == "torch" and engine["format_version"] == 1
+    assert engine["checkpoint"] == "../checkpoint" and (engine_dir / engine["checkpoint"]).resolve() == tiny_ir_dir
+    assert engine["dtype"] == "float32"  # the IR's dtype
+    assert engine["limits"]["max_batch_size"] == 4 and engine["limits"]["max_seq_len"] == 256
+    assert engine["kv_cache"]["tokens_per_block"] == 16
+    # 2 (k, v) x 2 layers x 2 kv heads x 16 head size x 4 bytes (auto = the float32 IR dtype)
+    assert engine["kv_bytes_per_token"] == report["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert read_engine_config(engine_dir) == engine
+
+
+def test_fp8_kv_cache_is_refused_by_the_torch_backend(tiny_hf_dir, tiny_ir_dir, tmp_path):
+    # The recipe validator refuses this combination too; the engine does not rely on it.
+    r = recipe(tiny_hf_dir)
+    r = dataclasses.replace(r, kv_cache=dataclasses.replace(r.kv_cache, dtype="fp8"))
+    with pytest.raises(EngineError, match="fp8"):
+        compile_engine(r, tiny_ir_dir, tmp_path / "engine")
+
+
+def test_missing_checkpoint_is_a_checkpoint_error(tiny_hf_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        compile_engine(recipe(tiny_hf_dir), tmp_path / "nope", tmp_path / "engine")
+
+
+def test_foreign_engine_folder_is_an_engine_error(tmp_path):
+    with pytest.raises(EngineError, match="engine.json"):
+        read_engine_config(tmp_path)
+    (tmp_path / "engine.json").write_text(json.dumps({"backend": "tensorrt_llm", "format_version": 1}))
+    with pytest.raises(EngineError, match="tensorrt_llm"):
+        read_engine_config(tmp_path)
+
+
+def test_unknown_backend_is_an_engine_error(tiny_hf_dir, tiny_ir_dir, tmp_path):
+    bad = dataclasses.replace(recipe(tiny_hf_dir), backend="onnx")
+    with pytest.raises(EngineError, match="onnx"):
+        compile_engine(bad, tiny_ir_dir, tmp_path / "engine")

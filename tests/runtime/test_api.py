@@ -1,0 +1,380 @@
+"""Engine end to end on CPU: continuous batching equals transformers greedy (staggered arrivals, chunked
+prefill, forced preemption), abort, stops, seeded sampling, queue limits, bad input, streaming, threads,
+asyncio, step-loop failures, metrics. Tiny random Llama builds, plus the embedded SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+
+import pytest
+
+from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.runtime.params import SamplingParams
+from tests.runtime.engine_helpers import hf_greedy, make_engine, smollm2_build_dir, tiny_build_dir  # noqa: F401
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+def run_staggered(engine, prompts, params, arrive_every: int = 2) -> dict[int, list[int]]:
+    """Add prompt i at step i * arrive_every and step until every request finished; token ids by index."""
+    ids, tokens, finished, step = {}, {}, set(), 0
+    while len(finished) < len(prompts):
+        i = step // arrive_every
+        if step % arrive_every == 0 and i < len(prompts):
+            ids[engine.add_request(prompts[i], params)] = i
+        for event in engine.step():
+            tokens.setdefault(ids[event.request_id], []).extend(event.token_ids)
+            if event.finished:
+                finished.add(event.request_id)
+        step += 1
+    return tokens
+
+
+def assert_all_blocks_free(engine) -> None:
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["running"] == 0 and stats["waiting"] == 0
+
+
+# ------------------------------------------------------------------------------------ greedy equivalence
+def test_staggered_mixed_batch_equals_single_request_transformers_greedy(tiny_build_dir, tiny_hf_dir):
+    engine = make_engine(tiny_build_dir)
+    prompts = random_prompts(0, [5, 70, 1, 33, 100, 17])  # 70 and 100 are prefilled in chunks of <= 32
+    got = run_staggered(engine, prompts, GREEDY)
+    for i, prompt in enumerate(prompts):
+        assert got[i] == hf_greedy(tiny_hf_dir, prompt, GREEDY.max_new_tokens), f"prompt {i}"
+    assert_all_blocks_free(engine)
+
+
+def test_tiny_cache_forces_preemption_and_outputs_stay_exact(tiny_build_dir, tiny_hf_dir):
+    engine = make_engine(tiny_build_dir, num_blocks=12)  # 96 slots for 4 requests of ~50 tokens
+    prompts = random_prompts(1, [30, 38, 25, 40])
+    params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    got = run_staggered(engine, prompts, params, arrive_every=1)
+    assert engine.stats()["preemptions"] > 0
+    for i, prompt in enumerate(prompts):
+        assert got[i] == hf_greedy(tiny_hf_dir, prompt, params.max_new_tokens), f"prompt {i}"
+    assert_all_blocks_free(engine)
+
+
+def test_shared_prefix_reuses_blocks_and_outputs_stay_exact(tiny_build_dir, tiny_hf_dir):
+    engine = make_engine(tiny_build_dir)
+    (prefix,) = random_prompts(2, [40])
+    prompts = [prefix + tail for tail in random_prompts(3, [3, 9, 1])]
+    first = engine.generate(prompts[0], GREEDY)[0]
+    assert engine.block_manager.num_cached_blocks > 0
+    rest = engine.generate(prompts[1:], GREEDY)
+    for prompt, completion in zip(prompts, [first, *rest]):
+        assert list(completion.token_ids) == hf_greedy(tiny_hf_dir, prompt, GREEDY.max_new_tokens)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.slow
+def test_smollm2_continuous_batching_equals_transformers_greedy(smollm2_build_dir, smollm2_hf_dir):
+    engine = make_engine(smollm2_build_dir)
+    tok = engine.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):\n    ",
+             "Write a haiku about the sea. The waves roll in, and the gulls cry over the harbour at dawn"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [hf_greedy(smollm2_hf_dir, p, params.max_new_tokens) for p in prompts]
+    assert run_staggered(engine, prompts, params) == dict(enumerate(expected))
+    small = make_engine(smollm2_build_dir, num_blocks=3)  # 48 slots: the three requests cannot all fit
+    assert run_staggered(small, prompts, params, arrive_every=1) == dict(enumerate(expected))
+    assert small.stats()["preemptions"] > 0
+    assert_all_blocks_free(engine)
+    assert_all_blocks_free(small)
+
+
+# ------------------------------------------------------------------------------------------ streaming
+def test_stream_deltas_concatenate_to_generate_text_and_decode(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    events = list(engine.stream("Once upon a time", params))
+    assert events[-1].finished and events[-1].finish_reason == "length"
+    assert all(not e.finished for e in events[:-1])
+    text = "".join(e.text for e in events)
+    ids = [t for e in events for t in e.token_ids]
+    (completion,) = engine.generate(["Once upon a time"], params)
+    assert completion.text == text and list(completion.token_ids) == ids and len(ids) == 24
+    assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_abort_mid_stream_frees_blocks(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
+    rid = engine.add_request("Tell me a long story", params)
+    other = engine.add_request("Another request", params)
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.abort(rid)
+    assert not engine.abort(rid)
+    assert engine.scheduler.get(rid) is None
+    engine.abort(other)
+    assert_all_blocks_free(engine)
+
+
+def test_closing_a_stream_early_aborts_its_request(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    stream = engine.stream("Hello", SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    assert_all_blocks_free(engine)
+
+
+def test_abort_event_ends_a_background_stream(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    engine.start()
+    try:
+        params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+        events = []
+        for event in engine.stream("Count forever", params, request_id="long"):
+            events.append(event)
+            if len(events) == 3:
+                engine.abort("long")
+        assert events[-1].finished and events[-1].finish_reason == "abort"
+        assert len(events) < 100
+    finally:
+        engine.shutdown()
+    assert_all_blocks_free(engine)
+
+
+# --------------------------------------------------------------------------------------------- stops
+def test_stop_token_id_finishes_with_stop_reason(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    (free,) = engine.generate(["Stop here"], GREEDY)
+    target = free.token_ids[4]
+    first = free.token_ids.index(target)
+    (stopped,) = engine.generate(["Stop here"], GREEDY.replace(stop_token_ids=(target,)))
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == target
+    assert stopped.token_ids == free.token_ids[: first + 1]
+
+
+def test_eos_ids_stop_unless_ignore_eos(tiny_build_dir):
+    from llmc.runtime.api import Engine
+
+    base = make_engine(tiny_build_dir)
+    assert base.eos_token_ids == (2,)  # reconciled by the build and read from manifest.json
+    free = base.generate(["eos"], GREEDY)[0].token_ids
+    eos = free[2]
+    engine = Engine(base.runner, base.tokenizer, base.recipe, eos_token_ids=(eos,))
+    (stopped,) = engine.generate(["eos"], GREEDY.replace(ignore_eos=False))
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == eos
+    assert stopped.token_ids == free[: free.index(eos) + 1]
+    (ignored,) = engine.generate(["eos"], GREEDY)
+    assert ignored.token_ids == free
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_tokens_is_cut_or_kept(tiny_build_dir, include):
+    engine = make_engine(tiny_build_dir)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    (free,) = engine.generate(["A stop string test"], params)
+    text = free.text
+    assert len(text) > 12
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    cut = text.index(stop)
+    (stopped,) = engine.generate(["A stop string test"], params.replace(stop=(stop,),
+                                                                        include_stop_str_in_output=include))
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == (text[: cut + len(stop)] if include else text[:cut])
+
+
+def test_min_tokens_delays_stop_tokens(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    (free,) = engine.generate(["min tokens"], GREEDY)
+    target = free.token_ids[0]
+    (stopped,) = engine.generate(["min tokens"], GREEDY.replace(stop_token_ids=(target,), min_tokens=3))
+    assert target not in stopped.token_ids[:3]
+    assert len(stopped.token_ids) > 3
+    if stopped.finish_reason == "stop":
+        assert stopped.token_ids[-1] == target and target not in stopped.token_ids[:-1]
+    else:
+        assert len(stopped.token_ids) == GREEDY.max_new_tokens
+
+
+# ------------------------------------------------------------------------------------------- sampling
+def test_seeded_sampling_is_reproducible_regardless_of_batch_companions(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    (alone,) = engine.generate(["Random words:"], seeded)
+    companions = ["Other prompt", "A much longer companion prompt with many more tokens in it", "x"]
+    batch = engine.generate(
+        companions[:2] + ["Random words:"] + companions[2:],
+        [SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True),
+         SamplingParams(max_new_tokens=20, temperature=0.7, seed=7, ignore_eos=True), seeded,
+         SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)],
+    )
+    assert batch[2].token_ids == alone.token_ids
+    (other_seed,) = engine.generate(["Random words:"], seeded.replace(seed=4321))
+    assert other_seed.token_ids != alone.token_ids
+
+
+# ---------------------------------------------------------------------------------- limits, bad input
+def test_queue_full_rejects_new_requests(tiny_build_dir):
+    engine = make_engine(tiny_build_dir, max_queue_size=2)
+    engine.add_request("one", GREEDY)
+    engine.add_request("two", GREEDY)
+    with pytest.raises(QueueFullError, match="max_queue_size"):
+        engine.add_request("three", GREEDY)
+    engine.step()  # both admitted: the queue has room again
+    engine.add_request("three", GREEDY)
+    completions = engine.generate(["four", "five", "six"], GREEDY)  # generate waits for room instead
+    assert [c.finish_reason for c in completions] == ["length"] * 3
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", None, "prompt"),
+        ([], None, "prompt"),
+        (b"\xff\xfe bad", None, "prompt"),
+        ([1, 2, 49152], None, "prompt"),
+        ([7] * 257, None, "prompt"),  # max_input_len is 256: rejected, not truncated
+        ("hi", SamplingParams(max_new_tokens=0), "max_new_tokens"),
+        ("hi", SamplingParams(temperature=-0.5), "temperature"),
+        ("hi", SamplingParams(top_p=1.5), "top_p"),
+        ("hi", SamplingParams(top_p=0.0), "top_p"),
+        ("hi", SamplingParams(stop_token_ids=(49152,)), "stop_token_ids"),
+        ([{"role": "user"}], None, "prompt[0]"),
+        (3.14, None, "prompt"),
+    ],
+)
+def test_bad_input_raises_request_error_naming_the_field(tiny_build_dir, prompt, params, field):
+    engine = make_engine(tiny_build_dir)
+    with pytest.raises(RequestError) as err:
+        engine.add_request(prompt, params)
+    assert err.value.field == field
+    assert_all_blocks_free(engine)
+
+
+def test_duplicate_request_id_is_rejected(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    engine.add_request("a", GREEDY, request_id="same")
+    with pytest.raises(RequestError) as err:
+        engine.add_request("b", GREEDY, request_id="same")
+    assert err.value.field == "request_id"
+    engine.abort("same")
+
+
+def test_utf8_bytes_and_chat_prompts_are_accepted(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    by_bytes = engine.generate(["héllo".encode()], GREEDY)[0]
+    by_text = engine.generate(["héllo"], GREEDY)[0]
+    assert by_bytes.token_ids == by_text.token_ids
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    rendered = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    by_chat = engine.generate([messages], GREEDY)[0]
+    by_ids = engine.generate([engine.tokenizer(rendered, add_special_tokens=False)["input_ids"]], GREEDY)[0]
+    assert by_chat.token_ids == by_ids.token_ids
+
+
+def test_recipe_defaults_apply_when_params_are_omitted(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    (completion,) = engine.generate(["defaults"])
+    assert engine.default_params.max_new_tokens == 16 and engine.default_params.temperature == 0.0
+    assert len(completion.token_ids) == 16 or completion.finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------ concurrency, failures
+def test_background_loop_serves_concurrent_threads(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    prompts = [f"Thread number {i} says" for i in range(6)]
+    expected = [c.token_ids for c in make_engine(tiny_build_dir).generate(prompts, GREEDY)]
+    results: dict[int, tuple] = {}
+
+    def worker(i: int) -> None:
+        results[i] = tuple(t for e in engine.stream(prompts[i], GREEDY) for t in e.token_ids)
+
+    engine.start()
+    try:
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        engine.shutdown()
+    assert [results[i] for i in range(6)] == expected
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_astream_serves_concurrent_tasks(tiny_build_dir, background):
+    engine = make_engine(tiny_build_dir)
+    prompts = ["async one", "async two is longer", "three"]
+    expected = [c.token_ids for c in make_engine(tiny_build_dir).generate(prompts, GREEDY)]
+
+    async def collect(prompt: str) -> tuple:
+        return tuple([t async for e in engine.astream(prompt, GREEDY) for t in e.token_ids])
+
+    async def main() -> list:
+        return list(await asyncio.gather(*(collect(p) for p in prompts)))
+
+    if background:
+        engine.start()
+    try:
+        assert asyncio.run(main()) == expected
+    finally:
+        engine.shutdown()
+    assert_all_blocks_free(engine)
+
+
+class FailingRunner:
+    """Wraps a runner and raises on chosen calls of ``execute``."""
+
+    def __init__(self, runner, fail_on: set[int]):
+        self._runner, self._fail_on, self.calls = runner, fail_on, 0
+        self.block_size, self.num_blocks, self.vocab_size = runner.block_size, runner.num_blocks, runner.vocab_size
+
+    def execute(self, scheduled):
+        self.calls += 1
+        if self.calls in self._fail_on:
+            raise RuntimeError("simulated device failure")
+        return self._runner.execute(scheduled)
+
+
+def test_step_failure_fails_affected_requests_frees_blocks_and_keeps_serving(tiny_build_dir):
+    from llmc.runtime.api import Engine
+
+    base = make_engine(tiny_build_dir)
+    engine = Engine(FailingRunner(base.runner, {3}), base.tokenizer, base.recipe, base.eos_token_ids)
+    engine.start()
+    try:
+        with pytest.raises(EngineError, match="simulated device failure"):
+            list(engine.stream("this one fails", GREEDY))
+        assert_all_blocks_free(engine)
+        (ok,) = engine.generate(["this one works"], GREEDY)
+        assert ok.finish_reason == "length"
+    finally:
+        engine.shutdown()
+
+
+# -------------------------------------------------------------------------------------------- metrics
+def test_request_and_step_metrics(tiny_build_dir, tmp_path):
+    from llmc.runtime.api import Engine
+
+    base = make_engine(tiny_build_dir)
+    log = tmp_path / "metrics.jsonl"
+    engine = Engine(base.runner, base.tokenizer, base.recipe, base.eos_token_ids, metrics_log=log)
+    (completion,) = engine.generate(["metrics please"], GREEDY)
+    engine.shutdown()
+    m = completion.metrics
+    assert m.prompt_tokens == len(engine.tokenizer("metrics please")["input_ids"])
+    assert m.generated_tokens == len(completion.token_ids) == len(m.token_times)
+    assert m.ttft is not None and m.ttft > 0 and m.queue_time >= 0
+    assert len(m.itls) == m.generated_tokens - 1 and all(g >= 0 for g in m.itls)
+    assert m.e2e_latency >= m.ttft
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in lines if "scheduled_tokens" in json.dumps(r)]
+    assert len(steps) >= GREEDY.max_new_tokens

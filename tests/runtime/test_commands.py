@@ -1,0 +1,52 @@
+"""`llmc generate`: streams the same text as the Python API, prints latency to stderr, maps errors."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from llmc.cli import cli
+from llmc.runtime.params import SamplingParams
+from tests.runtime.engine_helpers import make_engine, tiny_build_dir  # noqa: F401
+
+
+def test_generate_streams_the_api_text_and_prints_metrics(tiny_build_dir, tmp_path):
+    log = tmp_path / "m.jsonl"
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hello there", "--max-new-tokens", "7",
+                                      "--temperature", "0", "--device", "cpu", "--metrics-log", str(log)])
+    assert result.exit_code == 0, result.output
+    (expected,) = make_engine(tiny_build_dir).generate(
+        ["Hello there"], SamplingParams(max_new_tokens=7, temperature=0.0))
+    assert result.stdout == expected.text + "\n"
+    assert "TTFT" in result.stderr and "mean ITL" in result.stderr and "tokens/s" in result.stderr
+    assert log.exists() and all(json.loads(line) for line in log.read_text().splitlines())
+
+
+def test_generate_uses_recipe_defaults_for_flags_not_given(tiny_build_dir):
+    # The tiny build's recipe sets runtime.sampling max_new_tokens=16, temperature=0 (greedy).
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Defaults", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (expected,) = make_engine(tiny_build_dir).generate(["Defaults"])
+    assert result.stdout == expected.text + "\n"
+
+
+def test_generate_chat_and_stop_flags(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    messages = [{"role": "user", "content": "Hi"}]
+    (free,) = engine.generate([messages], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    stop = free.text[5:8]
+    assert len(stop) == 3
+    (expected,) = engine.generate([messages], SamplingParams(max_new_tokens=20, temperature=0.0, stop=(stop,)))
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--chat", "--max-new-tokens", "20",
+                                      "--temperature", "0", "--stop", stop, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected.text + "\n"
+
+
+def test_generate_bad_input_is_one_error_line(tiny_build_dir, tmp_path):
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--top-p", "1.5", "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "top_p" in result.stderr and "Traceback" not in result.stderr
+    result = CliRunner().invoke(cli, ["generate", str(tmp_path), "Hi", "--device", "cpu"])
+    assert result.exit_code == 2 and "manifest.json" in result.stderr

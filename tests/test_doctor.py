@@ -1,0 +1,50 @@
+"""``llmc doctor`` on this CPU machine, and the backend verdicts for other machines (pure function)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from llmc.doctor import GpuInfo, backend_statuses, doctor_cmd
+
+H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
+B200 = GpuInfo(0, "NVIDIA B200", "10.0", 178.4)
+
+
+def test_doctor_runs_here_and_reports_json():
+    result = CliRunner().invoke(doctor_cmd, ["--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report["versions"]) == {"torch", "transformers", "tritonclient", "llmcompressor", "tensorrt",
+                                       "tensorrt_llm"}
+    assert report["versions"]["torch"] and report["versions"]["tensorrt_llm"] is None
+    backends = {b["name"]: b for b in report["backends"]}
+    assert backends["torch"]["usable"] is True
+    assert backends["tensorrt_llm"]["usable"] is False
+    assert "tensorrt-llm>=1.0,<1.3" in backends["tensorrt_llm"]["detail"]
+
+
+def test_doctor_text_output():
+    result = CliRunner().invoke(doctor_cmd, [])
+    assert result.exit_code == 0, result.output
+    assert "backends:" in result.output and "torch: usable" in result.output
+    assert "tensorrt_llm: NOT usable" in result.output
+
+
+def test_tensorrt_llm_usable_on_hopper_with_1_2():
+    torch_status, trt = backend_statuses((H100,), "1.2.0", None)
+    assert torch_status.usable and "CUDA (NVIDIA H100 80GB HBM3)" in torch_status.detail
+    assert trt.usable and trt.detail == "TensorRT-LLM 1.2.0 on NVIDIA H100 80GB HBM3 (SM90)"
+
+
+def test_int4_awq_not_on_sm100():
+    _, trt = backend_statuses((B200,), "1.2.0", None)
+    assert trt.usable and "INT4 AWQ (W4A16_AWQ) engines are refused on SM100-SM119 (GPU 0 SM100)" in trt.detail
+
+
+def test_wrong_version_or_no_gpu():
+    _, trt = backend_statuses((H100,), "1.3.0", None)
+    assert not trt.usable and "found TensorRT-LLM 1.3.0" in trt.detail
+    _, trt = backend_statuses((), "1.2.0", None)
+    assert not trt.usable and trt.detail == "it needs an NVIDIA GPU and none is visible"
