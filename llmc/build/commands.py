@@ -175,6 +175,7 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
     qtext = "none" if q.get("method") == "none" else f"{q.get('method')} int{q.get('bits')} group {q.get('group_size')}"
     console.print(f"quantization: {qtext}")
     console.print(f"eos ids: {info['eos_token_ids']}   special ids: {len(info['special_token_ids'])}")
+    console.print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in info["timings"].items()))
     kv = info["kv_cache"]
     full = kv["max_batch_x_max_seq_len"]
     table = Table(title=f"KV-cache plan ({kv['dtype']}, {kv['dtype_bytes']} B/elem)", show_header=False)

@@ -66,19 +66,25 @@ def reconcile_eos_ids(
     generation_eos: Any,
     chat_end: int | None,
     turn_start_ids: Iterable[int] = (),
+    bos_token_id: int | None = None,
     explicit: tuple[int, ...] | None = None,
     names: dict[int, str] | None = None,
 ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Reconcile eos candidates into ``(ids, warnings)``; pure.
 
     Order: chat end token, tokenizer eos, generation_config, config (so the first id is the one a chat
-    answer ends with). A candidate in ``turn_start_ids`` (BOS / turn-start markers) is dropped with a warning.
+    answer ends with). A candidate in ``turn_start_ids`` (the chat template's turn-start marker) is dropped
+    with a warning; one equal to ``bos_token_id`` is dropped with a warning when another candidate remains
+    (base models such as GPT-2-style vocabularies legitimately use one document-separator token for both).
     Any disagreement between the present sources is a warning. ``explicit`` (the recipe's list) wins, with a
     warning when it omits the chat end token.
     """
-    names = names or {}
-    label = lambda i: f"{i} ({names[i]!r})" if i in names else str(i)  # noqa: E731
+    label = _Labeler(names or {})
     starts = set(turn_start_ids)
+    non_bos = [i for i in [chat_end, tokenizer_eos, *as_id_list(generation_eos), *as_id_list(config_eos)]
+               if i is not None and i not in starts and i != bos_token_id]
+    if non_bos and bos_token_id is not None:
+        starts.add(bos_token_id)
     by_source = {
         "chat template end token": as_id_list(chat_end),
         "tokenizer eos_token": as_id_list(tokenizer_eos),
@@ -92,13 +98,7 @@ def reconcile_eos_ids(
         warnings.append(f"end-of-sequence sources disagree ({detail})")
     if explicit is not None:
         ids = _unique(explicit)
-        if chat_end is not None and chat_end not in ids:
-            warnings.append(f"model.eos_token_ids {ids} omits the chat template's end token {label(chat_end)}; "
-                            f"chat answers will not stop at the end of a turn")
-        for i in ids:
-            if i in starts:
-                warnings.append(f"model.eos_token_ids includes {label(i)}, the BOS / turn-start token; "
-                                f"generation will stop as soon as it is emitted")
+        warnings += _explicit_warnings(ids, chat_end, starts | {bos_token_id} - {None}, label)
         return tuple(ids), tuple(warnings)
     ids = []
     for source, values in by_source.items():
@@ -111,12 +111,30 @@ def reconcile_eos_ids(
     if not ids:
         warnings.append("no end-of-sequence id found; generation stops only at max_new_tokens. "
                         "Fix: set model.eos_token_ids in the recipe")
-    warnings = _unique_str(warnings)
-    return tuple(ids), tuple(warnings)
+    return tuple(ids), tuple(dict.fromkeys(warnings))
 
 
-def _unique_str(items: list[str]) -> list[str]:
-    return list(dict.fromkeys(items))
+@dataclass(frozen=True)
+class _Labeler:
+    """Formats a token id with its text when known: ``2 ('<|im_end|>')``."""
+
+    names: dict[int, str]
+
+    def __call__(self, token_id: int) -> str:
+        return f"{token_id} ({self.names[token_id]!r})" if token_id in self.names else str(token_id)
+
+
+def _explicit_warnings(ids: list[int], chat_end: int | None, starts: set[int], label: _Labeler) -> list[str]:
+    """Warnings about a recipe's explicit eos list: it omits the chat end token or contains a turn start."""
+    warnings = []
+    if chat_end is not None and chat_end not in ids:
+        warnings.append(f"model.eos_token_ids {ids} omits the chat template's end token {label(chat_end)}; "
+                        f"chat answers will not stop at the end of a turn")
+    for i in ids:
+        if i in starts:
+            warnings.append(f"model.eos_token_ids includes {label(i)}, the BOS / turn-start token; "
+                            f"generation will stop as soon as it is emitted")
+    return warnings
 
 
 def special_tokens_of(tokenizer: Any) -> dict[str, int]:
@@ -132,7 +150,7 @@ def special_tokens_of(tokenizer: Any) -> dict[str, int]:
     return out
 
 
-def _render(template: str, messages: list[dict[str, str]], specials: dict[str, int]) -> str:
+def _render(template: str, messages: list[dict[str, str]]) -> str:
     """Render a chat template in a sandbox with the variables HF templates commonly use."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -167,7 +185,7 @@ def chat_markers(template: str | None, specials: dict[str, int]) -> ChatMarkers:
         return ChatMarkers(end=None, start=None)
     messages = [{"role": "user", "content": _SENTINEL_USER}, {"role": "assistant", "content": _SENTINEL_ASSISTANT}]
     try:
-        text = _render(template, messages, specials)
+        text = _render(template, messages)
     except Exception as exc:  # any template error: fall back to the static scan below
         log.debug("chat template could not be rendered (%s); scanning it for known markers", exc)
         found = [m for m in _KNOWN_END_MARKERS if m in template and m in specials]
@@ -209,9 +227,9 @@ def reconcile_eos(
     specials = special_tokens_of(tokenizer)
     markers = chat_markers(chat_template, specials)
     chat_end = specials.get(markers.end) if markers.end else None
-    starts = {i for i in (bos_token_id, tokenizer.bos_token_id) if i is not None}
-    if markers.start is not None and markers.start in specials:
-        starts.add(specials[markers.start])
+    starts = {specials[markers.start]} if markers.start in specials else set()
+    if bos_token_id is None:
+        bos_token_id = tokenizer.bos_token_id
     names = {i: s for s, i in specials.items()}
     ids, warnings = reconcile_eos_ids(
         tokenizer_eos=tokenizer.eos_token_id,
@@ -219,13 +237,14 @@ def reconcile_eos(
         generation_eos=generation_eos,
         chat_end=chat_end,
         turn_start_ids=starts,
+        bos_token_id=bos_token_id,
         explicit=explicit,
         names=names,
     )
     for w in warnings:
         log.warning("%s", w)
     named = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id]
-    special_ids = {i for i in named if i is not None} | set(specials.values()) | set(ids) | starts
+    special_ids = {i for i in (*named, bos_token_id) if i is not None} | set(specials.values()) | set(ids) | starts
     if chat_end is not None:
         special_ids.add(chat_end)
     return EosResolution(

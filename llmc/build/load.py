@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,8 @@ class SourceModel:
     ``hf_dir`` is the original folder (kind "hf") or the cached conversion (kind "gguf"); ``origin`` is what
     the recipe pointed at; ``sha256`` hashes the GGUF file or the folder's files; ``hf_config`` is the
     normalized config.json; ``eos_token_ids`` is the reconciled stop list (``eos_warnings`` says what
-    disagreed); ``from_cache`` is True when a GGUF conversion was reused instead of recomputed.
+    disagreed); ``special_token_ids`` every special token; ``from_cache`` is True when a GGUF conversion was
+    reused instead of recomputed.
     """
 
     hf_dir: Path
@@ -48,7 +49,7 @@ class SourceModel:
     bos_token_id: int | None
     eos_warnings: tuple[str, ...] = ()
     from_cache: bool = False
-    pad_token_id: int | None = field(default=None)
+    pad_token_id: int | None = None
 
 
 def default_cache_dir() -> Path:

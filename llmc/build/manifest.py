@@ -87,7 +87,7 @@ def tool_versions() -> dict[str, str]:
 def write_manifest(build_dir: Path, manifest: Manifest) -> Path:
     """Write ``<build_dir>/manifest.json`` and return its path."""
     path = Path(build_dir) / MANIFEST_NAME
-    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")  # field order: build steps stay in order
     return path
 
 

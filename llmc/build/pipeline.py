@@ -141,8 +141,7 @@ def _build_into(tmp: Path, recipe: Any, recipe_sha: str, source_sha: str, progre
                 cache_dir: Path | None) -> mf.Manifest:
     """Run every build step into the empty folder ``tmp``; returns the written manifest."""
     started = time.perf_counter()
-    with progress.step("resolve source") as s:
-        s.note(str(recipe.model.source))
+    with progress.step("resolve source"):
         source = load.resolve_source(recipe.model, cache_dir=cache_dir, sha256=source_sha)
     reports: dict[str, Any] = {"eos_warnings": list(source.eos_warnings)}
     reports.update(_checkpoint_steps(tmp, source, recipe, progress))

@@ -2,8 +2,8 @@
 
 Nothing here loads weights. ``locate_source`` turns a recipe's ``ModelSource`` into a concrete file or
 folder (a ``package:`` source is found with ``importlib.util.find_spec``; the package is never imported),
-``sniff_format`` checks magic bytes, and ``read_source_config`` returns an HF-style config dict without
-converting anything (a GGUF file's metadata is read with ``gguf.GGUFReader``).
+``sniff_file`` checks magic bytes, and ``read_source_config`` returns an HF-style config dict without
+converting anything (a GGUF file's metadata is read from its header by ``read_gguf_metadata``).
 """
 
 from __future__ import annotations
@@ -196,16 +196,18 @@ class _GGUFCursor:
         else:
             for _ in range(count):
                 self.value(item_type)
-        return _GGUFArray(count)
+        return GGUFArray(count)
 
 
 @dataclass(frozen=True)
-class _GGUFArray:
+class GGUFArray:
+    """A GGUF metadata array, summarized by its length (its items are skipped, not decoded)."""
+
     length: int
 
 
 def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """A GGUF file's key/value metadata (arrays as ``_GGUFArray(length)``) and its tensor names.
+    """A GGUF file's key/value metadata (arrays as ``GGUFArray(length)``) and its tensor names.
 
     Reads the header only, through mmap: a fraction of a second even with a 50k-token vocabulary (parsing
     every array as ``gguf.GGUFReader`` does takes seconds).
@@ -247,7 +249,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
     for key, hf_key in _GGUF_TO_HF.items():
         if f"llama.{key}" in kv:
             cfg[hf_key] = kv[f"llama.{key}"]
-    if "vocab_size" not in cfg and isinstance(kv.get("tokenizer.ggml.tokens"), _GGUFArray):
+    if "vocab_size" not in cfg and isinstance(kv.get("tokenizer.ggml.tokens"), GGUFArray):
         cfg["vocab_size"] = kv["tokenizer.ggml.tokens"].length
     cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
     if "llama.rope.dimension_count" in kv:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.runtime.detokenize import byte_fallback_token_ids
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
 from llmc.runtime.kv_cache import BlockManager
@@ -47,12 +48,13 @@ class Engine:
 
     def __init__(self, runner: Any, tokenizer: Any, recipe: Any, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
-                 num_blocks: int | None = None, clock: Callable[[], float] = time.monotonic):
+                 num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter):
         self.runner = runner
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.eos_token_ids = tuple(eos_token_ids)
         self.default_params = recipe.runtime.sampling
+        self._byte_token_ids = byte_fallback_token_ids(tokenizer)
         self.clock = clock
         limits = recipe.engine
         if num_blocks is not None and not 0 < num_blocks <= runner.num_blocks:
@@ -100,7 +102,7 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
         output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
-                               self.recipe.engine.max_seq_len, metrics, sink)
+                               self.recipe.engine.max_seq_len, metrics, sink, self._byte_token_ids)
         with self._lock:
             if request_id in self._outputs:
                 raise RequestError("request_id", f"{request_id!r} is already in flight; use a unique id")
@@ -113,11 +115,11 @@ class Engine:
         """Cancel a request from any thread: frees its KV blocks and ends its stream with finish_reason
         "abort". Returns False when the request is unknown or already finished."""
         with self._lock:
-            output = self._outputs.pop(request_id, None)
-            if output is None:
+            if request_id not in self._outputs:
                 return False
-            self.scheduler.abort(request_id)
+            output = self._outputs[request_id]
             event = output.terminal(self.clock(), "abort")
+            self._retire(request_id)
         self._deliver([event], {request_id: output})
         return True
 
@@ -150,15 +152,22 @@ class Engine:
             if output is None:
                 continue
             request = self.scheduler.get(request_id)
-            if request is not None and output.metrics.scheduled_time is None:
-                output.metrics.scheduled_time = request.first_scheduled_time
+            output.metrics.record_scheduled(request.first_scheduled_time)
+            output.metrics.num_preemptions = request.num_preemptions
             event = output.on_token(token, now)
             events.append(event)
             owners[request_id] = output
             if event.finished:
-                self.scheduler.finish_request(request_id)
-                del self._outputs[request_id]
+                self._retire(request_id)
         return events, owners
+
+    def _retire(self, request_id: str) -> RequestOutput:
+        """Remove a finished, aborted or failed request: free its blocks, log its metrics. Under the lock."""
+        self.scheduler.finish_request(request_id)
+        output = self._outputs.pop(request_id)
+        if self._metrics_log is not None:
+            self._metrics_log.log_request(output.metrics, request_id)
+        return output
 
     def _fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> tuple[list[StreamEvent], dict]:
         """Fail the requests of a step that raised (all live requests if the failure was not in the runner)."""
@@ -168,12 +177,11 @@ class Engine:
             events, owners = [], {}
             now = self.clock()
             for request_id in ids:
-                output = self._outputs.pop(request_id, None)
+                output = self._outputs.get(request_id)
                 if output is None:
                     continue
-                self.scheduler.finish_request(request_id)
                 events.append(output.terminal(now, "error", message))
-                owners[request_id] = output
+                owners[request_id] = self._retire(request_id)
         return events, owners
 
     def _deliver(self, events: list[StreamEvent], owners: dict[str, RequestOutput]) -> None:
@@ -185,18 +193,22 @@ class Engine:
     def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
         if self._metrics_log is None:
             return
-        self._metrics_log.write(StepMetrics(
+        decode = sum(1 for s in scheduled.sequences
+                     if len(s.token_ids) == 1 and s.num_computed >= len(s.prompt_token_ids))
+        self._metrics_log.log_step(StepMetrics(
             step=scheduled.step,
             time=start,
             duration_s=self.clock() - start,
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             scheduled_tokens=scheduled.num_tokens,
-            scheduled_seqs=len(scheduled.sequences),
+            prefill_tokens=scheduled.num_tokens - decode,
+            decode_tokens=decode,
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_free=self.block_manager.num_free_blocks,
             preemptions=len(scheduled.preempted_request_ids),
         ))
+
 
     # --------------------------------------------------------------------------------- high-level API
     def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,

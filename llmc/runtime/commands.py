@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -43,7 +44,7 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int 
         last = None
         for event in engine.stream(request, params):
             click.echo(event.text, nl=False)
-            click.get_text_stream("stdout").flush()
+            sys.stdout.flush()
             last = event
         click.echo()
     finally:

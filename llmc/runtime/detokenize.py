@@ -15,7 +15,8 @@ is emitted only when it is stable:
 - it does not end in U+FFFD (a multi-byte character split across tokens: its bytes are held back until the
   character is complete; a genuinely invalid byte sequence comes out as U+FFFD exactly where ``decode`` puts
   it, once a following token proves it invalid, or at :meth:`flush`);
-- the token is not a SentencePiece byte-fallback token ``<0xXX>`` (a run of those decodes as one unit);
+- the token is not a SentencePiece byte-fallback token ``<0xXX>`` (a run of those decodes as one unit) nor
+  a special token that decode skips (it may sit inside such a run without breaking it);
 - the window's older text is unchanged (the decode of the longer window starts with the emitted part).
 
 Work per token is O(window), independent of how much was generated.
@@ -38,6 +39,13 @@ def byte_fallback_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None and i != unk)
 
 
+def _special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops: special added tokens and the named ones."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids = {int(i) for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time (see the module docstring).
 
@@ -55,7 +63,9 @@ class IncrementalDetokenizer:
     ):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._byte_ids = byte_fallback_token_ids(tokenizer) if byte_token_ids is None else byte_token_ids
+        byte_ids = byte_fallback_token_ids(tokenizer) if byte_token_ids is None else byte_token_ids
+        # tokens after which the window is not decoded yet: their text may still change or be empty
+        self._hold_ids = byte_ids | (_special_token_ids(tokenizer) if skip_special_tokens else frozenset())
         self._ids: list[int] = self._prompt_context(prompt_token_ids)
         self._prefix = 0  # window start
         self._read = len(self._ids)  # end of the ids whose text was emitted
@@ -72,7 +82,7 @@ class IncrementalDetokenizer:
         """Append one generated token; return the newly stable text (often ``""`` while bytes are pending)."""
         self._ids.append(int(token_id))
         self.num_tokens += 1
-        if token_id in self._byte_ids:
+        if token_id in self._hold_ids:
             return ""
         window_text = self._decode(self._ids[self._prefix:])
         if (
@@ -105,7 +115,7 @@ class IncrementalDetokenizer:
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt's last few ids, or none if they end mid-character (their text could still change)."""
         context = [int(t) for t in prompt_token_ids[-_CONTEXT_TOKENS:]]
-        if not context or context[-1] in self._byte_ids or self._decode(context).endswith(_REPLACEMENT):
+        if not context or context[-1] in self._hold_ids or self._decode(context).endswith(_REPLACEMENT):
             return []
         return context
 

@@ -66,7 +66,8 @@ class Completion:
 class RequestOutput:
     """The output side of one request (owned by the engine, used under its lock).
 
-    ``sink`` receives every event of this request (called from the thread that ran the step).
+    ``sink`` receives every event of this request (called from the thread that ran the step);
+    ``byte_token_ids`` is the tokenizer's byte-fallback id set, computed once per engine.
     """
 
     def __init__(
@@ -79,13 +80,15 @@ class RequestOutput:
         max_seq_len: int,
         metrics: RequestMetrics,
         sink: Callable[[StreamEvent], None] | None = None,
+        byte_token_ids: frozenset[int] | None = None,
     ):
         self.request_id = request_id
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_total = min(len(prompt_token_ids) + params.max_new_tokens, max_seq_len)
         self.num_prompt = len(prompt_token_ids)
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                  byte_token_ids)
         self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.metrics = metrics
         self.sink = sink
@@ -94,10 +97,7 @@ class RequestOutput:
     def on_token(self, token_id: int, now: float) -> StreamEvent:
         """Process one sampled token: returns its event (finished when a stop or a length limit hit)."""
         self.num_generated += 1
-        self.metrics.token_times.append(now)
-        self.metrics.generated_tokens = self.num_generated
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = now
+        self.metrics.record_token(now)
         if check_stop_token(token_id, self.num_generated, self.params, self.eos_token_ids):
             text, matched = self._flush()
             return self._finish(now, text, (token_id,), "stop", matched if matched is not None else token_id)
@@ -124,10 +124,10 @@ class RequestOutput:
 
     def _finish(self, now: float, text: str, token_ids: tuple[int, ...], reason: FinishReason,
                 stop_reason: str | int | None) -> StreamEvent:
-        self.metrics.finished_time = now
+        self.metrics.record_finished(now)
         return StreamEvent(self.request_id, text, token_ids, True, reason, stop_reason, self.metrics)
 
     def terminal(self, now: float, reason: FinishReason, error: str | None = None) -> StreamEvent:
         """The closing event of an aborted or failed request (no new tokens, held-back text dropped)."""
-        self.metrics.finished_time = now
+        self.metrics.record_finished(now)
         return StreamEvent(self.request_id, "", (), True, reason, None, self.metrics, error)

@@ -34,7 +34,7 @@ def test_smollm2_like_disagreement_drops_turn_start_and_warns():
 
 def test_llama3_like_sources_merge_in_order_chat_end_first():
     ids, warnings = reconcile_eos_ids(tokenizer_eos=128009, config_eos=128001, generation_eos=[128001, 128009],
-                                      chat_end=128009, turn_start_ids={128000, 128006})
+                                      chat_end=128009, turn_start_ids={128006}, bos_token_id=128000)
     assert ids == (128009, 128001)
     assert len(warnings) == 1 and "disagree" in warnings[0]
 
@@ -57,6 +57,20 @@ def test_no_candidate_at_all_warns():
     assert any("model.eos_token_ids" in w for w in warnings)
 
 
+def test_bos_candidate_is_dropped_when_another_candidate_remains():
+    ids, warnings = reconcile_eos_ids(tokenizer_eos=1, config_eos=2, generation_eos=None, chat_end=None,
+                                      bos_token_id=1)
+    assert ids == (2,)
+    assert any("dropped eos candidate 1" in w for w in warnings)
+
+
+def test_base_model_with_one_separator_token_for_bos_and_eos_keeps_it():
+    # e.g. SmolLM2 base: bos = eos = <|endoftext|> (0); dropping it would leave nothing to stop on
+    ids, warnings = reconcile_eos_ids(tokenizer_eos=0, config_eos=0, generation_eos=0, chat_end=None,
+                                      bos_token_id=0)
+    assert ids == (0,) and warnings == ()
+
+
 def test_explicit_list_overrides_but_warns_when_it_omits_the_chat_end_token():
     ids, warnings = reconcile_eos_ids(tokenizer_eos=2, config_eos=2, generation_eos=2, chat_end=2,
                                       explicit=(0,))
@@ -72,7 +86,7 @@ def test_explicit_list_that_keeps_the_chat_end_token_is_silent():
 
 def test_explicit_turn_start_token_is_kept_with_a_warning():
     ids, warnings = reconcile_eos_ids(tokenizer_eos=2, config_eos=2, generation_eos=2, chat_end=2,
-                                      turn_start_ids={1}, explicit=(2, 1))
+                                      bos_token_id=1, explicit=(2, 1))
     assert ids == (2, 1)
     assert any("turn-start" in w for w in warnings)
 

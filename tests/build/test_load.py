@@ -274,7 +274,7 @@ def test_gguf_header_reader_agrees_with_the_gguf_package(tmp_path):
         if key.startswith("GGUF."):
             continue
         ours = kv[key]
-        if isinstance(ours, sources._GGUFArray):
+        if isinstance(ours, sources.GGUFArray):
             assert ours.length == len(field.data), key
         else:
             assert ours == pytest.approx(field.contents()), key

@@ -81,13 +81,14 @@ def test_shared_prefix_reuses_blocks_and_outputs_stay_exact(tiny_build_dir, tiny
 def test_smollm2_continuous_batching_equals_transformers_greedy(smollm2_build_dir, smollm2_hf_dir):
     engine = make_engine(smollm2_build_dir)
     tok = engine.tokenizer
-    texts = ["The capital of France is", "def fibonacci(n):\n    ",
-             "Write a haiku about the sea. The waves roll in, and the gulls cry over the harbour at dawn"]
+    texts = ["The capital of France is a city called", "def fibonacci(n):\n    if n < 2:\n        return",
+             "Write a haiku about the sea and the gulls"]  # 8, 15 and 11 tokens
     prompts = [tok(t)["input_ids"] for t in texts]
-    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     expected = [hf_greedy(smollm2_hf_dir, p, params.max_new_tokens) for p in prompts]
     assert run_staggered(engine, prompts, params) == dict(enumerate(expected))
-    small = make_engine(smollm2_build_dir, num_blocks=3)  # 48 slots: the three requests cannot all fit
+    # 3 blocks of 16 tokens: all three prompts are admitted, then the 15-token one needs a second block.
+    small = make_engine(smollm2_build_dir, num_blocks=3)
     assert run_staggered(small, prompts, params, arrive_every=1) == dict(enumerate(expected))
     assert small.stats()["preemptions"] > 0
     assert_all_blocks_free(engine)
@@ -376,5 +377,10 @@ def test_request_and_step_metrics(tiny_build_dir, tmp_path):
     assert len(m.itls) == m.generated_tokens - 1 and all(g >= 0 for g in m.itls)
     assert m.e2e_latency >= m.ttft
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    steps = [r for r in lines if "scheduled_tokens" in json.dumps(r)]
+    steps = [r for r in lines if r["type"] == "step"]
     assert len(steps) >= GREEDY.max_new_tokens
+    assert sum(r["decode_tokens"] for r in steps) == GREEDY.max_new_tokens - 1
+    assert sum(r["prefill_tokens"] for r in steps) == m.prompt_tokens
+    assert all(r["kv_blocks_used"] + r["kv_blocks_free"] == engine.block_manager.num_blocks for r in steps)
+    (request,) = [r for r in lines if r["type"] == "request"]
+    assert request["request_id"] == completion.request_id and request["ttft"] == pytest.approx(m.ttft)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
-from llmc.cli import cli
+from llmc.cli import cli, main
 from llmc.runtime.params import SamplingParams
 from tests.runtime.engine_helpers import make_engine, tiny_build_dir  # noqa: F401
 
@@ -44,9 +45,12 @@ def test_generate_chat_and_stop_flags(tiny_build_dir):
     assert result.stdout == expected.text + "\n"
 
 
-def test_generate_bad_input_is_one_error_line(tiny_build_dir, tmp_path):
-    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--top-p", "1.5", "--device", "cpu"])
-    assert result.exit_code == 2
-    assert "top_p" in result.stderr and "Traceback" not in result.stderr
-    result = CliRunner().invoke(cli, ["generate", str(tmp_path), "Hi", "--device", "cpu"])
-    assert result.exit_code == 2 and "manifest.json" in result.stderr
+def test_generate_bad_input_is_one_error_line(tiny_build_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_build_dir), "Hi", "--top-p", "1.5", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: top_p") and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tmp_path), "Hi", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "manifest.json" in err

@@ -1,0 +1,123 @@
+"""Offline benchmark: drive an in-process :class:`~llmc.runtime.api.Engine` with a closed loop of streams.
+
+At each concurrency level N, N threads each stream one request at a time through ``Engine.stream`` while the
+engine's background loop (``Engine.start()``) steps the batch. Latencies come from the engine's own
+``RequestMetrics`` (TTFT from acceptance, one timestamp per token); memory peaks are sampled during the
+level; step metrics come from the engine's JSON-lines metrics log when one is attached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
+from llmc.bench.workload import BenchPrompt, bench_params
+from llmc.errors import EngineError
+from llmc.runtime.metrics import percentiles, read_metrics_log
+from llmc.runtime.params import SamplingParams
+
+
+def run_request(engine: Any, prompt: BenchPrompt, params: SamplingParams) -> RequestRecord:
+    """Stream one prompt (as token ids) to the end and turn the engine's metrics into a record."""
+    last = None
+    for event in engine.stream(list(prompt.token_ids), params):
+        last = event
+    if last is None or last.metrics is None:
+        raise EngineError("the engine finished a stream without metrics on its last event; the runtime must attach "
+                          "RequestMetrics to the finishing StreamEvent")
+    m = last.metrics
+    return RequestRecord(prompt_tokens=m.prompt_tokens, generated_tokens=m.generated_tokens, start=m.arrival_time,
+                         token_times=tuple(m.token_times), end=m.finished_time, finish_reason=last.finish_reason)
+
+
+def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, params: SamplingParams,
+              step_log: Path | None = None) -> LevelResult:
+    """Run ``prompts`` through a closed loop of ``concurrency`` streams; the engine must be started."""
+    cuda = _cuda_device(engine)
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(engine.runner.device)
+    per_prompt = {p.max_new_tokens: bench_params(params, p.max_new_tokens) for p in prompts}
+    t0 = engine.clock()
+    with PeakMonitor(lambda: _engine_load(engine)) as monitor:
+        records, wall = closed_loop(list(prompts), concurrency,
+                                    lambda p: run_request(engine, p, per_prompt[p.max_new_tokens]), engine.clock)
+    t1 = engine.clock()
+    memory = _memory(engine, monitor.peaks, cuda)
+    steps = summarize_steps(read_metrics_log(step_log), t0, t1) if step_log is not None and step_log.exists() else {}
+    return LevelResult(concurrency, tuple(records), wall, memory, steps)
+
+
+def run_offline(engine: Any, prompts: Sequence[BenchPrompt], levels: Sequence[int], params: SamplingParams,
+                warmup: int = 1, step_log: Path | None = None) -> list[LevelResult]:
+    """Warm up with ``warmup`` requests (not measured), then measure every concurrency level in order.
+
+    Starts the engine's background loop (and leaves it running; the caller shuts the engine down)."""
+    engine.start()
+    for prompt in list(prompts)[:warmup]:
+        run_request(engine, prompt, bench_params(params, prompt.max_new_tokens))
+    results = []
+    for concurrency in levels:
+        count = max(len(prompts), concurrency)
+        batch = [prompts[i % len(prompts)] for i in range(count)]
+        results.append(run_level(engine, batch, concurrency, params, step_log))
+    return results
+
+
+def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
+    """Summary of the engine steps that started in ``[t0, t1]``: count, durations, batch sizes, tokens."""
+    steps = [r for r in records if r.get("type") == "step" and t0 <= r.get("time", t0 - 1) <= t1]
+    if not steps:
+        return {}
+    durations = [s["duration_s"] for s in steps]
+    seqs = [s.get("scheduled_seqs", 0) for s in steps]
+    out = {
+        "count": len(steps),
+        "duration_s": {"mean": sum(durations) / len(durations), **percentiles(durations)},
+        "mean_scheduled_tokens": sum(s["scheduled_tokens"] for s in steps) / len(steps),
+        "mean_batch_size": sum(seqs) / len(seqs),
+        "max_running": max(s["running"] for s in steps),
+        "max_waiting": max(s["waiting"] for s in steps),
+        "max_kv_blocks_used": max(s["kv_blocks_used"] for s in steps),
+        "preemptions": sum(s.get("preemptions", 0) for s in steps),
+    }
+    for key in ("prefill_tokens", "decode_tokens"):
+        if all(key in s for s in steps):
+            out[key] = sum(s[key] for s in steps)
+    return out
+
+
+def _engine_load(engine: Any) -> dict[str, float]:
+    stats = engine.stats()
+    return {"kv_blocks_used": stats["kv_blocks_used"], "running": stats["running"], "waiting": stats["waiting"]}
+
+
+def _cuda_device(engine: Any) -> bool:
+    device = getattr(engine.runner, "device", None)
+    return getattr(device, "type", str(device)) == "cuda"
+
+
+def _memory(engine: Any, peaks: dict[str, float], cuda: bool) -> dict[str, Any]:
+    """Memory used during a level: process RSS peak, KV blocks (and bytes) peak, CUDA peak allocation."""
+    runner = engine.runner
+    stats = engine.stats()
+    blocks = int(peaks.get("kv_blocks_used", 0))
+    out: dict[str, Any] = {
+        "rss_peak_mb": round(peaks["rss_mb"], 1),
+        "kv_blocks_used_peak": blocks,
+        "kv_blocks_total": stats["kv_blocks_total"],
+        "kv_block_tokens": runner.block_size,
+        "max_running": int(peaks.get("running", 0)),
+        "max_waiting": int(peaks.get("waiting", 0)),
+    }
+    per_token = getattr(runner, "kv_bytes_per_token", None)
+    if per_token:
+        out["kv_used_peak_mb"] = round(blocks * runner.block_size * per_token / 2**20, 2)
+        out["kv_cache_total_mb"] = round(stats["kv_blocks_total"] * runner.block_size * per_token / 2**20, 2)
+    if cuda:
+        import torch
+
+        out["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(runner.device) / 2**20, 1)
+    return out

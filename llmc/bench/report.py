@@ -1,0 +1,216 @@
+"""The benchmark report: one JSON document per run, and its table printout.
+
+Per concurrency level: TTFT P50/P95/P99 overall and by prompt-length bucket (<=128, 129-512, >512), ITL
+P50/P95/P99 and its mean per token index, end-to-end latency, TGS (generated tokens / wall time) with its
+four conditions (prompt-length distribution, sampling parameters, concurrency, memory used) and requests/s.
+A baseline measured in the same run gets the same figures, and ``ratios`` divides llmc's by the baseline's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from typing import Any, Sequence
+
+from llmc.bench.records import LevelResult
+from llmc.bench.workload import BenchPrompt, prompt_length_summary
+from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
+
+SCHEMA = "llmc-bench/1"
+OSL_ENFORCEMENT = "ignore_eos=True + max_new_tokens (baseline: min_new_tokens = max_new_tokens)"
+
+
+def _stats(values: Sequence[float]) -> dict[str, float | None]:
+    return {"count": len(values), "mean": sum(values) / len(values) if values else None, **percentiles(values)}
+
+
+def itl_by_token_index(level: LevelResult) -> list[float]:
+    """Mean inter-token gap per output index: entry i is the mean gap between tokens i and i + 1."""
+    sums: list[float] = []
+    counts: list[int] = []
+    for record in level.records:
+        for i, gap in enumerate(record.itls):
+            if i == len(sums):
+                sums.append(0.0)
+                counts.append(0)
+            sums[i] += gap
+            counts[i] += 1
+    return [s / c for s, c in zip(sums, counts)]
+
+
+def summarize_level(level: LevelResult, prompts: Sequence[BenchPrompt], sampling: dict[str, Any]) -> dict[str, Any]:
+    """The report entry of one level: latency percentiles, throughput and the TGS conditions."""
+    records = level.records
+    ttfts = [r.ttft for r in records if r.ttft is not None]
+    by_bucket = {b: _stats([r.ttft for r in records if r.ttft is not None and ttft_bucket(r.prompt_tokens) == b])
+                 for b in TTFT_BUCKETS}
+    generated = sum(r.generated_tokens for r in records)
+    tgs = generated / level.wall_s if level.wall_s > 0 else None
+    return {
+        "concurrency": level.concurrency,
+        "num_requests": len(records),
+        "wall_s": level.wall_s,
+        "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "generated_tokens": generated,
+        "tgs": tgs,
+        "tgs_per_request": tgs / level.concurrency if tgs is not None else None,
+        "requests_per_s": len(records) / level.wall_s if level.wall_s > 0 else None,
+        "ttft_s": _stats(ttfts),
+        "ttft_by_bucket_s": by_bucket,
+        "itl_s": _stats([gap for r in records for gap in r.itls]),
+        "itl_by_token_index_s": itl_by_token_index(level),
+        "e2e_s": _stats([r.e2e for r in records]),
+        "finish_reasons": _count(r.finish_reason for r in records),
+        "ttft_vs_prompt_tokens": [[r.prompt_tokens, r.ttft] for r in records if r.ttft is not None],
+        "memory": level.memory,
+        "steps": level.steps,
+        "conditions": {
+            "prompt_length_distribution": prompt_length_summary(list(prompts)),
+            "sampling": sampling,
+            "concurrency": level.concurrency,
+            "memory": level.memory,
+        },
+    }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[str(item)] = out.get(str(item), 0) + 1
+    return out
+
+
+def ratios(llmc: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency level present in both: llmc / baseline for TGS, and the latency ratios (< 1 is better
+    for latencies, > 1 is better for TGS), each next to the two measured figures it divides."""
+    base = {b["concurrency"]: b for b in baseline}
+    out = []
+    for level in llmc:
+        other = base.get(level["concurrency"])
+        if other is None:
+            continue
+        entry: dict[str, Any] = {"concurrency": level["concurrency"]}
+        for name, a, b in (("tgs", level["tgs"], other["tgs"]),
+                           ("ttft_p50", level["ttft_s"]["p50"], other["ttft_s"]["p50"]),
+                           ("itl_p50", level["itl_s"]["p50"], other["itl_s"]["p50"]),
+                           ("e2e_p50", level["e2e_s"]["p50"], other["e2e_s"]["p50"])):
+            entry[name] = {"llmc": a, "baseline": b, "ratio": a / b if a is not None and b else None}
+        out.append(entry)
+    return out
+
+
+def scaling(levels: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """TGS of every level relative to the lowest concurrency level of the same run."""
+    if not levels:
+        return []
+    first = min(levels, key=lambda lv: lv["concurrency"])
+    return [{"concurrency": lv["concurrency"], "tgs": lv["tgs"], "reference_concurrency": first["concurrency"],
+             "reference_tgs": first["tgs"],
+             "ratio": lv["tgs"] / first["tgs"] if lv["tgs"] is not None and first["tgs"] else None}
+            for lv in levels]
+
+
+def host_info() -> dict[str, Any]:
+    """Where the run happened: CPU count, load average, torch threads, versions."""
+    import torch
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                            "torch_threads": torch.get_num_threads()}
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except OSError:
+        info["load_average"] = None
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def build_report(run: dict[str, Any], levels: Sequence[LevelResult], prompts: Sequence[BenchPrompt],
+                 sampling: dict[str, Any], baseline: Sequence[LevelResult] | None = None,
+                 baseline_info: dict[str, Any] | None = None, host_start: dict[str, Any] | None = None,
+                 ) -> dict[str, Any]:
+    """The whole report. ``run`` describes the target (mode, engine_dir or url/protocol, device, workload);
+    ``host_start`` is ``host_info()`` taken before measuring (its load average is kept as ``load_average_start``)."""
+    summaries = [summarize_level(lv, prompts, sampling) for lv in levels]
+    host = host_info()
+    if host_start is not None:
+        host["load_average_start"] = host_start.get("load_average")
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **run,
+        "host": host,
+        "sampling": sampling,
+        "osl_enforcement": OSL_ENFORCEMENT,
+        "prompt_lengths": prompt_length_summary(list(prompts)),
+        "levels": summaries,
+        "scaling": scaling(summaries),
+        "baseline": None,
+        "ratios": [],
+    }
+    if baseline is not None:
+        base = [summarize_level(lv, prompts, sampling) for lv in baseline]
+        report["baseline"] = {**(baseline_info or {}), "levels": base, "scaling": scaling(base)}
+        report["ratios"] = ratios(summaries, base)
+    return report
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
+    """A rich Table of the levels of one system (llmc or the baseline); times in milliseconds."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("conc", "reqs", "TGS tok/s", "req/s", "TTFT p50/p95/p99 ms", "TTFT p50 by bucket ms",
+                   "ITL p50/p95/p99 ms", "e2e p50 ms", "memory"):
+        table.add_column(column, justify="right" if column != "memory" else "left")
+    for lv in levels:
+        t, i = lv["ttft_s"], lv["itl_s"]
+        buckets = " ".join(f"{b}:{_ms(s['p50'])}" for b, s in lv["ttft_by_bucket_s"].items() if s["count"])
+        mem = lv["memory"]
+        mem_text = f"rss {_num(mem.get('rss_peak_mb'), '{:.0f}')} MB"
+        if "kv_blocks_used_peak" in mem:
+            mem_text += f", kv {mem['kv_blocks_used_peak']}/{mem['kv_blocks_total']} blk"
+        if "cuda_max_allocated_mb" in mem:
+            mem_text += f", cuda {mem['cuda_max_allocated_mb']:.0f} MB"
+        table.add_row(str(lv["concurrency"]), str(lv["num_requests"]), _num(lv["tgs"]), _num(lv["requests_per_s"], "{:.2f}"),
+                      f"{_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])}", buckets or "-",
+                      f"{_ms(i['p50'])}/{_ms(i['p95'])}/{_ms(i['p99'])}", _ms(lv["e2e_s"]["p50"]), mem_text)
+    return table
+
+
+def print_report(report: dict[str, Any], console: Any = None) -> None:
+    """Print the report as tables: llmc's levels, the baseline's, the ratios and the scaling."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    target = report.get("url") or report.get("engine_dir")
+    pl = report["prompt_lengths"]["prompt_tokens"]
+    console.print(f"[bold]llmc bench[/bold] {report['mode']} {target}  device={report.get('device')}  "
+                  f"load avg={report['host'].get('load_average_start')} -> {report['host'].get('load_average')}")
+    console.print(f"prompts: {report['prompt_lengths']['count']} (tokens min {pl['min']} mean {_num(pl['mean'])} max "
+                  f"{pl['max']}), sampling: temperature={report['sampling'].get('temperature')}, "
+                  f"OSL enforced by {report['osl_enforcement']}")
+    console.print(level_table("llmc", report["levels"]))
+    if report.get("baseline"):
+        console.print(level_table(f"baseline: {report['baseline'].get('name')}", report["baseline"]["levels"]))
+        ratio_table = Table(title="llmc / baseline (same run)")
+        for column in ("conc", "TGS llmc", "TGS base", "TGS ratio", "TTFT p50 ratio", "ITL p50 ratio"):
+            ratio_table.add_column(column, justify="right")
+        for r in report["ratios"]:
+            ratio_table.add_row(str(r["concurrency"]), _num(r["tgs"]["llmc"]), _num(r["tgs"]["baseline"]),
+                                _num(r["tgs"]["ratio"], "{:.2f}x"), _num(r["ttft_p50"]["ratio"], "{:.2f}x"),
+                                _num(r["itl_p50"]["ratio"], "{:.2f}x"))
+        console.print(ratio_table)
+    scale = " ".join(f"c{s['concurrency']}:{_num(s['ratio'], '{:.2f}x')}" for s in report["scaling"])
+    console.print(f"TGS scaling vs concurrency {report['scaling'][0]['reference_concurrency'] if report['scaling'] else '-'}: {scale}")

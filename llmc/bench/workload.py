@@ -1,0 +1,231 @@
+"""Benchmark workloads: prompts with their token ids and output lengths, synthetic or from a file.
+
+Synthetic prompts are real text (Python's ``pydoc_data`` topics, shipped with CPython) cut to a target token
+length such that ``encode(decode(ids)) == ids``: the same prompt has the same length whether it is sent as
+token ids (offline) or as text (through a server). Everything is seeded: one seed, one workload.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from llmc.errors import RequestError
+from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
+from llmc.runtime.params import SamplingParams
+
+DistKind = Literal["fixed", "uniform", "normal"]
+DIST_KINDS: tuple[str, ...] = ("fixed", "uniform", "normal")
+_MAX_CUT_TRIES = 32
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token-length distribution. ``fixed``: always ``mean``; ``uniform``: integers in ``bounds()``;
+    ``normal``: N(mean, (mean * spread / 2)^2) rounded and clipped to ``bounds()``."""
+
+    kind: DistKind
+    mean: int
+    spread: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.kind not in DIST_KINDS:
+            raise RequestError("dist", f"unknown length distribution {self.kind!r}; use one of {', '.join(DIST_KINDS)}")
+        if self.mean < 1:
+            raise RequestError("length", f"mean length must be >= 1, got {self.mean}")
+        if not 0 <= self.spread < 1:
+            raise RequestError("spread", f"must be in [0, 1), got {self.spread}")
+
+    def bounds(self) -> tuple[int, int]:
+        """Inclusive ``(low, high)`` every sample lies in."""
+        if self.kind == "fixed":
+            return self.mean, self.mean
+        return max(1, round(self.mean * (1 - self.spread))), max(1, round(self.mean * (1 + self.spread)))
+
+    def sample(self, rng: random.Random, n: int) -> list[int]:
+        """``n`` lengths drawn with ``rng`` (deterministic for a seeded rng)."""
+        lo, hi = self.bounds()
+        if self.kind == "fixed":
+            return [self.mean] * n
+        if self.kind == "uniform":
+            return [rng.randint(lo, hi) for _ in range(n)]
+        sigma = max(self.mean * self.spread / 2, 1e-9)
+        return [min(hi, max(lo, round(rng.gauss(self.mean, sigma)))) for _ in range(n)]
+
+    def to_dict(self) -> dict[str, Any]:
+        lo, hi = self.bounds()
+        return {"dist": self.kind, "mean": self.mean, "spread": self.spread, "min": lo, "max": hi}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One request of a workload: ``text`` tokenizes to ``token_ids`` (with the model's special-token setting)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    max_new_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """An ordered list of prompts plus a JSON-able description of how it was made (for the report)."""
+
+    prompts: tuple[BenchPrompt, ...]
+    description: dict[str, Any]
+
+    def take(self, n: int) -> tuple[BenchPrompt, ...]:
+        """The first ``n`` prompts, cycling when the workload is shorter."""
+        if not self.prompts:
+            raise RequestError("prompts", "the workload has no prompts; pass --num-prompts >= 1 or a non-empty file")
+        return tuple(self.prompts[i % len(self.prompts)] for i in range(n))
+
+
+def prompt_length_summary(prompts: tuple[BenchPrompt, ...] | list[BenchPrompt]) -> dict[str, Any]:
+    """Observed prompt and output lengths: min / mean / max / percentiles and the count per TTFT bucket."""
+    lengths = [p.prompt_tokens for p in prompts]
+    outputs = [p.max_new_tokens for p in prompts]
+    buckets = {b: 0 for b in TTFT_BUCKETS}
+    for n in lengths:
+        buckets[ttft_bucket(n)] += 1
+    return {
+        "count": len(lengths),
+        "prompt_tokens": {"min": min(lengths, default=None), "mean": sum(lengths) / len(lengths) if lengths else None,
+                          "max": max(lengths, default=None), **percentiles(lengths)},
+        "max_new_tokens": {"min": min(outputs, default=None), "max": max(outputs, default=None),
+                           "mean": sum(outputs) / len(outputs) if outputs else None},
+        "by_bucket": buckets,
+    }
+
+
+class TextCorpus:
+    """The pydoc topics tokenized once: cuts token windows that decode/re-encode to exactly themselves."""
+
+    def __init__(self, tokenizer: Any, add_special_tokens: bool = False):
+        from pydoc_data.topics import topics
+
+        self.tokenizer = tokenizer
+        self.add_special_tokens = add_special_tokens
+        text = "\n\n".join(topics[k] for k in sorted(topics))
+        self.ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.num_special = len(tokenizer("", add_special_tokens=add_special_tokens)["input_ids"])
+
+    def cut(self, rng: random.Random, length: int) -> tuple[str, tuple[int, ...]]:
+        """A text whose tokenization has exactly ``length`` tokens (special tokens included)."""
+        body = length - self.num_special
+        if body < 1 or body >= len(self.ids):
+            raise RequestError("isl", f"prompt length {length} is outside 1..{len(self.ids)} for this corpus; "
+                                      f"choose a smaller --isl")
+        best: tuple[str, tuple[int, ...]] | None = None
+        for _ in range(_MAX_CUT_TRIES):
+            start = rng.randrange(0, len(self.ids) - body)
+            text = self.tokenizer.decode(self.ids[start:start + body])
+            ids = tuple(self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
+            if len(ids) == length:
+                return text, ids
+            if best is None or abs(len(ids) - length) < abs(len(best[1]) - length):
+                best = (text, ids)
+        assert best is not None
+        return best
+
+
+def synthetic_workload(tokenizer: Any, isl: LengthDist, osl: LengthDist, num_prompts: int, seed: int = 0,
+                       add_special_tokens: bool = False) -> Workload:
+    """``num_prompts`` prompts with lengths from ``isl`` and output lengths from ``osl`` (seeded)."""
+    if num_prompts < 1:
+        raise RequestError("num_prompts", f"must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    corpus = TextCorpus(tokenizer, add_special_tokens)
+    lengths = isl.sample(rng, num_prompts)
+    outputs = osl.sample(rng, num_prompts)
+    prompts = []
+    for n, m in zip(lengths, outputs):
+        text, ids = corpus.cut(rng, n)
+        prompts.append(BenchPrompt(text, ids, m))
+    description = {"source": "synthetic:pydoc_data.topics", "isl": isl.to_dict(), "osl": osl.to_dict(),
+                   "num_prompts": num_prompts, "seed": seed}
+    return Workload(tuple(prompts), description)
+
+
+def file_workload(path: str | Path, tokenizer: Any, default_max_tokens: int, num_prompts: int | None = None,
+                  seed: int = 0, add_special_tokens: bool = False) -> Workload:
+    """Prompts from a file: ``.txt`` (one prompt per non-empty line) or ``.jsonl`` (``{"prompt": str}`` or
+    ``{"messages": [...]}`` rendered with the model's chat template, optional ``"max_tokens"``).
+
+    ``num_prompts`` (optional) takes a seeded sample of that many lines (cycling if the file is shorter)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError("prompts", f"{path} does not exist; pass a .txt or .jsonl prompts file")
+    rows = render_chat_rows(_read_rows(path, default_max_tokens), tokenizer)
+    if not rows:
+        raise RequestError("prompts", f"{path} has no prompts; add one prompt per line")
+    if num_prompts is not None:
+        rng = random.Random(seed)
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        rows = [rows[order[i % len(order)]] for i in range(num_prompts)]
+    prompts = []
+    for text, is_chat, max_tokens in rows:
+        ids = tuple(tokenizer(text, add_special_tokens=add_special_tokens and not is_chat)["input_ids"])
+        prompts.append(BenchPrompt(text, ids, max_tokens))
+    description = {"source": f"file:{path}", "num_prompts": len(prompts), "seed": seed,
+                   "default_max_tokens": default_max_tokens}
+    if any(p.prompt_tokens == 0 for p in prompts):
+        raise RequestError("prompts", f"{path} contains a prompt that tokenizes to nothing; remove empty prompts")
+    return Workload(tuple(prompts), description)
+
+
+def _read_rows(path: Path, default_max_tokens: int) -> list[tuple[Any, bool, int]]:
+    """``(text or chat messages, is_chat, max_tokens)`` per prompt of the file."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix != ".jsonl":
+        return [(line, False, default_max_tokens) for line in lines if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RequestError("prompts", f"{path}:{number} is not valid JSON ({exc.msg}); write one object per line")
+        rows.append(_row(record, path, number, default_max_tokens))
+    return rows
+
+
+def _row(record: Any, path: Path, number: int, default_max_tokens: int) -> tuple[Any, bool, int]:
+    where = f"{path}:{number}"
+    if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+        raise RequestError("prompts", f'{where}: each line needs exactly one of "prompt" or "messages"')
+    max_tokens = record.get("max_tokens", default_max_tokens)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise RequestError("max_tokens", f"{where}: must be a positive integer, got {max_tokens!r}")
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise RequestError("prompt", f"{where}: must be a non-empty string")
+        return record["prompt"], False, max_tokens
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RequestError("messages", f'{where}: must be a non-empty list of {{"role", "content"}} objects')
+    return messages, True, max_tokens
+
+
+def render_chat_rows(rows: list[tuple[Any, bool, int]], tokenizer: Any) -> list[tuple[str, bool, int]]:
+    """Render chat-message rows to text with the tokenizer's chat template (generation prompt appended)."""
+    out = []
+    for content, is_chat, max_tokens in rows:
+        if is_chat:
+            content = tokenizer.apply_chat_template(list(content), tokenize=False, add_generation_prompt=True)
+        out.append((content, is_chat, max_tokens))
+    return out
+
+
+def bench_params(base: SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """The sampling parameters of one benchmark request: ``base`` with the prompt's output length enforced
+    (``ignore_eos=True`` and ``max_new_tokens``), so every request generates exactly its OSL."""
+    return base.replace(max_new_tokens=max_new_tokens, ignore_eos=True, min_tokens=0)

@@ -1,0 +1,91 @@
+"""The portable engine on CUDA (run through the device tool): packed paged logits against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.engine.torch.loader import load_model
+from tests import factories
+from tests.engine.torch.helpers import PagedSession, write_ir
+
+pytestmark = pytest.mark.gpu
+
+# SmolLM2-135M's shape with fewer layers; random weights, so the test needs no model download on the device.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=9,
+                     num_key_value_heads=3, head_dim=64, rope_theta=100000.0)
+
+
+def random_llama(path, **overrides):
+    """A random Llama HF folder; no tokenizer is needed (an empty tokenizer folder is passed)."""
+    (path / "no_tokenizer").mkdir(parents=True, exist_ok=True)
+    return factories.make_tiny_llama(path / "hf", path / "no_tokenizer", **overrides)
+
+
+def paged_logits(model, ids: list[int], chunks: int = 3) -> torch.Tensor:
+    """Logits at every position, prompt run as ``chunks`` prefill chunks then re-read through the cache."""
+    session = PagedSession(model, block_size=16, num_blocks=64)
+    bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
+    return torch.cat([session.step({"a": ids[a:b]})["a"] for a, b in zip(bounds, bounds[1:])])
+
+
+def test_tiny_fp32_logits_on_cuda_match_transformers(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    tiny_hf_dir = random_llama(tmp_path)
+
+    model = load_model(write_ir(tiny_hf_dir, tmp_path / "ir"), "cuda", dtype=torch.float32)
+    ids = list(range(300, 345))
+    hf_model = LlamaForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval().cuda()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids], device="cuda")).logits[0].float()
+    assert (paged_logits(model, ids) - ref).abs().max().item() < 1e-3
+
+
+def test_smollm2_shaped_bf16_logits_on_cuda_within_bf16_error(tmp_path):
+    """bf16 engine vs transformers fp32: its error is no worse than transformers' own bf16 error (+ margin)."""
+    from transformers import LlamaForCausalLM
+
+    smollm2_hf_dir = random_llama(tmp_path, **SMOLLM2_SHAPE)
+
+    model = load_model(write_ir(smollm2_hf_dir, tmp_path / "ir", dtype="bfloat16"), "cuda")
+    assert model.transformer.ln_f.weight.dtype == torch.bfloat16  # the IR dtype on CUDA
+    ids = list(range(1000, 1200))
+    with torch.no_grad():
+        hf32 = LlamaForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).eval().cuda()
+        ref = hf32(torch.tensor([ids], device="cuda")).logits[0].float()
+        hf16 = hf32.to(torch.bfloat16)
+        ref16 = hf16(torch.tensor([ids], device="cuda")).logits[0].float()
+    got = paged_logits(model, ids)
+    engine_err = (got - ref).abs().max().item()
+    hf_err = (ref16 - ref).abs().max().item()
+    # Random weights give near-tied top logits, so top-1 agreement is judged against transformers' own bf16.
+    engine_top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    hf_top1 = (ref16.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"bf16 vs fp32: max abs logits error llmc {engine_err:.3f} / transformers {hf_err:.3f}; "
+          f"top-1 agreement llmc {engine_top1:.3f} / transformers {hf_top1:.3f}")
+    assert engine_err <= 2 * hf_err + 0.05
+    assert engine_top1 >= hf_top1 - 0.05
+
+
+def test_runner_on_cuda_sizes_the_cache_from_free_memory_and_decodes_greedily(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from llmc.engine.torch.runner import TorchModelRunner
+    from tests.engine.torch.helpers import MiniScheduler, make_build_dir
+
+    hf_dir = random_llama(tmp_path)
+    runner = TorchModelRunner(make_build_dir(hf_dir, tmp_path / "build", dtype="float32"), device="cuda")
+    free_after, _ = torch.cuda.mem_get_info()
+    assert runner.kv_caches[0][0].dtype == torch.float32 and runner.device.type == "cuda"
+    assert free_after < runner.num_blocks * runner.block_size * runner.kv_bytes_per_token  # used ~0.9 of free
+    runner.warmup()
+    prompt = list(range(200, 237))
+    sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=16)
+    sched.add("a", prompt, max_new=8)
+    for step in range(12):
+        sched.update(runner.execute(sched.schedule(step)).sampled_token_ids)
+    hf_model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval().cuda()
+    ref = hf_model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
+                            min_new_tokens=8, pad_token_id=2)[0, len(prompt):].tolist()
+    assert sched.reqs["a"]["out"] == ref
