@@ -16,7 +16,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord
-from llmc.bench.workload import BenchPrompt
+from llmc.bench.workload import BenchPlan, BenchPrompt
 from llmc.errors import SourceError
 from llmc.runtime.params import SamplingParams
 
@@ -114,16 +114,11 @@ class HFBaseline:
             memory["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         return LevelResult(concurrency, tuple(records), wall, memory)
 
-    def run(self, prompts: Sequence[BenchPrompt], levels: Sequence[int], params: SamplingParams,
-            warmup: int = 1) -> list[LevelResult]:
-        """Warm up with ``warmup`` single requests (not measured), then measure every level."""
-        for p in list(prompts)[:warmup]:
+    def run(self, plan: BenchPlan, params: SamplingParams) -> list[LevelResult]:
+        """Warm up with ``plan.warmup`` as single requests (not measured), then measure every level."""
+        for p in plan.warmup:
             self.generate_batch([p], params)
-        results = []
-        for concurrency in levels:
-            count = max(len(prompts), concurrency)
-            results.append(self.run_level([prompts[i % len(prompts)] for i in range(count)], concurrency, params))
-        return results
+        return [self.run_level(prompts, concurrency, params) for concurrency, prompts in plan.levels]
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
-from llmc.bench.workload import BenchPrompt
+from llmc.bench.workload import BenchPlan, BenchPrompt
 from llmc.errors import EngineError, RequestError
 from llmc.runtime.params import SamplingParams
 
@@ -29,7 +29,9 @@ PROTOCOLS = ("http", "grpc", "openai")
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """The request fields every protocol sends besides the prompt and max_tokens (OSL enforced by ignore_eos)."""
+    """The JSON fields both HTTP protocols send besides the prompt and the length fields. The output length
+    is enforced twice: llmc's ``ignore_eos`` and the standard minimum length (``min_length`` in the Triton
+    ensemble, ``min_tokens`` in OpenAI-style servers) set to ``max_tokens``."""
     fields: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                               "ignore_eos": True}
     if params.seed is not None:
@@ -76,9 +78,10 @@ class HttpStreamClient:
         fields = sampling_fields(self.params)
         if self.protocol == "openai":
             body = {"model": self.model, "prompt": prompt.text, "max_tokens": prompt.max_new_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}, **fields}
+                    "stream_options": {"include_usage": True}, "min_tokens": prompt.max_new_tokens, **fields}
             return f"{self.base}/v1/completions", body
-        body = {"text_input": prompt.text, "max_tokens": prompt.max_new_tokens, "stream": True, **fields}
+        body = {"text_input": prompt.text, "max_tokens": prompt.max_new_tokens, "min_length": prompt.max_new_tokens,
+                "stream": True, **fields}
         return f"{self.base}/v2/models/{urllib.parse.quote(self.model)}/generate_stream", body
 
     def run_one(self, prompt: BenchPrompt) -> RequestRecord:
@@ -169,6 +172,7 @@ class GrpcStreamClient:
 
         return [tensor("text_input", "BYTES", prompt.text.encode("utf-8"), object),
                 tensor("max_tokens", "INT32", prompt.max_new_tokens, np.int32),
+                tensor("min_length", "INT32", prompt.max_new_tokens, np.int32),  # = ignore_eos on Triton too
                 tensor("stream", "BOOL", True, bool),
                 tensor("temperature", "FP32", self.params.temperature, np.float32),
                 tensor("top_p", "FP32", self.params.top_p, np.float32),
@@ -191,9 +195,10 @@ class GrpcStreamClient:
             text = result.as_numpy("text_output")
             if text is not None and text.size and bytes(text.reshape(-1)[0]):
                 times.append(now)
-            final = response.parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return RequestRecord(prompt.prompt_tokens, len(times), start, tuple(times), now, None)
+            params = response.parameters
+            if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                reason = params["finish_reason"].string_param if "finish_reason" in params else None
+                return RequestRecord(prompt.prompt_tokens, len(times), start, tuple(times), now, reason)
 
     def close(self) -> None:
         """Stop every worker's stream and close its client."""
@@ -213,17 +218,15 @@ def make_client(protocol: str, url: str, model: str, params: SamplingParams) -> 
     raise RequestError("protocol", f"unknown protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
 
 
-def run_client(client: Any, prompts: Sequence[BenchPrompt], levels: Sequence[int], warmup: int = 1) -> list[LevelResult]:
-    """Warm up with ``warmup`` requests (not measured), then run each concurrency level as a closed loop."""
-    for prompt in list(prompts)[:warmup]:
+def run_client(client: Any, plan: BenchPlan) -> list[LevelResult]:
+    """Warm up with ``plan.warmup`` (not measured), then run each level of the plan as a closed loop."""
+    for prompt in plan.warmup:
         client.run_one(prompt)
     results = []
-    for concurrency in levels:
-        count = max(len(prompts), concurrency)
-        batch = [prompts[i % len(prompts)] for i in range(count)]
+    for concurrency, prompts in plan.levels:
         with PeakMonitor() as monitor:
-            records, wall = closed_loop(batch, concurrency, client.run_one, time.perf_counter)
-        memory = {"client_rss_peak_mb": round(monitor.peaks["rss_mb"], 1),
+            records, wall = closed_loop(list(prompts), concurrency, client.run_one, time.perf_counter)
+        memory = {"rss_peak_mb": round(monitor.peaks["rss_mb"], 1), "rss_of": "the benchmark client process",
                   "note": "server memory is not visible to the client; read the server's /metrics"}
         results.append(LevelResult(concurrency, tuple(records), wall, memory))
     return results

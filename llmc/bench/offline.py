@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
-from llmc.bench.workload import BenchPrompt, bench_params
+from llmc.bench.workload import BenchPlan, BenchPrompt, bench_params
 from llmc.errors import EngineError
 from llmc.runtime.metrics import percentiles, read_metrics_log
 from llmc.runtime.params import SamplingParams
@@ -50,20 +50,15 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
     return LevelResult(concurrency, tuple(records), wall, memory, steps)
 
 
-def run_offline(engine: Any, prompts: Sequence[BenchPrompt], levels: Sequence[int], params: SamplingParams,
-                warmup: int = 1, step_log: Path | None = None) -> list[LevelResult]:
-    """Warm up with ``warmup`` requests (not measured), then measure every concurrency level in order.
+def run_offline(engine: Any, plan: BenchPlan, params: SamplingParams, step_log: Path | None = None,
+                ) -> list[LevelResult]:
+    """Warm up with ``plan.warmup`` (not measured), then measure every level of the plan in order.
 
     Starts the engine's background loop (and leaves it running; the caller shuts the engine down)."""
     engine.start()
-    for prompt in list(prompts)[:warmup]:
+    for prompt in plan.warmup:
         run_request(engine, prompt, bench_params(params, prompt.max_new_tokens))
-    results = []
-    for concurrency in levels:
-        count = max(len(prompts), concurrency)
-        batch = [prompts[i % len(prompts)] for i in range(count)]
-        results.append(run_level(engine, batch, concurrency, params, step_log))
-    return results
+    return [run_level(engine, prompts, concurrency, params, step_log) for concurrency, prompts in plan.levels]
 
 
 def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:
@@ -72,17 +67,17 @@ def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict
     if not steps:
         return {}
     durations = [s["duration_s"] for s in steps]
-    seqs = [s.get("scheduled_seqs", 0) for s in steps]
     out = {
         "count": len(steps),
         "duration_s": {"mean": sum(durations) / len(durations), **percentiles(durations)},
         "mean_scheduled_tokens": sum(s["scheduled_tokens"] for s in steps) / len(steps),
-        "mean_batch_size": sum(seqs) / len(seqs),
         "max_running": max(s["running"] for s in steps),
         "max_waiting": max(s["waiting"] for s in steps),
         "max_kv_blocks_used": max(s["kv_blocks_used"] for s in steps),
         "preemptions": sum(s.get("preemptions", 0) for s in steps),
     }
+    if all("scheduled_seqs" in s for s in steps):
+        out["mean_batch_size"] = sum(s["scheduled_seqs"] for s in steps) / len(steps)
     for key in ("prefill_tokens", "decode_tokens"):
         if all(key in s for s in steps):
             out[key] = sum(s[key] for s in steps)

@@ -14,7 +14,7 @@ import platform
 from typing import Any, Sequence
 
 from llmc.bench.records import LevelResult
-from llmc.bench.workload import BenchPrompt, prompt_length_summary
+from llmc.bench.workload import BenchPlan, BenchPrompt, prompt_length_summary
 from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
 
 SCHEMA = "llmc-bench/1"
@@ -127,13 +127,14 @@ def host_info() -> dict[str, Any]:
     return info
 
 
-def build_report(run: dict[str, Any], levels: Sequence[LevelResult], prompts: Sequence[BenchPrompt],
+def build_report(run: dict[str, Any], levels: Sequence[LevelResult], plan: BenchPlan,
                  sampling: dict[str, Any], baseline: Sequence[LevelResult] | None = None,
                  baseline_info: dict[str, Any] | None = None, host_start: dict[str, Any] | None = None,
                  ) -> dict[str, Any]:
     """The whole report. ``run`` describes the target (mode, engine_dir or url/protocol, device, workload);
     ``host_start`` is ``host_info()`` taken before measuring (its load average is kept as ``load_average_start``)."""
-    summaries = [summarize_level(lv, prompts, sampling) for lv in levels]
+    summaries = [summarize_level(lv, plan.prompts_of(lv.concurrency), sampling) for lv in levels]
+    measured = [p for _, prompts in plan.levels for p in prompts]
     host = host_info()
     if host_start is not None:
         host["load_average_start"] = host_start.get("load_average")
@@ -144,14 +145,15 @@ def build_report(run: dict[str, Any], levels: Sequence[LevelResult], prompts: Se
         "host": host,
         "sampling": sampling,
         "osl_enforcement": OSL_ENFORCEMENT,
-        "prompt_lengths": prompt_length_summary(list(prompts)),
+        "warmup_requests": len(plan.warmup),
+        "prompt_lengths": prompt_length_summary(measured),
         "levels": summaries,
         "scaling": scaling(summaries),
         "baseline": None,
         "ratios": [],
     }
     if baseline is not None:
-        base = [summarize_level(lv, prompts, sampling) for lv in baseline]
+        base = [summarize_level(lv, plan.prompts_of(lv.concurrency), sampling) for lv in baseline]
         report["baseline"] = {**(baseline_info or {}), "levels": base, "scaling": scaling(base)}
         report["ratios"] = ratios(summaries, base)
     return report
@@ -193,7 +195,10 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and CI: wide enough that no column is cut
+            console = Console(width=180)
     target = report.get("url") or report.get("engine_dir")
     pl = report["prompt_lengths"]["prompt_tokens"]
     console.print(f"[bold]llmc bench[/bold] {report['mode']} {target}  device={report.get('device')}  "

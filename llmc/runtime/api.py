@@ -64,7 +64,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
                                    limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock)
         self._outputs: dict[str, RequestOutput] = {}
-        self._lock = threading.Lock()  # scheduler + outputs
+        self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
         self._step_lock = threading.Lock()  # one step at a time
         self._metrics_log = MetricsLog(metrics_log) if metrics_log else None
         self._loop = EngineLoop(self.step, self.scheduler.has_unfinished)
@@ -115,17 +115,19 @@ class Engine:
         """Cancel a request from any thread: frees its KV blocks and ends its stream with finish_reason
         "abort". Returns False when the request is unknown or already finished."""
         with self._lock:
-            if request_id not in self._outputs:
+            output = self._outputs.get(request_id)
+            if output is None:
                 return False
-            output = self._outputs[request_id]
-            event = output.terminal(self.clock(), "abort")
+            self._emit(output, output.terminal(self.clock(), "abort"))
             self._retire(request_id)
-        self._deliver([event], {request_id: output})
         return True
 
     # --------------------------------------------------------------------------------------------- step
     def step(self) -> list[StreamEvent]:
-        """Run one engine step; returns the events it produced (also delivered to each request's sink)."""
+        """Run one engine step; returns the events it produced (also delivered to each request's sink).
+
+        An exception in the step fails the requests it scheduled (an "error" event each, blocks freed);
+        the other requests keep going."""
         with self._step_lock:
             start = self.clock()
             scheduled: SchedulerOutput | None = None
@@ -134,19 +136,17 @@ class Engine:
                     scheduled = self.scheduler.schedule()
                 result = self.runner.execute(scheduled) if scheduled.sequences else ModelRunnerOutput()
                 with self._lock:
-                    new_tokens = self.scheduler.update(result)
-                    events, owners = self._process(new_tokens)
+                    events = self._process(self.scheduler.update(result))
                     self._record_step(scheduled, start)
             except Exception as exc:
                 log.exception("engine step failed")
-                events, owners = self._fail(scheduled, exc)
-        self._deliver(events, owners)
+                events = self._fail(scheduled, exc)
         return events
 
-    def _process(self, new_tokens: dict[str, int]) -> tuple[list[StreamEvent], dict[str, RequestOutput]]:
-        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed)."""
+    def _process(self, new_tokens: dict[str, int]) -> list[StreamEvent]:
+        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed). Under the lock."""
         now = self.clock()
-        events, owners = [], {}
+        events = []
         for request_id, token in new_tokens.items():
             output = self._outputs.get(request_id)
             if output is None:
@@ -156,10 +156,20 @@ class Engine:
             output.metrics.num_preemptions = request.num_preemptions
             event = output.on_token(token, now)
             events.append(event)
-            owners[request_id] = output
+            self._emit(output, event)
             if event.finished:
                 self._retire(request_id)
-        return events, owners
+        return events
+
+    def _emit(self, output: RequestOutput, event: StreamEvent) -> None:
+        """Deliver an event to its request's sink. Called under the lock, so every request's events arrive in
+        order; sinks must not block (queue puts, ``call_soon_threadsafe``)."""
+        if output.sink is None:
+            return
+        try:
+            output.sink(event)
+        except Exception:  # a consumer's broken sink must not fail the other requests of the batch
+            log.exception("the event sink of request %s raised", event.request_id)
 
     def _retire(self, request_id: str) -> RequestOutput:
         """Remove a finished, aborted or failed request: free its blocks, log its metrics. Under the lock."""
@@ -169,26 +179,21 @@ class Engine:
             self._metrics_log.log_request(output.metrics, request_id)
         return output
 
-    def _fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> tuple[list[StreamEvent], dict]:
+    def _fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> list[StreamEvent]:
         """Fail the requests of a step that raised (all live requests if the failure was not in the runner)."""
         message = f"{type(exc).__name__}: {exc}"
         with self._lock:
             ids = [s.request_id for s in scheduled.sequences] if scheduled is not None else list(self._outputs)
-            events, owners = [], {}
+            events = []
             now = self.clock()
             for request_id in ids:
                 output = self._outputs.get(request_id)
                 if output is None:
                     continue
                 events.append(output.terminal(now, "error", message))
-                owners[request_id] = self._retire(request_id)
-        return events, owners
-
-    def _deliver(self, events: list[StreamEvent], owners: dict[str, RequestOutput]) -> None:
-        for event in events:
-            sink = owners[event.request_id].sink
-            if sink is not None:
-                sink(event)
+                self._emit(output, events[-1])
+                self._retire(request_id)
+        return events
 
     def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
         if self._metrics_log is None:
@@ -209,10 +214,9 @@ class Engine:
             preemptions=len(scheduled.preempted_request_ids),
         ))
 
-
     # --------------------------------------------------------------------------------- high-level API
-    def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """Generate for a batch of prompts (continuous batching across them); returns completions in order.
 
         ``params``: one SamplingParams for all, one per prompt, or None (recipe defaults). Requests beyond
@@ -323,7 +327,8 @@ class Engine:
         self._loop.start()
 
     def shutdown(self) -> None:
-        """Stop the background loop and abort every unfinished request (their streams end with "abort")."""
+        """Stop the background loop, abort every unfinished request (their streams end with "abort") and close
+        the metrics log."""
         self._loop.stop()
         with self._lock:
             ids = list(self._outputs)
@@ -331,6 +336,7 @@ class Engine:
             self.abort(request_id)
         if self._metrics_log is not None:
             self._metrics_log.close()
+            self._metrics_log = None  # later steps (the engine stays usable synchronously) are not logged
 
     def __enter__(self) -> Engine:
         return self

@@ -19,14 +19,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-_NO_HASH = None
-
 
 @dataclass
 class _Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = _NO_HASH  # set while registered in the prefix cache
+    hash: int | None = None  # set while registered in the prefix cache
     token_ids: tuple[int, ...] = ()  # the tokens of a registered (full) block, checked on every hit
 
 
@@ -148,15 +146,12 @@ class BlockManager:
         for b in hits:
             self._take(b)
         fresh = [self._pop_free() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
-        hashes: list[int] = []
-        for b in hits:
-            hashes.append(self._blocks[b].hash)  # type: ignore[arg-type]
         self._seqs[seq_id] = _SeqBlocks(
             block_ids=hits + fresh,
             num_slots=len(token_ids),
             token_ids=token_ids,
             num_cached_tokens=len(hits) * self.block_size,
-            block_hashes=hashes,
+            block_hashes=[self._blocks[b].hash for b in hits],  # type: ignore[misc]
         )
         return tuple(hits + fresh)
 

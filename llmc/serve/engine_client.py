@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from llmc.errors import EngineError, LlmcError
+from llmc.errors import EngineError, LlmcError, QueueFullError
 from llmc.runtime.outputs import StreamEvent
 from llmc.runtime.params import SamplingParams
 from llmc.serve import prom
@@ -131,8 +131,8 @@ class EngineClient:
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: t.exception() is None and self.engine.abort(request_id))
             raise
-        except LlmcError as exc:
-            self.metrics.rejected.inc(type(exc).__name__)
+        except QueueFullError:
+            self.metrics.rejected.inc("queue_full")
             raise
 
     async def drain(self, grace_s: float) -> None:

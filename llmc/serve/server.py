@@ -72,6 +72,8 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         return await handler(request)
     except LlmcError as exc:
+        if isinstance(exc, RequestError):
+            state.client.metrics.rejected.inc("invalid")
         return error_response(exc)
 
 

@@ -4,6 +4,8 @@ preemption by recompute, abort; driven by a fake clock and a fake runner that ch
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -283,3 +285,8 @@ def test_abort_while_a_step_runs_is_ignored_by_update():
     new = sched.update(runner.execute(out))
     assert list(new) == ["b"]
     assert sched.block_manager.num_used_blocks == 2  # only "b": 6 slots in blocks of 4
+
+
+def test_bookkeeping_is_device_free():
+    code = "import sys, llmc.runtime.kv_cache, llmc.runtime.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

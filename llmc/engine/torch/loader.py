@@ -1,8 +1,8 @@
 """Load a TensorRT-LLM checkpoint IR folder into the portable engine's :class:`LlamaForCausalLM`.
 
-Steps: read config.json + every rank's safetensors, dequantize W4A16_AWQ linears per rank (on CPU, in float32),
-merge the tensor-parallel shards into full weights, check every shape, then copy into a model allocated on
-the target device.
+Steps: read config.json + every rank's safetensors, dequantize W4A16_AWQ linears per rank (on CPU, in
+float32, cast once to the compute dtype), merge the tensor-parallel shards into full weights, check every
+shape, then copy into a model allocated (uninitialized, on the meta device first) on the target device.
 
 Compute dtype: the IR dtype on CUDA; float32 on CPU unless ``dtype`` is given, because float16/bfloat16
 matmuls on CPU are several times slower than float32 and less accurate.
@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from llmc.checkpoint import names
+from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import merge_shards
 from llmc.checkpoint.int4 import dequantize_w4a16
 from llmc.checkpoint.io import read_checkpoint
@@ -41,23 +42,23 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
 
-    Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing or extra
-    tensor, or a shape that does not match the config.
+    Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing tensor or a
+    shape that does not match the config (extra tensors are ignored with a warning, as TensorRT-LLM does).
     """
     raw_config, rank_weights = read_checkpoint(Path(checkpoint_dir))
     config = ModelConfig.from_checkpoint_config(raw_config)
     quant = raw_config.get("quantization") or {}
-    if quant.get("quant_algo") not in (None, "W4A16_AWQ"):
+    if quant.get("quant_algo") not in (None, W4A16_AWQ):
         raise CheckpointError(
             f"quant_algo {quant.get('quant_algo')!r} is not supported by the torch engine; "
             f"Fix: build with quantization.method none, awq or rtn"
         )
-    if quant.get("quant_algo") == "W4A16_AWQ":
-        rank_weights = [_dequantize_rank(w, int(quant["group_size"])) for w in rank_weights]
+    target_dtype = compute_dtype(config.dtype, device, dtype)
+    if quant.get("quant_algo") == W4A16_AWQ:
+        rank_weights = [_dequantize_rank(w, int(quant["group_size"]), target_dtype) for w in rank_weights]
     weights = _merge(rank_weights, raw_config)
     weights = _select_model_weights(weights, config)
     _check_shapes(weights, config)
-    target_dtype = compute_dtype(config.dtype, device, dtype)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=target_dtype)
     model.to_empty(device=device)
@@ -74,8 +75,10 @@ def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[st
     return merge_shards(rank_weights, plain_config)
 
 
-def _dequantize_rank(weights: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
-    """Replace every W4A16_AWQ linear (packed int4 + scales + prequant) by its effective float32 weight."""
+def _dequantize_rank(
+    weights: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Replace every W4A16_AWQ linear (packed int4 + scales + prequant) by its effective weight in ``dtype``."""
     out = {}
     for name, tensor in weights.items():
         parsed = names.parse_trt_layer_name(name)
@@ -83,13 +86,16 @@ def _dequantize_rank(weights: dict[str, torch.Tensor], group_size: int) -> dict[
         if suffix in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR):
             continue  # consumed together with their packed weight below
         if suffix == names.WEIGHT and tensor.dtype == torch.int8:
-            out[name] = _dequantize_linear(weights, parsed[0], parsed[1], group_size)
+            out[name] = _dequantize_linear(weights, parsed[0], parsed[1], group_size, dtype)
         else:
             out[name] = tensor
     return out
 
 
-def _dequantize_linear(weights: dict[str, torch.Tensor], layer: int, module: str, group_size: int) -> torch.Tensor:
+def _dequantize_linear(
+    weights: dict[str, torch.Tensor], layer: int, module: str, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Effective weight [O, K] of one W4A16_AWQ linear, computed in float32 and cast once to ``dtype``."""
     parts = [names.trt_layer(layer, module, s) for s in
              (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR)]
     for needed in parts[1:]:
@@ -100,7 +106,7 @@ def _dequantize_linear(weights: dict[str, torch.Tensor], layer: int, module: str
             )
     packed, scales, prequant = (weights[p] for p in parts)
     # The layer computes (x * prequant) @ (q * scale)^T = x @ ((q * scale) * prequant[None, :])^T.
-    return dequantize_w4a16(packed, scales.float(), prequant.float(), group_size).float()
+    return dequantize_w4a16(packed, scales, prequant, group_size, dtype=dtype)
 
 
 def _select_model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -79,16 +79,16 @@ class ModelConfig:
 
 
 def _check_supported(cfg: dict) -> None:
-    checks = [
-        ("architecture", cfg.get("architecture", "LlamaForCausalLM") == "LlamaForCausalLM", "LlamaForCausalLM"),
-        ("hidden_act", cfg.get("hidden_act", "silu") == "silu", "silu"),
-        ("position_embedding_type", cfg.get("position_embedding_type", "rope_gpt_neox") == "rope_gpt_neox",
-         "rope_gpt_neox"),
-        ("attn_bias", not cfg.get("attn_bias", False), "false"),
-        ("mlp_bias", not cfg.get("mlp_bias", False), "false"),
-    ]
-    for key, ok, expected in checks:
-        if not ok:
+    """CheckpointError unless the config describes what this engine implements (bias-free SiLU Llama, NeoX RoPE)."""
+    supported = {
+        "architecture": "LlamaForCausalLM",
+        "hidden_act": "silu",
+        "position_embedding_type": "rope_gpt_neox",
+        "attn_bias": False,
+        "mlp_bias": False,
+    }
+    for key, expected in supported.items():
+        if cfg.get(key, expected) != expected:
             raise CheckpointError(
                 f"checkpoint config {key}={cfg.get(key)!r} is not supported by the torch engine (expects "
                 f"{expected}). Fix: use a Llama-family model"

@@ -68,3 +68,15 @@ def test_block_outside_the_cache_is_an_engine_error(build_dir):
 def test_load_runner_dispatches_on_the_manifest_backend(build_dir):
     runner = load_runner(build_dir, device="auto", num_blocks=4)
     assert isinstance(runner, TorchModelRunner) and runner.num_blocks == 4
+
+
+def test_load_runner_refuses_a_tensorrt_llm_build_with_the_way_to_open_it(build_dir, tmp_path):
+    import json
+    import shutil
+
+    trt_build = tmp_path / "trt"
+    shutil.copytree(build_dir, trt_build)
+    manifest = json.loads((trt_build / "manifest.json").read_text())
+    (trt_build / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt_llm"}))
+    with pytest.raises(EngineError, match="TrtllmRunner.from_build_dir"):
+        load_runner(trt_build)

@@ -1,0 +1,227 @@
+"""``llmc bench``: TTFT / ITL / TGS of an engine, offline (in-process) or through a server (``--url``).
+
+Every request's output length is enforced (``ignore_eos=True`` + ``max_new_tokens``) so runs compare; warm-up
+requests run first and are not measured; ``--baseline hf`` measures transformers ``generate`` on the same
+model and prompts in the same run and reports llmc / baseline ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from llmc.errors import RequestError
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Parsed command-line options (see ``llmc bench --help``)."""
+
+    engine_dir: Path | None
+    url: str | None
+    protocol: str
+    model: str | None
+    tokenizer: Path | None
+    isl: int
+    osl: int
+    isl_dist: str
+    osl_dist: str
+    spread: float
+    num_prompts: int | None
+    prompts: Path | None
+    concurrency: tuple[int, ...]
+    sampling: dict[str, Any]
+    baseline: str | None
+    baseline_model: Path | None
+    device: str
+    warmup: int
+    json_out: Path | None
+    plots: Path | None
+    seed: int
+    threads: int | None = None
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``"1,4,16"`` -> ``(1, 4, 16)``; every level must be a positive integer."""
+    try:
+        levels = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise RequestError("concurrency", f"{text!r} is not a comma-separated list of integers; pass e.g. 1,4,16") from None
+    if not levels or min(levels) < 1 or len(set(levels)) != len(levels):
+        raise RequestError("concurrency", f"levels must be distinct integers >= 1, got {text!r}")
+    return levels
+
+
+def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> tuple[Any, Any]:
+    """The workload the options describe (a prompts file, or synthetic ISL/OSL distributions) and its split
+    into warm-up prompts and one disjoint slice per concurrency level."""
+    from llmc.bench.workload import LengthDist, file_workload, level_sizes, plan_levels, synthetic_workload
+
+    if opts.prompts is not None:
+        workload = file_workload(opts.prompts, tokenizer, opts.osl, None, opts.seed, add_special_tokens)
+        per_level = opts.num_prompts or len(workload.prompts)
+    else:
+        per_level = opts.num_prompts or max(8, 2 * max(opts.concurrency))
+        total = opts.warmup + sum(level_sizes(opts.concurrency, per_level))
+        workload = synthetic_workload(tokenizer, LengthDist(opts.isl_dist, opts.isl, opts.spread),
+                                      LengthDist(opts.osl_dist, opts.osl, opts.spread), total, opts.seed,
+                                      add_special_tokens)
+    return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup)
+
+
+def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, str, Any]:
+    """Load the engine and measure every level of the plan; returns (run info, levels, device, plan)."""
+    from llmc.bench.offline import run_offline
+    from llmc.runtime.api import Engine
+
+    with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
+        step_log = Path(tmp) / "steps.jsonl"
+        engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log)
+        try:
+            workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens)
+            levels = run_offline(engine, plan, params, step_log)
+        finally:
+            engine.shutdown()
+    device = str(engine.runner.device)
+    run = {"mode": "offline", "engine_dir": str(opts.engine_dir), "device": device, "workload": workload.description,
+           "engine": {"name": engine.recipe.name, "dtype": engine.recipe.model.dtype,
+                      "max_batch_size": engine.recipe.engine.max_batch_size,
+                      "max_num_tokens": engine.recipe.engine.max_num_tokens,
+                      "tokens_per_block": engine.runner.block_size, "kv_blocks": engine.runner.num_blocks,
+                      "prefix_caching": engine.recipe.serving.enable_kv_cache_reuse}}
+    del engine
+    return run, levels, device, plan
+
+
+def run_baseline(opts: BenchOptions, device: str, plan: Any, params: Any) -> tuple[list, dict[str, Any]]:
+    """transformers generate on the build's source model (or --baseline-model) with the same prompts."""
+    from llmc.bench.baseline import HFBaseline, resolve_hf_dir
+
+    if opts.engine_dir is None and opts.baseline_model is None:
+        raise RequestError("baseline", "--baseline hf needs ENGINE_DIR or --baseline-model DIR to find the model")
+    hf_dir = opts.baseline_model or resolve_hf_dir(opts.engine_dir)
+    baseline = HFBaseline(hf_dir, device="cpu" if device == "cpu" else device, dtype=_baseline_dtype(opts, device))
+    levels = baseline.run(plan, params)
+    return levels, baseline.describe()
+
+
+def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
+    """float32 on CPU (what the portable engine computes in); the recipe's dtype on a GPU."""
+    import torch
+
+    if device == "cpu" or opts.engine_dir is None:
+        return None
+    from llmc.build.manifest import read_manifest
+
+    return getattr(torch, read_manifest(opts.engine_dir).dtype)
+
+
+def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, Any]:
+    """Measure a running server over ``opts.protocol``; the tokenizer comes from ENGINE_DIR or --tokenizer."""
+    from llmc.bench.client import make_client, run_client
+    from llmc.build.load import load_tokenizer
+
+    add_special, model = False, opts.model
+    if opts.tokenizer is not None:
+        tokenizer = load_tokenizer(opts.tokenizer)
+    elif opts.engine_dir is not None:
+        from llmc.build.manifest import read_manifest
+
+        recipe = read_manifest(opts.engine_dir).recipe_obj()
+        tokenizer = load_tokenizer(opts.engine_dir / "tokenizer")
+        add_special = recipe.model.add_special_tokens
+        model = model or recipe.serving.model_name or recipe.name
+    else:
+        raise RequestError("tokenizer", "--url needs ENGINE_DIR or --tokenizer DIR to measure prompt lengths")
+    if model is None:
+        raise RequestError("model", "pass --model NAME (the served model's name)")
+    workload, plan = load_plan(opts, tokenizer, add_special)
+    client = make_client(opts.protocol, opts.url, model, params)
+    try:
+        levels = run_client(client, plan)
+    finally:
+        client.close()
+    run = {"mode": "server", "url": opts.url, "protocol": opts.protocol, "model": model, "device": "server",
+           "engine_dir": str(opts.engine_dir) if opts.engine_dir else None, "workload": workload.description,
+           "ttft_from": "request send (connection already open)",
+           "token_count": "server-reported usage when present, else one per streamed chunk with output"}
+    return run, levels, plan
+
+
+def execute(opts: BenchOptions) -> dict[str, Any]:
+    """Run the whole benchmark the options describe and return the report (also written / plotted)."""
+    from llmc.bench.report import build_report, host_info, print_report
+    from llmc.runtime.params import SamplingParams
+
+    params = SamplingParams.from_dict(opts.sampling)
+    if opts.threads is not None:
+        import torch
+
+        torch.set_num_threads(opts.threads)  # llmc and the baseline share the process, hence the setting
+    host_start = host_info()
+    baseline, baseline_info = None, None
+    if opts.url is not None:
+        run, levels, plan = run_server_bench(opts, params)
+    else:
+        if opts.engine_dir is None:
+            raise RequestError("engine_dir", "pass ENGINE_DIR (a build folder) or --url URL")
+        run, levels, device, plan = run_offline_bench(opts, params)
+        if opts.baseline == "hf":
+            baseline, baseline_info = run_baseline(opts, device, plan, params)
+    sampling = {**params.to_dict(), "ignore_eos": True, "max_new_tokens": "per prompt (OSL)"}
+    report = build_report(run, levels, plan, sampling, baseline, baseline_info, host_start)
+    print_report(report)
+    if opts.json_out is not None:
+        opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_out.write_text(json.dumps(report, indent=1))
+    if opts.plots is not None:
+        from llmc.bench.plots import write_plots
+
+        write_plots(report, opts.plots)
+    return report
+
+
+@click.command("bench")
+@click.argument("engine_dir", required=False, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--url", help="Benchmark a running server instead (e.g. http://127.0.0.1:8000, or HOST:PORT for grpc).")
+@click.option("--protocol", type=click.Choice(["http", "grpc", "openai"]), default="http", show_default=True,
+              help="http: KServe generate_stream (SSE); grpc: Triton ModelStreamInfer; openai: /v1/completions.")
+@click.option("--model", help="Served model name (default: the build's serving.model_name or recipe name).")
+@click.option("--tokenizer", type=click.Path(file_okay=False, path_type=Path), help="Tokenizer folder for --url without ENGINE_DIR.")
+@click.option("--isl", default=128, show_default=True, help="Mean input (prompt) length in tokens.")
+@click.option("--osl", default=64, show_default=True, help="Mean output length in tokens (enforced with ignore_eos).")
+@click.option("--isl-dist", type=click.Choice(["fixed", "uniform", "normal"]), default="fixed", show_default=True)
+@click.option("--osl-dist", type=click.Choice(["fixed", "uniform", "normal"]), default="fixed", show_default=True)
+@click.option("--spread", default=0.5, show_default=True, help="Relative half-width of uniform/normal lengths.")
+@click.option("--num-prompts", type=int, help="Requests per level [default: max(8, 2 x the largest concurrency)].")
+@click.option("--prompts", type=click.Path(dir_okay=False, path_type=Path), help=".txt (a prompt per line) or .jsonl file.")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated concurrency levels.")
+@click.option("--temperature", default=0.0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--sampling-seed", type=int, help="Per-request sampling seed (temperature > 0).")
+@click.option("--baseline", type=click.Choice(["hf"]), help="Also measure transformers generate in the same run.")
+@click.option("--baseline-model", type=click.Path(file_okay=False, path_type=Path), help="HF folder for the baseline.")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda (offline mode).")
+@click.option("--warmup", default=1, show_default=True, help="Warm-up requests before measuring (not counted).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), help="Write the JSON report here.")
+@click.option("--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots into this folder.")
+@click.option("--seed", default=0, show_default=True, help="Workload seed (prompt lengths and texts).")
+@click.option("--threads", type=click.IntRange(1), help="torch CPU threads for the engine and the baseline.")
+def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: str | None, tokenizer: Path | None,
+              isl: int, osl: int, isl_dist: str, osl_dist: str, spread: float, num_prompts: int | None,
+              prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
+              sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
+              warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None) -> None:
+    """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
+    if baseline and url:
+        raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": sampling_seed}
+    execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
+                         num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
+                         max(0, warmup), json_out, plots, seed, threads))

@@ -1,0 +1,68 @@
+"""``llmc serve ENGINE_DIR`` and ``llmc repo ENGINE_DIR OUT`` (registered by llmc/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("serve")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--host", default=None, help="Bind address (default: the recipe's serving.host, 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="HTTP port (default: serving.port).")
+@click.option("--grpc-port", type=int, default=None, help="gRPC port (default: serving.grpc_port; 0 disables).")
+@click.option("--api-key", default=None, envvar="LLMC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every endpoint except health (env LLMC_API_KEY).")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option("--max-queue-size", type=int, default=None, help="Waiting requests before 503 (default: recipe).")
+@click.option("--request-timeout", "request_timeout", type=float, default=None,
+              help="Seconds before a request is aborted (default: serving.request_timeout_s).")
+@click.option("--grace", type=float, default=30.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
+              device: str, max_queue_size: int | None, request_timeout: float | None, grace: float) -> None:
+    """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
+    from llmc.serve.run import ServeOptions, load_engine, serve
+
+    engine = load_engine(engine_dir, device, max_queue_size)
+    serving = engine.recipe.serving
+    grpc = serving.grpc_port if grpc_port is None else grpc_port
+    options = ServeOptions(
+        host=host or serving.host,
+        port=serving.port if port is None else port,
+        grpc_port=grpc or None,
+        api_key=api_key,
+        request_timeout_s=serving.request_timeout_s if request_timeout is None else request_timeout,
+        grace_s=grace,
+    )
+    name = engine.recipe.served_model_name
+
+    def announce() -> None:
+        grpc_text = f", gRPC on {options.host}:{options.grpc_port}" if options.grpc_port else ""
+        click.echo(f"llmc serve: model {name!r} on http://{options.host}:{options.port}{grpc_text}", err=True)
+
+    serve(engine, options, on_ready=announce)
+    click.echo("llmc serve: stopped", err=True)
+
+
+@click.command("repo")
+@click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--build-path", default=None,
+              help="Where tritonserver sees the build folder (its mount point in the container).")
+@click.option("--engine-path", default=None, help="gpt_model_path for tensorrt_llm (default <build-path>/engine).")
+def repo_cmd(engine_dir: Path, out: Path, build_path: str | None, engine_path: str | None) -> None:
+    """Generate the Triton model repository of ENGINE_DIR into OUT, then validate it."""
+    from llmc.serve.pbtxt import check_ensemble, read_config
+    from llmc.serve.repo import generate_model_repo
+
+    repo = generate_model_repo(engine_dir, out, build_path=build_path, engine_path=engine_path)
+    models = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
+    for model in models:
+        read_config(repo / model)
+    if "ensemble" in models and check_ensemble(repo):
+        raise click.ClickException("the ensemble's wiring is broken: " + "; ".join(check_ensemble(repo)))
+    click.echo(f"wrote {repo}: {', '.join(models)} (every config.pbtxt parses"
+               f"{'; ensemble wiring checked' if 'ensemble' in models else ''})")
+    click.echo(f"run: tritonserver --model-repository {repo}")

@@ -1,0 +1,197 @@
+"""gRPC ``inference.GRPCInferenceService`` (Triton's own protos from tritonclient) over the engine.
+
+Implements ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer (one response
+with the whole text) and ModelStreamInfer (decoupled streaming: one response per text delta, then a final
+response carrying the ``triton_final_response`` parameter; an empty one when the request enabled
+``triton_enable_empty_final_response``, as tritonclient's ``enable_empty_final_response=True`` does).
+Errors: INVALID_ARGUMENT (bad request), UNAVAILABLE (queue full / draining, with a retry hint),
+DEADLINE_EXCEEDED (request timeout), NOT_FOUND (unknown model), UNAUTHENTICATED (API key).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from llmc import __version__
+from llmc.errors import LlmcError, QueueFullError, RequestError
+from llmc.serve.engine_client import RequestTimeoutError, ServerDrainingError
+from llmc.serve.protocol import GenerateRequest, parse_generate_fields
+from llmc.serve.server import ServerState, model_metadata_dict
+from llmc.serve.tensors import decode_raw, serialize_bytes, tensors_to_fields
+
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+             "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+             "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an error raised while serving a request."""
+    if isinstance(exc, RequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, (QueueFullError, ServerDrainingError)):
+        return grpc.StatusCode.UNAVAILABLE, f"{exc} (retry after {getattr(exc, 'retry_after_s', 1.0):g} s)"
+    if isinstance(exc, RequestTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    return grpc.StatusCode.INTERNAL, str(exc)
+
+
+def request_fields(request: pb.ModelInferRequest) -> dict[str, Any]:
+    """Ensemble fields from a ModelInferRequest's tensors (raw_input_contents or typed contents)."""
+    tensors: dict[str, list[Any]] = {}
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise RequestError("raw_input_contents", f"has {len(raw)} buffers for {len(request.inputs)} inputs")
+    for i, tensor in enumerate(request.inputs):
+        if raw:
+            tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, raw[i])
+        else:
+            decode_raw(tensor.name, tensor.datatype, b"")  # checks the name and datatype
+            tensors[tensor.name] = list(getattr(tensor.contents, _CONTENTS[tensor.datatype]))
+    return tensors_to_fields(tensors)
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """The servicer; unimplemented RPCs answer UNIMPLEMENTED (the generated base class does that)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def _auth(self, context: grpc.aio.ServicerContext) -> None:
+        if self.state.api_key is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {self.state.api_key}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; send the metadata "
+                                                                   "'authorization: Bearer <key>'")
+
+    async def _model(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        await self._auth(context)
+        if not self.state.knows(name):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; this server serves "
+                                                           f"{self.state.model_name!r}")
+
+    async def ServerLive(self, request: Any, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=not self.state.client.draining)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        await self._auth(context)
+        return pb.ServerMetadataResponse(name="llmc", version=__version__, extensions=["generate"])
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        await self._model(request.name, context)
+        return pb.ModelReadyResponse(ready=not self.state.client.draining)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        await self._model(request.name, context)
+        meta = model_metadata_dict(request.name)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["inputs"]],
+            outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]])
+
+    def _parse(self, request: pb.ModelInferRequest) -> GenerateRequest:
+        return parse_generate_fields(request_fields(request), self.state.defaults, self.state.vocab_size,
+                                     allow_extras=False)
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        await self._model(request.model_name, context)
+        try:
+            req = self._parse(request)
+            parts = [] if req.exclude_input_in_output else [req.prompt]
+            async with aclosing(self.state.client.stream(req.prompt, req.params)) as events:
+                async for event in events:
+                    parts.append(event.text)
+        except LlmcError as exc:
+            await context.abort(*status_of(exc))
+        return _response(request, "".join(parts), final=True, finish_reason=event.finish_reason)
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Any:
+        """Bidirectional stream: every incoming request runs concurrently; responses interleave."""
+        await self._auth(context)
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def read_requests() -> None:
+            async for request in request_iterator:
+                task = asyncio.ensure_future(self._serve_stream_request(request, out))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+            await out.put(None)
+
+        reader = asyncio.ensure_future(read_requests())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+        finally:  # the client went away: abort every request of this stream (their blocks are freed)
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _serve_stream_request(self, request: pb.ModelInferRequest, out: asyncio.Queue) -> None:
+        empty_final = request.parameters["triton_enable_empty_final_response"].bool_param \
+            if "triton_enable_empty_final_response" in request.parameters else False
+        try:
+            if not self.state.knows(request.model_name):
+                raise RequestError("model_name", f"unknown model {request.model_name!r}; this server serves "
+                                                 f"{self.state.model_name!r}")
+            req = self._parse(request)
+            prefix = "" if req.exclude_input_in_output else req.prompt
+            async with aclosing(self.state.client.stream(req.prompt, req.params)) as events:
+                async for event in events:
+                    text, prefix = prefix + event.text, ""
+                    if not req.stream and not event.finished:
+                        prefix = text
+                        continue
+                    for response in _stream_responses(request, text, event, empty_final):
+                        await out.put(pb.ModelStreamInferResponse(infer_response=response))
+        except LlmcError as exc:
+            code, message = status_of(exc)
+            await out.put(pb.ModelStreamInferResponse(error_message=f"{code.name}: {message}",
+                                                      infer_response=_response(request, None, final=True)))
+
+
+def _stream_responses(request: pb.ModelInferRequest, text: str, event: Any, empty_final: bool) -> list[Any]:
+    """The responses for one event: text (not final) then an empty final one, or text marked final."""
+    if not event.finished:
+        return [_response(request, text, final=False)] if text else []
+    if empty_final:
+        head = [_response(request, text, final=False)] if text else []
+        return head + [_response(request, None, final=True, finish_reason=event.finish_reason)]
+    return [_response(request, text, final=True, finish_reason=event.finish_reason)]
+
+
+def _response(request: pb.ModelInferRequest, text: str | None, final: bool,
+              finish_reason: str | None = None) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version or "1",
+                                     id=request.id)
+    if text is not None:
+        response.outputs.add(name="text_output", datatype="BYTES", shape=[1, 1])
+        response.raw_output_contents.append(serialize_bytes([text.encode("utf-8")]))
+    response.parameters["triton_final_response"].bool_param = final
+    if finish_reason is not None:
+        response.parameters["finish_reason"].string_param = finish_reason
+    return response
+
+
+async def start_grpc_server(state: ServerState, host: str, port: int) -> grpc.aio.Server:
+    """Create, bind and start the gRPC server (grpc.aio on the current event loop); returns it."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC port {host}:{port}; pass a free --grpc-port")
+    await server.start()
+    return server

@@ -1,0 +1,131 @@
+"""Triton model repository generation from the templates in the top-level ``model_repo/`` folder.
+
+``tensorrt_llm`` builds get the five-model TensorRT-LLM layout (ensemble, preprocessing, tensorrt_llm,
+postprocessing, tensorrt_llm_bls); ``torch`` builds get one decoupled Python model named after the served
+model that runs llmc's runtime. Every config.pbtxt is filled from the recipe and the manifest, parsed with
+Triton's schema, and the ensemble's wiring is checked before the function returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+from llmc.errors import BuildError
+from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, render_inputs
+from llmc.serve.protocol import ENSEMBLE_INPUTS
+
+log = logging.getLogger(__name__)
+TRTLLM_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
+TORCH_TEMPLATE = "llmc"
+_TMP_BUILD = re.compile(r"^\.(?P<name>.+)\.tmp-\d+$")  # llmc build's temp folder, renamed at the end
+
+
+def template_root() -> Path:
+    """The ``model_repo`` templates: the source checkout's top-level folder, else the copy inside the
+    installed package (``llmc/serve/model_repo``, see pyproject's package-dir mapping)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parents[1] / "model_repo", here / "model_repo"):
+        if (candidate / "ensemble" / "config.pbtxt").is_file():
+            return candidate
+    raise BuildError(f"the Triton model_repo templates are missing (looked in {here.parents[1] / 'model_repo'} "
+                     f"and {here / 'model_repo'}); reinstall llmc")
+
+
+def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: Any = None,
+                        eos_token_ids: Sequence[int] | None = None, build_path: str | Path | None = None,
+                        engine_path: str | Path | None = None) -> Path:
+    """Write the Triton model repository of a build folder to ``out_dir`` (replaced if present); returns it.
+
+    ``recipe`` / ``eos_token_ids`` default to the build's manifest. ``build_path`` is where the build folder
+    is seen by tritonserver (default: its absolute path; the container's mount point otherwise) and
+    ``engine_path`` overrides ``gpt_model_path`` (default ``<build_path>/engine``). Raises BuildError when a
+    generated file does not parse or the ensemble's wiring is broken, EngineError for a folder that is not
+    an llmc build.
+    """
+    build_dir, out_dir = Path(build_dir), Path(out_dir)
+    if recipe is None:
+        from llmc.build.manifest import read_manifest
+
+        manifest = read_manifest(build_dir)
+        recipe, eos_token_ids = manifest.recipe_obj(), manifest.eos_token_ids
+    eos = tuple(eos_token_ids if eos_token_ids is not None else _tokenizer_eos(build_dir))
+    build_path = Path(build_path) if build_path is not None else _final_path(build_dir)
+    values = template_values(recipe, eos, build_path, engine_path, _pad_id(build_dir, eos))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    root = template_root()
+    if recipe.backend == "tensorrt_llm":
+        for name in TRTLLM_MODELS:
+            _render_model(root / name, out_dir / name, values)
+        problems = check_ensemble(out_dir)
+        if problems:
+            raise BuildError("the generated ensemble is mis-wired: " + "; ".join(problems))
+    else:
+        _render_model(root / TORCH_TEMPLATE, out_dir / recipe.served_model_name, values)
+    return out_dir
+
+
+def template_values(recipe: Any, eos: Sequence[int], build_path: Path, engine_path: str | Path | None,
+                    pad_id: int) -> dict[str, Any]:
+    """Every ``${placeholder}`` of the templates, from the recipe (serving, engine, kv_cache, model)."""
+    serving, count = recipe.serving, recipe.serving.instance_count
+    return {
+        "model_name": recipe.served_model_name,
+        "max_batch_size": recipe.engine.max_batch_size,
+        "build_path": str(build_path),
+        "engine_path": str(engine_path if engine_path is not None else build_path / "engine"),
+        "tokenizer_dir": str(build_path / "tokenizer"),
+        "add_special_tokens": recipe.model.add_special_tokens,
+        "apply_chat_template": False,
+        "skip_special_tokens": recipe.runtime.sampling.skip_special_tokens,
+        "eos_token_ids": list(eos),
+        "pad_id": pad_id,
+        "decoupled": True,
+        "max_queue_size": serving.max_queue_size,
+        "batch_scheduler_policy": serving.batch_scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": recipe.kv_cache.memory_fraction,
+        "enable_kv_cache_reuse": serving.enable_kv_cache_reuse,
+        "enable_chunked_context": serving.enable_chunked_context,
+        "preprocessing_instance_count": count,
+        "postprocessing_instance_count": count,
+        "bls_instance_count": count,
+        "ensemble_inputs": render_inputs(ENSEMBLE_INPUTS),
+    }
+
+
+def _render_model(template_dir: Path, model_dir: Path, values: dict[str, Any]) -> None:
+    """Copy one model's template folder, filling and validating its config.pbtxt."""
+    shutil.copytree(template_dir, model_dir, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    config_path = model_dir / "config.pbtxt"
+    text = fill_template(config_path.read_text(), values, str(template_dir / "config.pbtxt"))
+    parse_config(text, str(config_path))
+    config_path.write_text(text)
+    (model_dir / "1").mkdir(exist_ok=True)
+
+
+def _final_path(build_dir: Path) -> Path:
+    """The build folder's absolute path once ``llmc build`` has renamed its temp folder into place."""
+    build_dir = build_dir.absolute()
+    match = _TMP_BUILD.match(build_dir.name)
+    return build_dir.parent / match.group("name") if match else build_dir
+
+
+def _tokenizer_eos(build_dir: Path) -> tuple[int, ...]:
+    gen = build_dir / "tokenizer" / "generation_config.json"
+    if not gen.is_file():
+        raise BuildError(f"{gen} is missing, so the eos ids are unknown; pass eos_token_ids or rebuild")
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+
+
+def _pad_id(build_dir: Path, eos: Sequence[int]) -> int:
+    """The tokenizer's pad id (generation_config.json), else the first eos id, else 0."""
+    gen = build_dir / "tokenizer" / "generation_config.json"
+    pad = json.loads(gen.read_text()).get("pad_token_id") if gen.is_file() else None
+    return int(pad) if isinstance(pad, int) else (eos[0] if eos else 0)

@@ -1,0 +1,94 @@
+"""Run ``llmc serve``: load the engine, start HTTP + gRPC on one event loop, drain gracefully on SIGTERM.
+
+Shutdown (SIGTERM or SIGINT): readiness turns false and new requests get 503 / UNAVAILABLE; in-flight
+requests get ``grace_s`` to finish, the rest are aborted (their streams end with finish_reason "abort");
+then both servers stop and :func:`serve` returns normally (exit status 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from llmc.serve.engine_client import EngineClient
+from llmc.serve.server import ServerState, create_app
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Resolved ``llmc serve`` options (recipe ``serving`` defaults already applied)."""
+
+    host: str
+    port: int
+    grpc_port: int | None  # None: no gRPC server
+    api_key: str | None
+    request_timeout_s: float
+    grace_s: float = 30.0
+
+
+def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None) -> Any:
+    """``Engine.from_dir`` with the recipe's ``serving.max_queue_size`` optionally overridden."""
+    from llmc.runtime.api import Engine
+
+    engine = Engine.from_dir(build_dir, device=device)
+    if max_queue_size is None or max_queue_size == engine.recipe.serving.max_queue_size:
+        return engine
+    recipe = engine.recipe
+    recipe = dataclasses.replace(recipe, serving=dataclasses.replace(recipe.serving, max_queue_size=max_queue_size))
+    return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids)
+
+
+def make_state(engine: Any, options: ServeOptions) -> ServerState:
+    """The handlers' shared state for a loaded engine."""
+    client = EngineClient(engine, options.request_timeout_s)
+    return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
+                       options.api_key)
+
+
+async def serve_async(engine: Any, options: ServeOptions, stop: asyncio.Event,
+                      on_ready: Callable[[], None] | None = None) -> None:
+    """Serve until ``stop`` is set, then drain and shut down. ``engine`` must not be started yet."""
+    from llmc.serve.grpc_server import start_grpc_server
+
+    state = make_state(engine, options)
+    engine.start()
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    grpc_server = None
+    try:
+        await web.TCPSite(runner, options.host, options.port).start()
+        if options.grpc_port is not None:
+            grpc_server = await start_grpc_server(state, options.host, options.grpc_port)
+        if on_ready is not None:
+            on_ready()
+        await stop.wait()
+        log.info("shutting down: draining %d in-flight requests", len(state.client.in_flight))
+        await state.client.drain(options.grace_s)
+    finally:
+        engine.shutdown()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
+        await runner.cleanup()
+
+
+def serve(engine: Any, options: ServeOptions, on_ready: Callable[[], None] | None = None) -> None:
+    """Blocking entry point of ``llmc serve``: returns after a graceful SIGTERM/SIGINT shutdown."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_async(engine, options, stop, on_ready)
+
+    asyncio.run(main())

@@ -1,0 +1,78 @@
+"""llmc torch engine as a decoupled Triton Python-backend model.
+
+One request -> a stream of responses (one per text delta; ``stream: false`` -> one response), then the
+final flag. Tensors and their meaning are the TensorRT-LLM ensemble's (``llmc.serve.protocol``), parsed by
+the same code as ``llmc serve``. ``triton_python_backend_utils`` is imported lazily.
+"""
+
+import json
+
+import numpy as np
+
+from llmc.serve.protocol import ENSEMBLE_INPUTS, parse_generate_fields
+
+
+def request_fields(arrays):
+    """Ensemble fields from ``{name: numpy array [1, ...]}`` (absent inputs are None and skipped)."""
+    fields = {}
+    for name, array in arrays.items():
+        if array is None:
+            continue
+        values = [x.decode("utf-8") if isinstance(x, bytes) else x.item() for x in array.reshape(-1)]
+        fields[name] = values if name in ("stop_words", "bad_words") else values[0]
+    return fields
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from llmc.runtime.api import Engine
+
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.engine = Engine.from_dir(params["build_dir"], device=params.get("device", "auto"))
+        self.engine.start()
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+
+        for request in requests:
+            sender = request.get_response_sender()
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            try:
+                arrays = {}
+                for spec in ENSEMBLE_INPUTS:
+                    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+                    arrays[spec.name] = None if tensor is None else tensor.as_numpy()
+                req = parse_generate_fields(request_fields(arrays), self.engine.default_params,
+                                            self.engine.runner.vocab_size, allow_extras=False)
+                self.engine.add_request(req.prompt, req.params, sink=self._sink(sender, req, pb_utils))
+            except Exception as exc:
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))),
+                            flags=final)
+        return None
+
+    @staticmethod
+    def _sink(sender, req, pb_utils):
+        """The engine callback for one request (runs on the engine's step thread)."""
+        held = [] if req.exclude_input_in_output else [req.prompt]
+
+        def text_response(text):
+            out = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
+            return pb_utils.InferenceResponse(output_tensors=[out])
+
+        def sink(event):
+            held.append(event.text)
+            if event.finish_reason == "error":
+                sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(event.error)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
+            text = "".join(held)
+            if (req.stream or event.finished) and text:
+                sender.send(text_response(text))
+                held.clear()
+            if event.finished:
+                sender.send(None, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return sink
+
+    def finalize(self):
+        self.engine.shutdown()

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU acceptance for the torch engine (run on an NVIDIA GPU box, e.g. through the device tool's H200):
+#   1. a Llama-3.1-8B-shaped model with random bf16 weights (speed does not depend on weight values),
+#   2. `llmc build` with the torch backend,
+#   3. the `gpu`-marked tests,
+#   4. greedy tokens of llmc vs transformers on the same random model (16 tokens),
+#   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) with transformers generate as the baseline.
+# Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
+#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency). Needs torch + transformers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-${OUT:-/tmp/llmc-gpu-out}}"
+work="${LLMC_GPU_WORK:-/tmp/llmc-gpu-work}"
+shape="${SHAPE:-llama3.1-8b}"
+device="${DEVICE:-cuda}"
+mkdir -p "$out/plots" "$work"
+exec > >(tee -a "$out/log.txt") 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py="${PYTHON:-python3}"
+
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+
+step "environment"
+$py -m llmc.cli doctor
+
+step "random Llama-3.1-8B-shaped model"
+if [ ! -f "$work/hf/config.json" ]; then
+  $py scripts/make_random_llama.py --shape "$shape" --out "$work/hf" --device "$device"
+fi
+
+cat >"$work/recipe.yaml" <<YAML
+name: llama31-8b-random
+model:
+  source: $work/hf
+  dtype: bfloat16
+  eos_token_ids: auto
+quantization:
+  method: none
+engine:
+  max_batch_size: 64
+  max_input_len: 2048
+  max_seq_len: 2304
+  max_num_tokens: 8192
+kv_cache:
+  tokens_per_block: 32
+  memory_fraction: 0.4
+backend: torch
+YAML
+
+step "llmc build"
+$py -m llmc.cli build "$work/recipe.yaml" -o "$work/build"
+
+if [ "$device" = cuda ]; then
+  step "gpu tests"
+  $py -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tail -n 15
+fi
+
+step "greedy check vs transformers (16 tokens)"
+$py scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 --device "$device" >"$out/greedy.json" || true
+cat "$out/greedy.json"
+
+step "llmc bench (ISL 2048 / OSL 128; concurrency 1, 8, 64; baseline transformers)"
+$py -m llmc.cli bench "$work/build" --device "$device" --isl "${ISL:-2048}" --osl "${OSL:-128}" \
+  --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 --warmup 2 --baseline hf \
+  --json "$out/bench.json" --plots "$out/plots"

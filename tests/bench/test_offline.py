@@ -1,0 +1,59 @@
+"""Offline bench on the tiny build (and the transformers baseline on its source): consistent counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.bench.baseline import HFBaseline, resolve_hf_dir
+from llmc.bench.offline import run_offline
+from llmc.bench.workload import BenchPlan, LengthDist, plan_levels, synthetic_workload
+from llmc.runtime.api import Engine
+from llmc.runtime.params import SamplingParams
+
+OSL = 6
+
+
+@pytest.fixture(scope="module")
+def plan(tokenizer, corpus):
+    workload = synthetic_workload(tokenizer, LengthDist("uniform", 24, 0.5), LengthDist("fixed", OSL), 1 + 6 + 6,
+                                  seed=1, corpus=corpus)
+    return plan_levels(workload, [1, 4], per_level=6, warmup=1)
+
+
+def test_offline_levels_count_every_token(bench_build_dir, plan, tmp_path):
+    step_log = tmp_path / "steps.jsonl"
+    engine = Engine.from_dir(bench_build_dir, device="cpu", metrics_log=step_log)
+    try:
+        levels = run_offline(engine, plan, SamplingParams(temperature=0.0), step_log)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert [lv.concurrency for lv in levels] == [1, 4]
+    assert [len(lv.records) for lv in levels] == [6, 6]
+    for lv in levels:
+        prompts = plan.prompts_of(lv.concurrency)
+        assert sum(r.generated_tokens for r in lv.records) == len(prompts) * OSL
+        assert sorted(r.prompt_tokens for r in lv.records) == sorted(p.prompt_tokens for p in prompts)
+        for r in lv.records:
+            assert len(r.token_times) == OSL and r.finish_reason == "length"
+            assert 0 < r.ttft <= r.e2e and len(r.itls) == OSL - 1 and min(r.itls) >= 0
+        assert lv.wall_s >= max(r.e2e for r in lv.records) * 0.99
+        assert lv.memory["kv_blocks_used_peak"] >= 1 and lv.memory["rss_peak_mb"] > 0
+        assert lv.steps["count"] >= OSL and lv.steps["decode_tokens"] == len(prompts) * (OSL - 1)
+    assert levels[0].memory["max_running"] <= 1 and levels[1].steps["max_running"] > 1
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0  # every block returned
+
+
+def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
+    assert resolve_hf_dir(bench_build_dir) == tiny_hf_dir
+    baseline = HFBaseline(tiny_hf_dir, device="cpu")
+    small = BenchPlan(plan.warmup, ((1, plan.prompts_of(1)[:2]), (4, plan.prompts_of(4)[:4])))
+    levels = baseline.run(small, SamplingParams(temperature=0.0))
+    plan = small
+    for lv in levels:
+        assert sum(r.generated_tokens for r in lv.records) == len(plan.prompts_of(lv.concurrency)) * OSL
+        assert all(len(r.itls) == OSL - 1 and r.ttft > 0 for r in lv.records)
+    # Concurrency 4 runs static batches: the four requests of one batch share their start and token times.
+    batch = levels[1].records[:4]
+    assert len({r.start for r in batch}) == 1 and len({r.token_times for r in batch}) == 1
+    assert baseline.describe()["dtype"] == "float32"

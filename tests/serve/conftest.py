@@ -1,0 +1,107 @@
+"""Serving test fixtures: tiny / embedded build folders and in-process servers on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmc.serve.run import ServeOptions, load_engine, serve_async
+from tests.runtime.engine_helpers import SMOLLM2_LIMITS, TINY_LIMITS, build_engine_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    """A server running on a background thread's event loop; ``engine`` is the served Engine."""
+
+    engine: Any
+    http: str  # "http://127.0.0.1:PORT"
+    grpc: str  # "127.0.0.1:PORT"
+    model: str
+    loop: asyncio.AbstractEventLoop
+    stop: asyncio.Event
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the server did not shut down"
+
+    def post(self, path: str, body: Any, headers: dict | None = None, raw: bytes | None = None,
+             reply_headers: dict | None = None) -> tuple[int, Any]:
+        """POST JSON (or ``raw`` bytes); returns (status, parsed JSON or text); fills ``reply_headers``."""
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.http + path, data=data, method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        return _send(req, reply_headers)
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, Any]:
+        return _send(urllib.request.Request(self.http + path, headers=headers or {}))
+
+
+def _send(req: urllib.request.Request, reply_headers: dict | None = None) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, text, headers = r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        status, text, headers = exc.code, exc.read().decode(), dict(exc.headers)
+    if reply_headers is not None:
+        reply_headers.update(headers)
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def start_server(build_dir: Path, max_queue_size: int | None = None, request_timeout_s: float = 60.0,
+                 api_key: str | None = None, grace_s: float = 5.0) -> RunningServer:
+    engine = load_engine(build_dir, "cpu", max_queue_size)
+    options = ServeOptions("127.0.0.1", free_port(), free_port(), api_key, request_timeout_s, grace_s)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict[str, Any] = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        holder["stop"] = asyncio.Event()
+        loop.run_until_complete(serve_async(engine, options, holder["stop"], ready.set))
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    return RunningServer(engine, f"http://127.0.0.1:{options.port}", f"127.0.0.1:{options.grpc_port}",
+                         engine.recipe.served_model_name, loop, holder["stop"], thread)
+
+
+@pytest.fixture(scope="session")
+def serve_tiny_build(tmp_path_factory, tiny_hf_dir) -> Path:
+    """A tiny model built by the real pipeline (torch backend, greedy defaults, 16 new tokens)."""
+    return build_engine_dir(tiny_hf_dir, tmp_path_factory.mktemp("serve_tiny") / "tiny", "tiny", TINY_LIMITS)
+
+
+@pytest.fixture(scope="session")
+def serve_smollm2_build(tmp_path_factory, smollm2_hf_dir) -> Path:
+    return build_engine_dir(smollm2_hf_dir, tmp_path_factory.mktemp("serve_smol") / "smollm2", "smollm2",
+                            SMOLLM2_LIMITS, tokens_per_block=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(serve_tiny_build):
+    server = start_server(serve_tiny_build)
+    yield server
+    server.close()

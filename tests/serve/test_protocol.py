@@ -1,0 +1,68 @@
+"""Ensemble field parsing (shared by HTTP, gRPC and the Triton llmc model) and Prometheus rendering."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.errors import RequestError
+from llmc.runtime.params import SamplingParams
+from llmc.serve import prom
+from llmc.serve.protocol import parse_generate_fields
+from llmc.serve.tensors import decode_raw, deserialize_bytes, serialize_bytes, tensors_to_fields
+
+DEFAULTS = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(2,))
+
+
+def test_fields_map_onto_sampling_params():
+    req = parse_generate_fields({"text_input": "hi", "max_tokens": [5], "stop_words": ["\n", ""], "end_id": 7,
+                                 "temperature": 0.7, "top_k": 3, "min_length": 2, "random_seed": 9, "stream": True,
+                                 "id": "abc", "min_p": 0.1}, DEFAULTS, vocab_size=100)
+    p = req.params
+    assert (req.prompt, req.stream, req.request_id) == ("hi", True, "abc")
+    assert (p.max_new_tokens, p.stop, p.temperature, p.top_k, p.min_tokens, p.seed, p.min_p) == \
+        (5, ("\n",), 0.7, 3, 2, 9, 0.1)
+    assert set(p.stop_token_ids) == {2, 7}
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"max_tokens": 3}, "text_input"), ({"text_input": "x"}, "max_tokens"),
+    ({"text_input": "x", "max_tokens": 0}, "max_tokens"), ({"text_input": "x", "max_tokens": True}, "max_tokens"),
+    ({"text_input": 5, "max_tokens": 1}, "text_input"), ({"text_input": "x", "max_tokens": 1, "stream": 1}, "stream"),
+    ({"text_input": "x", "max_tokens": 1, "random_seed": -1}, "random_seed"),
+    ({"text_input": "x", "max_tokens": 1, "top_p": 2.0}, "top_p"),
+    ({"text_input": "x", "max_tokens": 1, "min_p": 0.1}, "min_p"),
+])
+def test_bad_fields_name_the_field(fields, field):
+    with pytest.raises(RequestError) as info:
+        parse_generate_fields(fields, DEFAULTS, allow_extras="min_p" not in fields)
+    assert field in str(info.value)
+
+
+def test_tensor_wire_format_round_trips():
+    elements = [b"hello", "天气".encode(), b""]
+    assert deserialize_bytes(serialize_bytes(elements)) == elements
+    with pytest.raises(RequestError, match="truncated"):
+        deserialize_bytes(serialize_bytes([b"abc"])[:-1])
+    assert decode_raw("max_tokens", "INT32", (12).to_bytes(4, "little")) == [12]
+    with pytest.raises(RequestError, match="datatype"):
+        decode_raw("max_tokens", "FP32", b"\0\0\0\0")
+    with pytest.raises(RequestError, match="batch size 1"):
+        tensors_to_fields({"text_input": [b"a", b"b"]})
+
+
+def test_prometheus_text_format():
+    registry = prom.Registry()
+    c = registry.add(prom.Counter("reqs_total", "Requests.", ("reason",)))
+    h = registry.add(prom.Histogram("lat_seconds", "Latency.", buckets=(0.1, 1.0)))
+    registry.add(prom.Gauge("queue", "Queue.", lambda: 4))
+    c.inc("stop")
+    c.inc("stop")
+    c.inc('we"ird')
+    for v in (0.05, 0.5, 3.0):
+        h.observe(v)
+    lines = registry.render().splitlines()
+    assert "# TYPE reqs_total counter" in lines and 'reqs_total{reason="stop"} 2' in lines
+    assert 'reqs_total{reason="we\\"ird"} 1' in lines
+    assert ['lat_seconds_bucket{le="0.1"} 1', 'lat_seconds_bucket{le="1"} 2', 'lat_seconds_bucket{le="+Inf"} 3',
+            "lat_seconds_sum 3.55", "lat_seconds_count 3"] == [l for l in lines if l.startswith("lat_seconds")]
+    assert "queue 4" in lines

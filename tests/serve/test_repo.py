@@ -1,0 +1,115 @@
+"""Triton model repository generation: every config parses with Triton's schema, values come from the
+recipe, the ensemble's wiring is checked (and a broken one is caught)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from llmc.build.manifest import read_manifest
+from llmc.errors import BuildError
+from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config
+from llmc.serve.protocol import ENSEMBLE_INPUTS
+from llmc.serve.repo import TRTLLM_MODELS, generate_model_repo
+
+
+def _trt_recipe(build_dir, **serving):
+    recipe = read_manifest(build_dir).recipe_obj()
+    return dataclasses.replace(recipe, backend="tensorrt_llm",
+                               serving=dataclasses.replace(recipe.serving, **serving))
+
+
+def _parse_file(path):
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse(path.read_text(), config)  # Triton's own schema, independent of llmc's helper
+    return config
+
+
+def _params(config):
+    return {k: v.string_value for k, v in config.parameters.items()}
+
+
+def test_torch_repo_is_one_decoupled_python_model(serve_tiny_build, tmp_path):
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo")
+    assert sorted(p.name for p in repo.iterdir()) == ["tiny"]
+    config = _parse_file(repo / "tiny" / "config.pbtxt")
+    assert config.backend == "python" and config.model_transaction_policy.decoupled
+    assert [i.name for i in config.input] == [s.name for s in ENSEMBLE_INPUTS]
+    assert [o.name for o in config.output] == ["text_output"]
+    assert _params(config)["build_dir"] == str(serve_tiny_build.absolute())
+    assert (repo / "tiny" / "1" / "model.py").is_file()
+
+
+def test_trtllm_repo_filled_from_recipe(serve_tiny_build, tmp_path):
+    recipe = _trt_recipe(serve_tiny_build, max_queue_size=7, batch_scheduler_policy="guaranteed_no_evict",
+                         enable_kv_cache_reuse=False, instance_count=3)
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo", recipe=recipe, eos_token_ids=(2, 0),
+                               engine_path="/models/tiny/engine")
+    assert sorted(p.name for p in repo.iterdir()) == sorted(TRTLLM_MODELS)
+    configs = {name: _parse_file(repo / name / "config.pbtxt") for name in TRTLLM_MODELS}
+    for name, config in configs.items():
+        assert config.max_batch_size == recipe.engine.max_batch_size, name
+        assert not re.search(r"\$\{", (repo / name / "config.pbtxt").read_text()), name
+    trt = configs["tensorrt_llm"]
+    p = _params(trt)
+    assert p["gpt_model_path"] == "/models/tiny/engine"
+    assert p["gpt_model_type"] == "inflight_fused_batching"
+    assert p["batch_scheduler_policy"] == "guaranteed_no_evict"
+    assert p["enable_kv_cache_reuse"] == "false" and p["enable_chunked_context"] == "true"
+    assert float(p["kv_cache_free_gpu_mem_fraction"]) == recipe.kv_cache.memory_fraction
+    assert p["exclude_input_in_output"] == "true"
+    assert trt.model_transaction_policy.decoupled
+    assert trt.dynamic_batching.default_queue_policy.max_queue_size == 7
+    pre = _params(configs["preprocessing"])
+    assert pre["eos_token_ids"] == "2,0" and pre["add_special_tokens"] == "true"
+    assert pre["tokenizer_dir"] == str(serve_tiny_build.absolute() / "tokenizer")
+    assert configs["preprocessing"].instance_group[0].count == 3
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    assert check_ensemble(repo) == []
+
+
+def test_temp_build_folder_paths_point_at_the_final_folder(serve_tiny_build, tmp_path):
+    tmp_build = tmp_path / ".tiny.tmp-123"
+    shutil.copytree(serve_tiny_build, tmp_build)
+    repo = generate_model_repo(tmp_build, tmp_path / "repo")
+    assert _params(_parse_file(repo / "tiny" / "config.pbtxt"))["build_dir"] == str(tmp_path / "tiny")
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda t: t.replace('key: "input_ids" value: "_INPUT_ID"', 'key: "input_ids" value: "_NOPE"'), "_NOPE"),
+    (lambda t: t.replace('key: "request_output_len" value: "max_tokens"', 'key: "request_output_len" value: "temperature"'),
+     "TYPE_FP32"),
+    (lambda t: t.replace('input_map { key: "input_lengths" value: "_REQUEST_INPUT_LEN" }', ''), "input_lengths"),
+    (lambda t: t.replace('output_map { key: "OUTPUT" value: "text_output" }', 'output_map { key: "OUT" value: "x" }'),
+     "text_output"),
+])
+def test_broken_ensemble_wiring_is_detected(serve_tiny_build, tmp_path, edit, expected):
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo", recipe=_trt_recipe(serve_tiny_build),
+                               eos_token_ids=(2,))
+    path = repo / "ensemble" / "config.pbtxt"
+    path.write_text(edit(path.read_text()))
+    problems = check_ensemble(repo)
+    assert problems and any(expected in p for p in problems), problems
+
+
+def test_pbtxt_helpers_reject_bad_text():
+    with pytest.raises(BuildError, match="placeholder"):
+        fill_template("max_batch_size: ${missing}", {})
+    with pytest.raises(BuildError, match="does not parse"):
+        parse_config('name: "x" max_batch_size: "eight"')
+    assert parse_config('name: "x" max_batch_size: 8').max_batch_size == 8
+
+
+def test_repo_command_writes_and_validates(serve_tiny_build, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.serve.commands import repo_cmd
+
+    result = CliRunner().invoke(repo_cmd, [str(serve_tiny_build), str(tmp_path / "out"), "--build-path", "/models/t"])
+    assert result.exit_code == 0, result.output
+    assert _params(read_config(tmp_path / "out" / "tiny"))["build_dir"] == "/models/t"
