@@ -7,6 +7,8 @@ the moment the client sent it (server, baseline).
 
 from __future__ import annotations
 
+import os
+import resource
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
@@ -58,12 +60,8 @@ def current_rss_mb() -> float:
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
             pages = int(f.read().split()[1])
-        import os
-
         return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

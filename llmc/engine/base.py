@@ -50,7 +50,7 @@ def load_runner(build_dir: str | Path, device: torch.device | str = "cpu", num_b
     if backend == "tensorrt_llm":
         raise EngineError(
             f"{build_dir} is a tensorrt_llm build: it runs inside TensorRT-LLM's executor, which has no "
-            f"step-level runner. Fix: open it with llmc.engine.tensorrt_llm.runner.TrtllmRunner.from_build_dir, "
-            f"or rebuild the recipe with backend: torch"
+            f"step-level runner. Fix: open it with llmc.runtime.api.Engine.from_dir (generate/stream), serve it "
+            f"with tritonserver --model-repository <build>/model_repo, or rebuild the recipe with backend: torch"
         )
     raise EngineError(f"{build_dir}: unknown backend {backend!r} in manifest.json. Fix: rebuild with llmc build")

@@ -71,19 +71,31 @@ class Engine:
 
     @classmethod
     def from_dir(cls, path: str | Path, device: str = "auto", num_blocks: int | None = None,
-                 metrics_log: str | Path | None = None, max_wait_s: float | None = None) -> Engine:
+                 metrics_log: str | Path | None = None, max_wait_s: float | None = None,
+                 warmup: bool = True) -> Engine:
         """Load a build folder (``llmc build`` output). ``device``: "auto" (CUDA if available), "cpu", "cuda".
 
-        ``num_blocks`` overrides the KV-cache size planned from the recipe."""
+        A ``backend: tensorrt_llm`` build returns a :class:`~llmc.engine.tensorrt_llm.engine.TrtllmEngine`
+        (``generate``/``stream`` over TensorRT-LLM's ModelRunnerCpp; concurrency belongs to Triton there).
+
+        ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
+        warm-up (when it has one) before any request, so the first request is not the slow one."""
         from llmc.build.load import load_tokenizer
         from llmc.build.manifest import read_manifest
         from llmc.engine.base import load_runner
 
         build_dir = Path(path)
         manifest = read_manifest(build_dir)
+        if manifest.backend == "tensorrt_llm":
+            from llmc.engine.tensorrt_llm.engine import TrtllmEngine
+
+            return TrtllmEngine.from_build_dir(build_dir)  # type: ignore[return-value]
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
         runner = load_runner(build_dir, device, num_blocks)
+        runner_warmup = getattr(runner, "warmup", None)
+        if warmup and runner_warmup is not None:
+            runner_warmup()  # before the block manager exists: no request's blocks can be touched
         return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s)
 
     # ----------------------------------------------------------------------------------------- requests

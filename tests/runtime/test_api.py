@@ -207,13 +207,13 @@ def test_min_tokens_delays_stop_tokens(tiny_build_dir):
 # ------------------------------------------------------------------------------------------- sampling
 def test_seeded_sampling_is_reproducible_regardless_of_batch_companions(tiny_build_dir):
     engine = make_engine(tiny_build_dir)
-    seeded = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     (alone,) = engine.generate(["Random words:"], seeded)
     companions = ["Other prompt", "A much longer companion prompt with many more tokens in it", "x"]
     batch = engine.generate(
         companions[:2] + ["Random words:"] + companions[2:],
-        [SamplingParams(max_new_tokens=9, temperature=1.0, ignore_eos=True),
-         SamplingParams(max_new_tokens=20, temperature=0.7, seed=7, ignore_eos=True), seeded,
+        [SamplingParams(max_new_tokens=5, temperature=1.0, ignore_eos=True),
+         SamplingParams(max_new_tokens=10, temperature=0.7, seed=7, ignore_eos=True), seeded,
          SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)],
     )
     assert batch[2].token_ids == alone.token_ids

@@ -95,6 +95,8 @@ class TrtllmRunner:
 
         build_dir = Path(build_dir)
         engine_dir = build_dir / "engine"
+        if model_runner_cls is None:
+            require_tensorrt_llm(importer)  # a missing library says so before any version comparison
         check_engine_versions(engine_dir, found_versions)
         manifest = read_manifest(build_dir)
         config = TrtllmRunnerConfig.from_recipe(manifest.recipe_obj(), engine_dir, rank)

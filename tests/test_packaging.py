@@ -1,0 +1,25 @@
+"""pyproject.toml ships every llmc package and the Triton templates (a wheel install has no checkout)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_is_listed_and_templates_are_mapped():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "llmc").rglob("__init__.py")}
+    assert on_disk <= listed, f"add to [tool.setuptools] packages: {sorted(on_disk - listed)}"
+    assert project["tool"]["setuptools"]["package-dir"]["llmc.serve.model_repo"] == "model_repo"
+    data = project["tool"]["setuptools"]["package-data"]["llmc.serve.model_repo"]
+    templates = {p.relative_to(ROOT / "model_repo") for p in (ROOT / "model_repo").rglob("*") if p.is_file()}
+    shipped = {t for t in templates if any(t.match(pattern) for pattern in data)}
+    assert shipped == {t for t in templates if t.suffix in (".pbtxt", ".py")} and shipped
+
+
+def test_console_script_points_at_the_cli():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["llmc"] == "llmc.cli:main"
