@@ -78,5 +78,5 @@ def test_load_runner_refuses_a_tensorrt_llm_build_with_the_way_to_open_it(build_
     shutil.copytree(build_dir, trt_build)
     manifest = json.loads((trt_build / "manifest.json").read_text())
     (trt_build / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt_llm"}))
-    with pytest.raises(EngineError, match="TrtllmRunner.from_build_dir"):
+    with pytest.raises(EngineError, match="Engine.from_dir"):
         load_runner(trt_build)

