@@ -18,7 +18,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
 from llmc.bench.workload import BenchPlan, BenchPrompt
@@ -218,8 +218,10 @@ def make_client(protocol: str, url: str, model: str, params: SamplingParams) -> 
     raise RequestError("protocol", f"unknown protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
 
 
-def run_client(client: Any, plan: BenchPlan) -> list[LevelResult]:
-    """Warm up with ``plan.warmup`` (not measured), then run each level of the plan as a closed loop."""
+def run_client(client: Any, plan: BenchPlan, on_level: Callable[[LevelResult], None] | None = None,
+               ) -> list[LevelResult]:
+    """Warm up with ``plan.warmup`` (not measured), then run each level of the plan as a closed loop
+    (``on_level`` is called after each)."""
     for prompt in plan.warmup:
         client.run_one(prompt)
     results = []
@@ -229,4 +231,6 @@ def run_client(client: Any, plan: BenchPlan) -> list[LevelResult]:
         memory = {"rss_peak_mb": round(monitor.peaks["rss_mb"], 1), "rss_of": "the benchmark client process",
                   "note": "server memory is not visible to the client; read the server's /metrics"}
         results.append(LevelResult(concurrency, tuple(records), wall, memory))
+        if on_level is not None:
+            on_level(results[-1])
     return results

@@ -11,7 +11,7 @@ import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -74,6 +74,17 @@ def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> t
     return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup)
 
 
+def _progress(label: str) -> Callable[[Any], None]:
+    """A one-line progress note on stderr after each measured level."""
+
+    def note(level: Any) -> None:
+        tokens = sum(r.generated_tokens for r in level.records)
+        click.echo(f"{label}: concurrency {level.concurrency}: {len(level.records)} requests, {tokens} tokens in "
+                   f"{level.wall_s:.1f} s ({tokens / level.wall_s:.1f} tok/s)", err=True)
+
+    return note
+
+
 def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, str, Any]:
     """Load the engine and measure every level of the plan; returns (run info, levels, device, plan)."""
     from llmc.bench.offline import run_offline
@@ -84,7 +95,7 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
         engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log)
         try:
             workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens)
-            levels = run_offline(engine, plan, params, step_log)
+            levels = run_offline(engine, plan, params, step_log, on_level=_progress("llmc"))
         finally:
             engine.shutdown()
     device = str(engine.runner.device)
@@ -106,7 +117,7 @@ def run_baseline(opts: BenchOptions, device: str, plan: Any, params: Any) -> tup
         raise RequestError("baseline", "--baseline hf needs ENGINE_DIR or --baseline-model DIR to find the model")
     hf_dir = opts.baseline_model or resolve_hf_dir(opts.engine_dir)
     baseline = HFBaseline(hf_dir, device="cpu" if device == "cpu" else device, dtype=_baseline_dtype(opts, device))
-    levels = baseline.run(plan, params)
+    levels = baseline.run(plan, params, on_level=_progress("hf"))
     return levels, baseline.describe()
 
 
@@ -143,7 +154,7 @@ def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], l
     workload, plan = load_plan(opts, tokenizer, add_special)
     client = make_client(opts.protocol, opts.url, model, params)
     try:
-        levels = run_client(client, plan)
+        levels = run_client(client, plan, on_level=_progress(f"{opts.protocol} client"))
     finally:
         client.close()
     run = {"mode": "server", "url": opts.url, "protocol": opts.protocol, "model": model, "device": "server",

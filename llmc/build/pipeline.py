@@ -173,15 +173,15 @@ def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress
 
             reports["export"] = export_checkpoint(source, recipe, ckpt)
         return reports
-    with progress.step(f"quantize ({recipe.quantization.method})"):
+    with progress.step(f"quantize ({recipe.quantization.method})") as step:
         from llmc.build.quantize import quantize_checkpoint
 
-        reports["quantize"] = quantize_checkpoint(source, recipe, ckpt)
+        reports["quantize"] = quantize_checkpoint(source, recipe, ckpt, progress=step)
     if recipe.quantization.gate.enabled:
         with progress.step("accuracy gate"):
             from llmc.build.verify import accuracy_gate
 
-            reports["gate"] = accuracy_gate(source, recipe, ckpt)
+            reports["gate"] = accuracy_gate(source, recipe, ckpt, console=progress.console)
     return reports
 
 

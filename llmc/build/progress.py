@@ -37,6 +37,7 @@ class BuildProgress:
     """Timed build steps, rendered with rich when a console is given."""
 
     def __init__(self, console: Console | None = None):
+        self.console = console  # None: silent (library use); steps may print their own tables to it
         self.timings: dict[str, float] = {}
         self._progress = (
             Progress(

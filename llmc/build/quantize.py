@@ -35,9 +35,9 @@ from llmc.build import awq_lib
 from llmc.build.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
 from llmc.errors import BuildError
 
-AWQ_N_GRID = 20
+AWQ_N_GRID = 10
 AWQ_DUO_SCALING = True
-AWQ_SEARCH_SAMPLES = 16
+AWQ_SEARCH_SAMPLES = 8
 CALIBRATION_BATCH = 4
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from llmc.bench.baseline import HFBaseline, resolve_hf_dir
@@ -48,7 +50,10 @@ def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
     assert resolve_hf_dir(bench_build_dir) == tiny_hf_dir
     baseline = HFBaseline(tiny_hf_dir, device="cpu")
     small = BenchPlan(plan.warmup, ((1, plan.prompts_of(1)[:2]), (4, plan.prompts_of(4)[:4])))
-    levels = baseline.run(small, SamplingParams(temperature=0.0))
+    threads: list[str] = []
+    levels = baseline.run(small, SamplingParams(temperature=0.0),
+                          on_level=lambda level: threads.append(threading.current_thread().name))
+    assert threads == ["llmc-bench-hf"] * 2  # measured off the main thread, like llmc's engine loop
     plan = small
     for lv in levels:
         assert sum(r.generated_tokens for r in lv.records) == len(plan.prompts_of(lv.concurrency)) * OSL
