@@ -8,8 +8,8 @@ enforced with ``min_new_tokens == max_new_tokens``, the transformers equivalent 
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -68,6 +68,8 @@ class HFBaseline:
         self.model = AutoModelForCausalLM.from_pretrained(str(self.hf_dir), dtype=self.dtype).to(self.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-bench-hf")
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -100,8 +102,7 @@ class HFBaseline:
             records.append(RequestRecord(p.prompt_tokens, len(times), start, times, times[-1], "length"))
         return records
 
-    def run_level(self, prompts: Sequence[BenchPrompt], concurrency: int, params: SamplingParams) -> LevelResult:
-        """All ``prompts`` in consecutive batches of ``concurrency`` (1 = one at a time)."""
+    def _run_level(self, prompts: Sequence[BenchPrompt], concurrency: int, params: SamplingParams) -> LevelResult:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         records: list[RequestRecord] = []
@@ -110,39 +111,40 @@ class HFBaseline:
             for i in range(0, len(prompts), concurrency):
                 records.extend(self.generate_batch(prompts[i:i + concurrency], params))
             wall = time.perf_counter() - start
-        memory: dict[str, Any] = {"rss_peak_mb": round(monitor.peaks["rss_mb"], 1)}
+        memory: dict[str, Any] = {"rss_peak_mb": round(monitor.peaks["rss_mb"], 1),
+                                  "weights_mb": round(self.weight_bytes / 2**20, 1)}
         if self.device.type == "cuda":
             memory["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         return LevelResult(concurrency, tuple(records), wall, memory)
 
+    def warm_up(self, prompts: Sequence[BenchPrompt], params: SamplingParams) -> None:
+        """Run ``prompts`` one at a time, unmeasured (first-call costs, allocator growth)."""
+        self._in_worker(lambda: [self.generate_batch([p], params) for p in prompts])
+
+    def run_level(self, prompts: Sequence[BenchPrompt], concurrency: int, params: SamplingParams) -> LevelResult:
+        """All ``prompts`` in consecutive batches of ``concurrency`` (1 = one at a time)."""
+        return self._in_worker(self._run_level, prompts, concurrency, params)
+
     def run(self, plan: BenchPlan, params: SamplingParams,
             on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
-        """Warm up with ``plan.warmup`` as single requests (not measured), then measure every level
-        (``on_level`` is called after each).
-
-        Everything runs in one worker thread, the way llmc's engine runs its steps in its loop thread: on a
-        shared CPU, torch's intra-op thread team of the *main* thread was measured up to 25x slower per token
-        than the same ``generate`` call made from another thread, which would flatter llmc unfairly."""
-        results: list[LevelResult] = []
-        errors: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                for p in plan.warmup:
-                    self.generate_batch([p], params)
-                for concurrency, prompts in plan.levels:
-                    results.append(self.run_level(prompts, concurrency, params))
-                    if on_level is not None:
-                        on_level(results[-1])
-            except BaseException as exc:  # re-raised in the caller's thread
-                errors.append(exc)
-
-        worker = threading.Thread(target=work, name="llmc-bench-hf")
-        worker.start()
-        worker.join()
-        if errors:
-            raise errors[0]
+        """Warm up with ``plan.warmup`` (not measured), then measure every level (``on_level`` after each)."""
+        self.warm_up(plan.warmup, params)
+        results = []
+        for concurrency, prompts in plan.levels:
+            results.append(self.run_level(prompts, concurrency, params))
+            if on_level is not None:
+                on_level(results[-1])
         return results
+
+    def close(self) -> None:
+        """Stop the worker thread."""
+        self._worker.shutdown()
+
+    def _in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` in the baseline's worker thread, the way llmc's engine runs its steps in its loop thread:
+        on a shared CPU, torch's intra-op thread team of the *main* thread was measured up to 25x slower per
+        token than the same ``generate`` call made from another thread, which would flatter llmc unfairly."""
+        return self._worker.submit(fn, *args).result()
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:

@@ -74,51 +74,56 @@ def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> t
     return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup)
 
 
-def _progress(label: str) -> Callable[[Any], None]:
-    """A one-line progress note on stderr after each measured level."""
+def _progress(prefix: str = "") -> Callable[..., None]:
+    """A one-line progress note on stderr after each measured level: ``note(label, level)``."""
 
-    def note(level: Any) -> None:
+    def note(label: str, level: Any) -> None:
         tokens = sum(r.generated_tokens for r in level.records)
-        click.echo(f"{label}: concurrency {level.concurrency}: {len(level.records)} requests, {tokens} tokens in "
-                   f"{level.wall_s:.1f} s ({tokens / level.wall_s:.1f} tok/s)", err=True)
+        click.echo(f"{prefix}{label}: concurrency {level.concurrency}: {len(level.records)} requests, {tokens} "
+                   f"tokens in {level.wall_s:.1f} s ({tokens / level.wall_s:.1f} tok/s)", err=True)
 
     return note
 
 
-def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, str, Any]:
-    """Load the engine and measure every level of the plan; returns (run info, levels, device, plan)."""
+def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, Any, list | None]:
+    """Load the engine (and the baseline), measure every level of the plan, llmc then the baseline at each
+    level; returns (run info, llmc levels, plan, baseline levels or None)."""
     from llmc.bench.offline import run_offline
     from llmc.runtime.api import Engine
 
+    baseline = None
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
         engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log)
         try:
             workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens)
-            levels = run_offline(engine, plan, params, step_log, on_level=_progress("llmc"))
+            if opts.baseline == "hf":
+                baseline = load_baseline(opts, str(engine.runner.device))
+            levels, base_levels = run_offline(engine, plan, params, step_log, _progress(), baseline)
         finally:
             engine.shutdown()
-    device = str(engine.runner.device)
-    run = {"mode": "offline", "engine_dir": str(opts.engine_dir), "device": device, "workload": workload.description,
+            if baseline is not None:
+                baseline.close()
+    run = {"mode": "offline", "engine_dir": str(opts.engine_dir), "device": str(engine.runner.device),
+           "workload": workload.description,
            "engine": {"name": engine.recipe.name, "dtype": engine.recipe.model.dtype,
                       "max_batch_size": engine.recipe.engine.max_batch_size,
                       "max_num_tokens": engine.recipe.engine.max_num_tokens,
                       "tokens_per_block": engine.runner.block_size, "kv_blocks": engine.runner.num_blocks,
-                      "prefix_caching": engine.recipe.serving.enable_kv_cache_reuse}}
-    del engine
-    return run, levels, device, plan
+                      "prefix_caching": engine.recipe.serving.enable_kv_cache_reuse},
+           "order": "at each level llmc first, then the baseline, same prompts" if baseline else "llmc only",
+           "rss_note": "process RSS; with --baseline both models are loaded in the one process"}
+    if baseline is not None:
+        run["baseline_info"] = baseline.describe()
+    return run, levels, plan, base_levels
 
 
-def run_baseline(opts: BenchOptions, device: str, plan: Any, params: Any) -> tuple[list, dict[str, Any]]:
-    """transformers generate on the build's source model (or --baseline-model) with the same prompts."""
+def load_baseline(opts: BenchOptions, device: str) -> Any:
+    """transformers on the build's source model (or --baseline-model), on the engine's device."""
     from llmc.bench.baseline import HFBaseline, resolve_hf_dir
 
-    if opts.engine_dir is None and opts.baseline_model is None:
-        raise RequestError("baseline", "--baseline hf needs ENGINE_DIR or --baseline-model DIR to find the model")
     hf_dir = opts.baseline_model or resolve_hf_dir(opts.engine_dir)
-    baseline = HFBaseline(hf_dir, device="cpu" if device == "cpu" else device, dtype=_baseline_dtype(opts, device))
-    levels = baseline.run(plan, params, on_level=_progress("hf"))
-    return levels, baseline.describe()
+    return HFBaseline(hf_dir, device=device, dtype=_baseline_dtype(opts, device))
 
 
 def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
@@ -154,7 +159,7 @@ def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], l
     workload, plan = load_plan(opts, tokenizer, add_special)
     client = make_client(opts.protocol, opts.url, model, params)
     try:
-        levels = run_client(client, plan, on_level=_progress(f"{opts.protocol} client"))
+        levels = run_client(client, plan, on_level=lambda level: _progress()(f"{opts.protocol} client", level))
     finally:
         client.close()
     run = {"mode": "server", "url": opts.url, "protocol": opts.protocol, "model": model, "device": "server",
@@ -181,9 +186,8 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
     else:
         if opts.engine_dir is None:
             raise RequestError("engine_dir", "pass ENGINE_DIR (a build folder) or --url URL")
-        run, levels, device, plan = run_offline_bench(opts, params)
-        if opts.baseline == "hf":
-            baseline, baseline_info = run_baseline(opts, device, plan, params)
+        run, levels, plan, baseline = run_offline_bench(opts, params)
+        baseline_info = run.pop("baseline_info", None)
     sampling = {**params.to_dict(), "ignore_eos": True, "max_new_tokens": "per prompt (OSL)"}
     report = build_report(run, levels, plan, sampling, baseline, baseline_info, host_start)
     print_report(report)

@@ -51,20 +51,31 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
 
 
 def run_offline(engine: Any, plan: BenchPlan, params: SamplingParams, step_log: Path | None = None,
-                on_level: Callable[[LevelResult], None] | None = None) -> list[LevelResult]:
-    """Warm up with ``plan.warmup`` (not measured), then measure every level of the plan in order
-    (``on_level`` is called after each, e.g. to show progress).
+                on_level: Callable[[str, LevelResult], None] | None = None, baseline: Any | None = None,
+                ) -> tuple[list[LevelResult], list[LevelResult] | None]:
+    """Warm up with ``plan.warmup`` (not measured), then measure every level of the plan in order.
 
-    Starts the engine's background loop (and leaves it running; the caller shuts the engine down)."""
+    ``baseline`` (optional, e.g. :class:`~llmc.bench.baseline.HFBaseline`: ``warm_up(prompts, params)`` and
+    ``run_level(prompts, concurrency, params)``) is measured on the same prompts right after llmc at each
+    level, so both see the same machine load. ``on_level(label, result)`` is called after each measurement.
+    Returns ``(llmc levels, baseline levels or None)``. Starts the engine's background loop (and leaves it
+    running; the caller shuts the engine down)."""
     engine.start()
     for prompt in plan.warmup:
         run_request(engine, prompt, bench_params(params, prompt.max_new_tokens))
-    results = []
+    if baseline is not None:
+        baseline.warm_up(plan.warmup, params)
+    ours: list[LevelResult] = []
+    theirs: list[LevelResult] | None = [] if baseline is not None else None
     for concurrency, prompts in plan.levels:
-        results.append(run_level(engine, prompts, concurrency, params, step_log))
+        ours.append(run_level(engine, prompts, concurrency, params, step_log))
         if on_level is not None:
-            on_level(results[-1])
-    return results
+            on_level("llmc", ours[-1])
+        if baseline is not None and theirs is not None:
+            theirs.append(baseline.run_level(prompts, concurrency, params))
+            if on_level is not None:
+                on_level("baseline", theirs[-1])
+    return ours, theirs
 
 
 def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 ``itl_by_token_index.png`` (mean ITL over the output token index, one line per concurrency level),
 ``ttft_vs_prompt_length.png`` (one point per request) and ``tgs_vs_concurrency.png``; the baseline, when
-present, is drawn next to llmc with dashed lines / hollow markers.
+present, is drawn next to llmc with dashed lines / cross markers.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ def _ttft_vs_length(ax: Any, report: dict[str, Any]) -> None:
     for label, levels, style in _systems(report):
         for lv in levels:
             points = lv["ttft_vs_prompt_tokens"]
-            ax.scatter([p[0] for p in points], [p[1] * 1000 for p in points], s=12,
-                       facecolors="none" if style == "--" else None, label=f"{label} c={lv['concurrency']}")
+            ax.scatter([p[0] for p in points], [p[1] * 1000 for p in points], s=16,
+                       marker="x" if style == "--" else "o", label=f"{label} c={lv['concurrency']}")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("TTFT vs prompt length")

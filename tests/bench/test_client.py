@@ -54,7 +54,9 @@ def test_client_measures_every_chunk(protocol, stats, request):
         for r in lv.records:
             assert len(r.token_times) == OSL
             assert DELAY * 0.9 <= r.ttft < DELAY + 1.0
-            assert min(r.itls) >= GAP * 0.5
+            # Chunks are timed as they arrive (not all at the end); the sum is robust to a loaded machine
+            # delivering two chunks back to back.
+            assert sum(r.itls) >= (OSL - 1) * GAP * 0.5
     assert stats.peak == 3  # the closed loop kept three streams open at once
     assert len(stats.requests) == 1 + 2 + 6
     first = stats.requests[0]

@@ -26,11 +26,11 @@ def test_offline_levels_count_every_token(bench_build_dir, plan, tmp_path):
     step_log = tmp_path / "steps.jsonl"
     engine = Engine.from_dir(bench_build_dir, device="cpu", metrics_log=step_log)
     try:
-        levels = run_offline(engine, plan, SamplingParams(temperature=0.0), step_log)
+        levels, baseline_levels = run_offline(engine, plan, SamplingParams(temperature=0.0), step_log)
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert [lv.concurrency for lv in levels] == [1, 4]
+    assert baseline_levels is None and [lv.concurrency for lv in levels] == [1, 4]
     assert [len(lv.records) for lv in levels] == [6, 6]
     for lv in levels:
         prompts = plan.prompts_of(lv.concurrency)
@@ -50,10 +50,10 @@ def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
     assert resolve_hf_dir(bench_build_dir) == tiny_hf_dir
     baseline = HFBaseline(tiny_hf_dir, device="cpu")
     small = BenchPlan(plan.warmup, ((1, plan.prompts_of(1)[:2]), (4, plan.prompts_of(4)[:4])))
-    threads: list[str] = []
-    levels = baseline.run(small, SamplingParams(temperature=0.0),
-                          on_level=lambda level: threads.append(threading.current_thread().name))
-    assert threads == ["llmc-bench-hf"] * 2  # measured off the main thread, like llmc's engine loop
+    levels = baseline.run(small, SamplingParams(temperature=0.0))
+    # Measured off the main thread, like llmc's engine loop.
+    assert baseline._in_worker(threading.current_thread) is not threading.main_thread()
+    baseline.close()
     plan = small
     for lv in levels:
         assert sum(r.generated_tokens for r in lv.records) == len(plan.prompts_of(lv.concurrency)) * OSL

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmc.build import calib_text
-from llmc.build.calibrate import build_calibration_set, build_loss_mask, check_calibration_spec, find_special_token_ids
+from llmc.build.calibrate import (build_calibration_set, build_loss_mask, check_calibration_spec, draw_offsets,
+                                  find_special_token_ids)
 from llmc.errors import RecipeError
 from llmc.recipe import recipe_from_dict
 
@@ -81,7 +82,35 @@ def test_mask_is_zero_exactly_at_special_positions(tokenizer, template):
     summary = calib.summary()
     assert summary["excluded_special_positions"] == int(special.sum())
     assert summary["tokens"] == 8 * 64
-    assert (calib.input_ids[:, 0] == 1).all()  # chat windows start at a turn start: <|im_start|>
+    mid_window = special[:, 1:]
+    assert mid_window.any() and bool((calib.loss_mask[:, 1:][mid_window] == 0).all())  # markers mid-window, masked
+
+
+def test_windows_start_at_random_tokens_not_unit_starts(tokenizer, template):
+    calib = build(calib_spec(n_samples=32), tokenizer, template)
+    first = calib.input_ids[:, 0]
+    assert not bool((first == 1).all())  # position 0 is not always <|im_start|>
+    ordinary = ~torch.isin(first, torch.tensor(sorted(SMOLLM2_SPECIAL)))
+    assert int(ordinary.sum()) > calib.n_samples // 2  # ... it is mostly an ordinary token, counted in the stats
+    assert bool((calib.loss_mask[ordinary, 0] == 1).all())
+    assert bool((calib.loss_mask[~ordinary, 0] == 0).all())  # a special token at position 0 stays masked
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_draw_offsets_gives_disjoint_windows_inside_the_stream(seed):
+    offsets, overlapping = draw_offsets(stream_len=10_000, n_samples=20, seq_len=300, seed=seed)
+    assert not overlapping and len(offsets) == 20 and offsets == sorted(offsets)
+    assert offsets[0] >= 0 and offsets[-1] + 300 <= 10_000
+    assert all(b - a >= 300 for a, b in zip(offsets, offsets[1:]))
+    assert draw_offsets(10_000, 20, 300, seed) == (offsets, False)
+    assert draw_offsets(10_000, 20, 300, seed + 100)[0] != offsets
+
+
+def test_draw_offsets_edge_cases():
+    assert draw_offsets(stream_len=40, n_samples=4, seq_len=10, seed=0) == ([0, 10, 20, 30], False)  # exact fit
+    offsets, overlapping = draw_offsets(stream_len=25, n_samples=6, seq_len=10, seed=0)
+    assert overlapping and len(offsets) == 6 and all(0 <= o <= 15 for o in offsets)
+    assert any(b - a < 10 for a, b in zip(offsets, offsets[1:]))
 
 
 def test_mask_off_keeps_every_position_but_still_counts_specials(tokenizer, template):
