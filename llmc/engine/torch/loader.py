@@ -38,14 +38,20 @@ def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype 
 
 
 def load_model(
-    checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None
+    checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None,
+    int4_kernel: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
+
+    ``int4_kernel``: on CPU, keep W4A16_AWQ linears packed and multiply with PyTorch's int4 kernel
+    (:mod:`llmc.engine.torch.int4_cpu`) instead of dequantized float weights, where the op and shape allow
+    (single-rank checkpoints); every other layer, and every other case, is dequantized as before.
 
     Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing tensor or a
     shape that does not match the config (extra tensors are ignored with a warning, as TensorRT-LLM does).
     """
     raw_config, rank_weights = read_checkpoint(Path(checkpoint_dir))
+    raw_ranks, raw_checkpoint_rank0 = rank_weights, rank_weights[0]
     config = ModelConfig.from_checkpoint_config(raw_config)
     quant = raw_config.get("quantization") or {}
     if quant.get("quant_algo") not in (None, W4A16_AWQ):
@@ -64,7 +70,30 @@ def load_model(
     model.to_empty(device=device)
     model.load_state_dict(weights, strict=True)
     model.reset_buffers()
+    if int4_kernel and quant.get("quant_algo") == W4A16_AWQ and torch.device(device).type == "cpu":
+        _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks))
     return model.eval().requires_grad_(False)
+
+
+def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], group_size: int,
+                     num_ranks: int) -> None:
+    """Swap each quantized nn.Linear for an :class:`Int4Linear` built from the packed IR tensors."""
+    from llmc.engine.torch.int4_cpu import Int4Linear, int4_kernel_available, supports_shape
+
+    if num_ranks != 1 or not int4_kernel_available():
+        logger.info("int4 CPU kernel not used (ranks=%d, op available=%s)", num_ranks, int4_kernel_available())
+        return
+    for name, module in list(model.named_modules()):  # module names are the IR's tensor-name prefixes
+        packed = weights.get(f"{name}.{names.WEIGHT}")
+        if not isinstance(module, torch.nn.Linear) or packed is None or packed.dtype != torch.int8:
+            continue
+        if not supports_shape(module.out_features, module.in_features, group_size):
+            continue
+        scale = weights[f"{name}.{names.WEIGHTS_SCALING_FACTOR}"]
+        prequant = weights[f"{name}.{names.PREQUANT_SCALING_FACTOR}"]
+        parent_name, _, child = name.rpartition(".")
+        fast = Int4Linear.from_packed(packed, scale, prequant, group_size, dense=module.weight.detach())
+        setattr(model.get_submodule(parent_name), child, fast)
 
 
 def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[str, torch.Tensor]:
