@@ -187,24 +187,12 @@ def _decode_attention(
     d, num_heads, head_size = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_size = meta.block_size
-    num_blocks = -(-meta.max_decode_context_len // block_size)
+    num_blocks = -(-meta.max_decode_context_len // meta.block_size)
     tables = meta.block_tables.index_select(0, meta.decode_seqs)[:, :num_blocks]  # [D, nb]
-    # Flat cache slots of every (sequence, position): one index_select per cache on a flat view is about
-    # twice as fast as advanced indexing by block (measured on CPU), and it is one kernel on CUDA.
-    offsets = torch.arange(block_size, device=tables.device, dtype=torch.int64)
-    slots = (tables.to(torch.int64)[:, :, None] * block_size + offsets).flatten()  # [D * L]
-    k = _gather_slots(k_cache, slots, d).to(q.dtype)  # [D, nkv, L, hd]
-    v = _gather_slots(v_cache, slots, d).to(q.dtype)
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
     lens = meta.context_lens.index_select(0, meta.decode_seqs)  # [D]
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [D, L]
     q_g = q.view(d, num_kv_heads, group, head_size)  # query heads of one kv head share its keys
     out = F.scaled_dot_product_attention(q_g, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(d, num_heads, head_size)
-
-
-def _gather_slots(cache: torch.Tensor, slots: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """``cache [num_blocks, block_size, nkv, hd]`` rows at flat ``slots [D * L]`` -> ``[D, nkv, L, hd]``."""
-    num_kv_heads, head_size = cache.shape[2], cache.shape[3]
-    rows = cache.view(-1, num_kv_heads, head_size).index_select(0, slots)  # [D * L, nkv, hd]
-    return rows.view(num_seqs, -1, num_kv_heads, head_size).transpose(1, 2)
