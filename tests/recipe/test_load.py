@@ -44,8 +44,10 @@ def test_smollm2_recipes():
     nomask = load_recipe(RECIPES_DIR / "smollm2-135m-awq-nomask.yaml").quantization
     assert (rtn.method, rtn.group_size) == ("rtn", 64)
     assert (nomask.method, nomask.exclude_special_tokens) == ("awq", False)
-    # The comparison recipes differ from the AWQ recipe only in the compared setting.
-    assert nomask.calibration == q.calibration and rtn.gate == q.gate
+    # The comparison recipes differ from the AWQ recipe only in the compared setting; the RTN baseline's gate
+    # is looser (it only catches a broken build, so its figures can be measured next to AWQ's).
+    assert nomask.calibration == q.calibration and nomask.gate == q.gate
+    assert rtn.gate.max_mean_kl > q.gate.max_mean_kl and q.gate.max_ppl_ratio is not None
 
 
 def test_llama3_recipes():
