@@ -25,3 +25,21 @@ def smollm2_hf_dir() -> Path:
 def tiny_hf_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
     """A tiny random Llama HF folder with SmolLM2's tokenizer (2 layers, hidden 64, GQA 4/2)."""
     return factories.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf", smollm2_hf_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_build_dir(tmp_path_factory, tiny_hf_dir) -> Path:
+    """The tiny model built by the real ``llmc build`` pipeline (float32, torch backend, greedy defaults);
+    one build per session, shared by the runtime, CLI and serving tests."""
+    from tests.runtime.engine_helpers import TINY_LIMITS, build_engine_dir
+
+    return build_engine_dir(tiny_hf_dir, tmp_path_factory.mktemp("tiny_build") / "tiny", "tiny", TINY_LIMITS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_build_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
+    """The embedded SmolLM2 built the same way (16-token KV blocks); one build per session."""
+    from tests.runtime.engine_helpers import SMOLLM2_LIMITS, build_engine_dir
+
+    return build_engine_dir(smollm2_hf_dir, tmp_path_factory.mktemp("smol_build") / "smollm2", "smollm2",
+                            SMOLLM2_LIMITS, tokens_per_block=16)

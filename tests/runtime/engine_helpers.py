@@ -1,5 +1,6 @@
-"""Shared helpers for the engine tests: build folders made by ``llmc build``'s pipeline, engines over a
-shared runner (loaded once), and the transformers greedy reference."""
+"""Shared helpers for the engine tests: build folders made by ``llmc build``'s pipeline (the session fixtures
+``tiny_build_dir`` / ``smollm2_build_dir`` live in tests/conftest.py), engines over a shared runner (loaded
+once), and the transformers greedy reference."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import dataclasses
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
 import torch
 
 from llmc.runtime.api import Engine
@@ -29,17 +29,6 @@ def build_engine_dir(hf_dir: Path, out_dir: Path, name: str, limits: dict, token
         "runtime": {"sampling": {"max_new_tokens": 16, "temperature": 0.0}},
     })
     return build(recipe, out_dir).build_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_build_dir(tmp_path_factory, tiny_hf_dir) -> Path:
-    return build_engine_dir(tiny_hf_dir, tmp_path_factory.mktemp("tiny_build") / "tiny", "tiny", TINY_LIMITS)
-
-
-@pytest.fixture(scope="session")
-def smollm2_build_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
-    return build_engine_dir(smollm2_hf_dir, tmp_path_factory.mktemp("smol_build") / "smollm2", "smollm2",
-                            SMOLLM2_LIMITS, tokens_per_block=16)
 
 
 @lru_cache(maxsize=2)

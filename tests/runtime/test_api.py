@@ -13,7 +13,7 @@ import pytest
 
 from llmc.errors import EngineError, QueueFullError, RequestError
 from llmc.runtime.params import SamplingParams
-from tests.runtime.engine_helpers import hf_greedy, make_engine, smollm2_build_dir, tiny_build_dir  # noqa: F401
+from tests.runtime.engine_helpers import hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from llmc.cli import cli, main
 from llmc.runtime.params import SamplingParams
-from tests.runtime.engine_helpers import make_engine, tiny_build_dir  # noqa: F401
+from tests.runtime.engine_helpers import make_engine
 
 
 def test_generate_streams_the_api_text_and_prints_metrics(tiny_build_dir, tmp_path):

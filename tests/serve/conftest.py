@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from llmc.serve.run import ServeOptions, load_engine, serve_async
-from tests.runtime.engine_helpers import SMOLLM2_LIMITS, TINY_LIMITS, build_engine_dir
 
 
 def free_port() -> int:
@@ -89,15 +88,14 @@ def start_server(build_dir: Path, max_queue_size: int | None = None, request_tim
 
 
 @pytest.fixture(scope="session")
-def serve_tiny_build(tmp_path_factory, tiny_hf_dir) -> Path:
-    """A tiny model built by the real pipeline (torch backend, greedy defaults, 16 new tokens)."""
-    return build_engine_dir(tiny_hf_dir, tmp_path_factory.mktemp("serve_tiny") / "tiny", "tiny", TINY_LIMITS)
+def serve_tiny_build(tiny_build_dir) -> Path:
+    """The session's tiny build (tests/conftest.py: torch backend, greedy defaults, 16 new tokens)."""
+    return tiny_build_dir
 
 
 @pytest.fixture(scope="session")
-def serve_smollm2_build(tmp_path_factory, smollm2_hf_dir) -> Path:
-    return build_engine_dir(smollm2_hf_dir, tmp_path_factory.mktemp("serve_smol") / "smollm2", "smollm2",
-                            SMOLLM2_LIMITS, tokens_per_block=16)
+def serve_smollm2_build(smollm2_build_dir) -> Path:
+    return smollm2_build_dir
 
 
 @pytest.fixture(scope="module")
