@@ -5,11 +5,11 @@ final flag. Tensors and their meaning are the TensorRT-LLM ensemble's (``llmc.se
 the same code as ``llmc serve``. ``triton_python_backend_utils`` is imported lazily.
 """
 
-import json
 
 import numpy as np
 
 from llmc.serve.protocol import ENSEMBLE_INPUTS, parse_generate_fields
+from llmc.serve.triton_model import input_arrays, model_parameters
 
 
 def request_fields(arrays):
@@ -27,8 +27,7 @@ class TritonPythonModel:
     def initialize(self, args):
         from llmc.runtime.api import Engine
 
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         self.engine = Engine.from_dir(params["build_dir"], device=params.get("device", "auto"))
         self.engine.start()
 
@@ -39,10 +38,7 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
             try:
-                arrays = {}
-                for spec in ENSEMBLE_INPUTS:
-                    tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
-                    arrays[spec.name] = None if tensor is None else tensor.as_numpy()
+                arrays = input_arrays(pb_utils, request, [spec.name for spec in ENSEMBLE_INPUTS])
                 req = parse_generate_fields(request_fields(arrays), self.engine.default_params,
                                             self.engine.runner.vocab_size, allow_extras=False)
                 self.engine.add_request(req.prompt, req.params, sink=self._sink(sender, req, pb_utils))

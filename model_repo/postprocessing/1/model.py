@@ -6,16 +6,11 @@ is dropped on the request's last chunk. Non-streamed outputs are decoded in one 
 ``llmc.serve.tokenization.StreamDetokenizers``; ``triton_python_backend_utils`` is imported lazily.
 """
 
-import json
 
 import numpy as np
 
 from llmc.serve.tokenization import StreamDetokenizers, TokenizerSettings
-
-
-def model_parameters(args):
-    config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+from llmc.serve.triton_model import input_arrays, model_parameters
 
 
 def postprocess(detok, key, tokens, lengths, prompt_ids=None, max_tokens=None, stream=False):
@@ -43,18 +38,14 @@ class TritonPythonModel:
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
-        def get(request, name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         responses = []
         for request in requests:
             try:
-                tokens = get(request, "TOKENS_BATCH")
-                stream = get(request, "STREAM")
-                max_tokens = get(request, "REQUEST_OUTPUT_LEN")
-                texts = postprocess(self.detok, request.request_id(), tokens, get(request, "SEQUENCE_LENGTH"),
-                                    get(request, "PROMPT_IDS"),
+                a = input_arrays(pb_utils, request, ("TOKENS_BATCH", "SEQUENCE_LENGTH", "PROMPT_IDS", "STREAM",
+                                                     "REQUEST_OUTPUT_LEN"))
+                stream, max_tokens = a["STREAM"], a["REQUEST_OUTPUT_LEN"]
+                texts = postprocess(self.detok, request.request_id(), a["TOKENS_BATCH"], a["SEQUENCE_LENGTH"],
+                                    a["PROMPT_IDS"],
                                     None if max_tokens is None else max_tokens.reshape(-1),
                                     bool(stream is not None and stream.reshape(-1)[0]))
                 out = np.array([[t.encode("utf-8") for t in row] for row in texts], dtype=np.object_)

@@ -4,17 +4,11 @@ The logic is ``llmc.serve.tokenization.RequestTokenizer`` (tested without Triton
 tensors. ``triton_python_backend_utils`` is imported inside the methods, so the module imports anywhere.
 """
 
-import json
 
 import numpy as np
 
 from llmc.serve.tokenization import RequestTokenizer, TokenizerSettings
-
-
-def model_parameters(args):
-    """``{name: string_value}`` of the model's config.pbtxt parameters."""
-    config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+from llmc.serve.triton_model import input_arrays, model_parameters
 
 
 def strings(array):
@@ -37,17 +31,13 @@ class TritonPythonModel:
     def execute(self, requests):
         import triton_python_backend_utils as pb_utils
 
-        def get(request, name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
-
         responses = []
         for request in requests:
             try:
-                queries = [q[0] for q in strings(get(request, "QUERY"))]
-                out = self.logic.preprocess(queries, strings(get(request, "STOP_WORDS_DICT")),
-                                            strings(get(request, "BAD_WORDS_DICT")),
-                                            scalars(get(request, "END_ID")), scalars(get(request, "PAD_ID")))
+                a = input_arrays(pb_utils, request, ("QUERY", "STOP_WORDS_DICT", "BAD_WORDS_DICT", "END_ID", "PAD_ID"))
+                queries = [q[0] for q in strings(a["QUERY"])]
+                out = self.logic.preprocess(queries, strings(a["STOP_WORDS_DICT"]), strings(a["BAD_WORDS_DICT"]),
+                                            scalars(a["END_ID"]), scalars(a["PAD_ID"]))
                 tensors = [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in out.items()]
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # one bad request must not fail the batch

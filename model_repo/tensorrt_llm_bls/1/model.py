@@ -5,12 +5,12 @@ request for exactly the request's lifetime, and sends one response per text delt
 Logic from ``llmc.serve.tokenization``; ``triton_python_backend_utils`` is imported lazily.
 """
 
-import json
 import threading
 
 import numpy as np
 
 from llmc.serve.tokenization import RequestTokenizer, StreamDetokenizers, TokenizerSettings
+from llmc.serve.triton_model import input_arrays, model_parameters
 
 # ensemble input -> tensorrt_llm input for the sampling tensors passed straight through
 PASSTHROUGH = {"max_tokens": "request_output_len", "temperature": "temperature", "top_k": "runtime_top_k",
@@ -33,8 +33,7 @@ def trtllm_inputs(pre, arrays):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        params = model_parameters(args)
         settings = TokenizerSettings.from_parameters(params)
         tokenizer = settings.load_tokenizer()
         self.pre = RequestTokenizer(tokenizer, settings)
@@ -52,10 +51,8 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
-            arrays = {}
-            for name in ("text_input", "stop_words", "bad_words", "end_id", "pad_id", *PASSTHROUGH):
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                arrays[name] = None if tensor is None else tensor.as_numpy()
+            arrays = input_arrays(pb_utils, request,
+                                  ("text_input", "stop_words", "bad_words", "end_id", "pad_id", *PASSTHROUGH))
             words = lambda a: None if a is None else [[x.decode() for x in row.reshape(-1)] for row in a]
             ints = lambda a: None if a is None else [int(x) for x in a.reshape(-1)]
             pre = self.pre.preprocess([arrays["text_input"].reshape(-1)[0].decode()], words(arrays["stop_words"]),
