@@ -9,7 +9,6 @@ enforced with ``min_new_tokens == max_new_tokens``, the transformers equivalent 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -19,6 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord
 from llmc.bench.workload import BenchPlan, BenchPrompt
 from llmc.errors import SourceError
+from llmc.runtime.compute import run_compute
 from llmc.runtime.params import SamplingParams
 
 
@@ -65,11 +65,11 @@ class HFBaseline:
         self.device = torch.device(device)
         # The portable engine computes in float32 on CPU; on a GPU the caller passes the engine's dtype.
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch.float16)
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.hf_dir), dtype=self.dtype).to(self.device).eval()
+        self.model = run_compute(
+            lambda: AutoModelForCausalLM.from_pretrained(str(self.hf_dir), dtype=self.dtype).to(self.device).eval())
         tokenizer = AutoTokenizer.from_pretrained(str(self.hf_dir))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-bench-hf")
 
     def describe(self) -> dict[str, Any]:
         import transformers
@@ -136,15 +136,11 @@ class HFBaseline:
                 on_level(results[-1])
         return results
 
-    def close(self) -> None:
-        """Stop the worker thread."""
-        self._worker.shutdown()
-
     def _in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` in the baseline's worker thread, the way llmc's engine runs its steps in its loop thread:
-        on a shared CPU, torch's intra-op thread team of the *main* thread was measured up to 25x slower per
-        token than the same ``generate`` call made from another thread, which would flatter llmc unfairly."""
-        return self._worker.submit(fn, *args).result()
+        """Run ``fn`` on the process's compute thread, where llmc's engine runs its steps too: every torch
+        call of the benchmark then uses one OpenMP thread team, so neither side is throttled by the other's
+        (see llmc/runtime/compute.py: a second live team made each CPU step ~2x slower)."""
+        return run_compute(fn, *args)
 
 
 def _sampling_kwargs(params: SamplingParams) -> dict[str, Any]:

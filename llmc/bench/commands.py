@@ -102,8 +102,6 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
             levels, base_levels = run_offline(engine, plan, params, step_log, _progress(), baseline)
         finally:
             engine.shutdown()
-            if baseline is not None:
-                baseline.close()
     run = {"mode": "offline", "engine_dir": str(opts.engine_dir), "device": str(engine.runner.device),
            "workload": workload.description,
            "engine": {"name": engine.recipe.name, "dtype": engine.recipe.model.dtype,
@@ -178,7 +176,10 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
     if opts.threads is not None:
         import torch
 
+        from llmc.runtime.compute import run_compute
+
         torch.set_num_threads(opts.threads)  # llmc and the baseline share the process, hence the setting
+        run_compute(torch.set_num_threads, opts.threads)  # and the thread that runs both models
     host_start = host_info()
     baseline, baseline_info = None, None
     if opts.url is not None:

@@ -8,6 +8,8 @@ Threading: request preparation (tokenization, chat templates, validation) runs i
 scheduler state is guarded by one lock that is *not* held while the model runs, so callers can add and
 abort requests during a step. ``start()`` runs steps in a background thread for concurrent callers
 (threads or asyncio, e.g. the server); without it, ``generate``/``stream`` drive the steps themselves.
+Either way the model itself (loading, warm-up, ``runner.execute``) runs on the process's one compute thread
+(:mod:`llmc.runtime.compute`), which keeps torch's CPU thread team from being throttled.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.runtime.compute import run_compute
 from llmc.runtime.detokenize import byte_fallback_token_ids
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
@@ -92,10 +95,15 @@ class Engine:
             return TrtllmEngine.from_build_dir(build_dir)  # type: ignore[return-value]
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
-        runner = load_runner(build_dir, device, num_blocks)
-        runner_warmup = getattr(runner, "warmup", None)
-        if warmup and runner_warmup is not None:
-            runner_warmup()  # before the block manager exists: no request's blocks can be touched
+
+        def load() -> Any:
+            runner = load_runner(build_dir, device, num_blocks)
+            runner_warmup = getattr(runner, "warmup", None)
+            if warmup and runner_warmup is not None:
+                runner_warmup()  # before the block manager exists: no request's blocks can be touched
+            return runner
+
+        runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)
         return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s)
 
     # ----------------------------------------------------------------------------------------- requests
@@ -146,7 +154,9 @@ class Engine:
             try:
                 with self._lock:
                     scheduled = self.scheduler.schedule()
-                result = self.runner.execute(scheduled) if scheduled.sequences else ModelRunnerOutput()
+                result = ModelRunnerOutput()
+                if scheduled.sequences:
+                    result = run_compute(self.runner.execute, scheduled)
                 with self._lock:
                     events = self._process(self.scheduler.update(result))
                     self._record_step(scheduled, start)

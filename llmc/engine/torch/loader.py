@@ -72,6 +72,8 @@ def load_model(
     model.reset_buffers()
     if int4_kernel and quant.get("quant_algo") == W4A16_AWQ and torch.device(device).type == "cpu":
         _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks))
+    for layer in model.transformer.layers:
+        layer.mlp.fuse_fc_gate()  # one GEMM for fc + gate (plain float layers only)
     return model.eval().requires_grad_(False)
 
 

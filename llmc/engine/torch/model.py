@@ -104,6 +104,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the same math in one kernel
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -133,15 +135,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """proj(silu(fc(x)) * gate(x)) with the IR's names (fc = HF gate_proj, gate = HF up_proj)."""
+    """proj(silu(fc(x)) * gate(x)) with the IR's names (fc = HF gate_proj, gate = HF up_proj).
+
+    After :meth:`fuse_fc_gate`, fc and gate run as one GEMM over their stacked weights.
+    """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.fc_gate: torch.Tensor | None = None  # [2I, H] once fused
+
+    def fuse_fc_gate(self) -> bool:
+        """Stack the fc and gate weights into one ``[2I, H]`` tensor; both Linear weights become views of it, so
+        the state dict and memory stay the same. Only plain Linear layers fuse (not int4 ones). Returns whether
+        it fused."""
+        if type(self.fc) is not nn.Linear or type(self.gate) is not nn.Linear:
+            return False
+        fused = torch.cat([self.fc.weight.detach(), self.gate.weight.detach()])
+        size = self.fc.out_features
+        self.fc.weight = nn.Parameter(fused[:size], requires_grad=False)
+        self.gate.weight = nn.Parameter(fused[size:], requires_grad=False)
+        self.fc_gate = fused
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fc_gate is not None:
+            fc, gate = F.linear(x, self.fc_gate).chunk(2, dim=-1)  # [T, I] each
+            return self.proj(F.silu(fc) * gate)
         return self.proj(F.silu(self.fc(x)) * self.gate(x))
 
 

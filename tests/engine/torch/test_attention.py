@@ -68,3 +68,16 @@ def test_paged_attention_equals_dense_attention_over_chunks():
             got[rid][a:b] = out[start : start + b - a]
     for rid, (q, k, v) in full.items():
         torch.testing.assert_close(got[rid], dense_causal(q, k, v, hd**-0.5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5])
+def test_gather_blocks_returns_the_listed_blocks_in_order(num_seqs):
+    from llmc.engine.torch.attention import gather_blocks
+
+    cache = torch.randn(9, 4, 2, 8)  # [num_blocks, block_size, nkv, hd]
+    tables = torch.randint(0, 9, (num_seqs, 3), generator=torch.Generator().manual_seed(num_seqs)).to(torch.int32)
+    got = gather_blocks(cache, tables)  # [D, 3 * 4, 2, 8]
+    assert got.shape == (num_seqs, 12, 2, 8)
+    for d in range(num_seqs):
+        for j, block in enumerate(tables[d].tolist()):
+            assert torch.equal(got[d, 4 * j:4 * (j + 1)], cache[block])

@@ -55,6 +55,9 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
     swapped = [n for n, m in fast.named_modules() if isinstance(m, Int4Linear)]
     assert len(swapped) == len(names.LINEARS) * len(fast.transformer.layers)
     assert not any(isinstance(m, Int4Linear) for m in plain.modules())
+    # int4 layers keep their own kernel; only plain float fc/gate pairs are stacked into one GEMM.
+    assert all(layer.mlp.fc_gate is None for layer in fast.transformer.layers)
+    assert all(layer.mlp.fc_gate is not None for layer in plain.transformer.layers)
     x = torch.randn(1, fast.config.hidden_size)
     for layer_plain, layer_fast in zip(plain.transformer.layers, fast.transformer.layers):
         ref, got = layer_plain.mlp.fc(x), layer_fast.mlp.fc(x)

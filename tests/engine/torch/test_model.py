@@ -115,3 +115,22 @@ def test_config_rejects_unsupported_models(tiny_ir_dir):
     with pytest.raises(CheckpointError, match="original_max_position_embeddings"):
         ModelConfig.from_checkpoint_config({**cfg, "rotary_scaling": {"rope_type": "llama3", "factor": 8.0,
                                                                        "low_freq_factor": 1, "high_freq_factor": 4}})
+
+
+def test_loaded_mlps_run_fc_and_gate_as_one_gemm_without_changing_the_weights(tiny_model, tiny_hf_dir, tmp_path):
+    mlp = tiny_model.transformer.layers[0].mlp
+    assert mlp.fc_gate is not None  # fused by the loader
+    # Both Linear weights are views of the stacked tensor: the state dict and memory are unchanged.
+    assert mlp.fc.weight.data_ptr() == mlp.fc_gate.data_ptr()
+    assert mlp.gate.weight.data_ptr() == mlp.fc_gate[mlp.fc.out_features:].data_ptr()
+    assert set(tiny_model.state_dict()) == set(load_model(write_ir(tiny_hf_dir, tmp_path / "ir"), "cpu").state_dict())
+    x = torch.randn(5, tiny_model.config.hidden_size)
+    unfused = mlp.proj(torch.nn.functional.silu(mlp.fc(x)) * mlp.gate(x))
+    torch.testing.assert_close(mlp(x), unfused, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_rmsnorm_fast_path_is_the_reference_formula(tiny_model):
+    norm = tiny_model.transformer.layers[0].input_layernorm
+    x = torch.randn(7, tiny_model.config.hidden_size) * 3
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
+    torch.testing.assert_close(norm(x), reference, rtol=1e-6, atol=1e-6)
