@@ -6,10 +6,13 @@ bfloat16 activations directly. The IR's symmetric int4 maps onto the kernel's as
 ``w = (u - 8) * scale + zero`` with ``u = q + 8`` in [0, 15] and ``zero = 0``, so the weights are the same
 ``q * scale`` the accuracy gate scored; only the activations are rounded to bfloat16 inside the matmul.
 
-The kernel is a matrix-vector kernel: measured here it loses to a float32 GEMM from about 8 rows up
-(prefill chunks, batched decode), so :class:`Int4Linear` keeps the dequantized float weight too and uses the
-int4 path only for steps of at most ``MAX_INT4_ROWS`` tokens (single-request decode, where reading the
-weights is the whole cost). Memory: +1/8 of the float weights.
+Where it wins depends on the step, measured on whole SmolLM2 model steps on a 2-core Xeon (2026-11-29; a
+single layer in isolation stays in the L3 cache and favours the float GEMM): batched decode of 16 sequences
+~80 ms with int4 vs ~103 ms with float32 weights, 32 sequences a tie, 64 sequences and prefill chunks of 32
+tokens or more faster in float32 (compute-bound GEMMs). So :class:`Int4Linear` keeps the dequantized float
+weight too and uses the int4 path for steps of at most ``MAX_INT4_ROWS`` tokens (decode of up to 16
+sequences, where reading the weights is most of the cost). Memory: +1/8 of the float weights.
+The loader stacks each MLP's fc and gate into one Int4Linear (one kernel call instead of two).
 
 Used by :func:`llmc.engine.torch.loader.load_model` with ``int4_kernel=True`` (the runner's default on CPU)
 when the op exists in this PyTorch build and the layer's shape suits it; otherwise layers are dequantized.
@@ -23,7 +26,7 @@ from torch import nn
 from llmc.checkpoint.int4 import unpack_int4
 
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
-MAX_INT4_ROWS = 4  # rows (tokens in the step) up to which the int4 kernel beats the float GEMM on CPU
+MAX_INT4_ROWS = 16  # rows (tokens in the step) up to which the int4 kernel beats the float GEMM on CPU
 
 
 def int4_kernel_available() -> bool:

@@ -18,7 +18,7 @@ import torch
 from llmc.checkpoint import names
 from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import merge_shards
-from llmc.checkpoint.int4 import dequantize_w4a16
+from llmc.checkpoint.int4 import dequantize_w4a16, unpack_int4
 from llmc.checkpoint.io import read_checkpoint
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
 from llmc.errors import CheckpointError
@@ -85,16 +85,31 @@ def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], 
     if num_ranks != 1 or not int4_kernel_available():
         logger.info("int4 CPU kernel not used (ranks=%d, op available=%s)", num_ranks, int4_kernel_available())
         return
-    for name, module in list(model.named_modules()):  # module names are the IR's tensor-name prefixes
+
+    def int4_tensors(name: str, module: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
         packed = weights.get(f"{name}.{names.WEIGHT}")
         if not isinstance(module, torch.nn.Linear) or packed is None or packed.dtype != torch.int8:
-            continue
+            return None
         if not supports_shape(module.out_features, module.in_features, group_size):
+            return None
+        return (unpack_int4(packed), weights[f"{name}.{names.WEIGHTS_SCALING_FACTOR}"],
+                weights[f"{name}.{names.PREQUANT_SCALING_FACTOR}"])
+
+    fused = set()
+    for i, layer in enumerate(model.transformer.layers):  # fc + gate: one int4 GEMM over the stacked rows
+        fc = int4_tensors(f"transformer.layers.{i}.mlp.fc", layer.mlp.fc)
+        gate = int4_tensors(f"transformer.layers.{i}.mlp.gate", layer.mlp.gate)
+        if fc is None or gate is None or not torch.equal(fc[2], gate[2]) or not layer.mlp.fuse_fc_gate():
             continue
-        scale = weights[f"{name}.{names.WEIGHTS_SCALING_FACTOR}"]
-        prequant = weights[f"{name}.{names.PREQUANT_SCALING_FACTOR}"]
+        layer.mlp.use_int4_fc_gate(Int4Linear(torch.cat([fc[0], gate[0]]), torch.cat([fc[1], gate[1]]), fc[2],
+                                              group_size, dense=layer.mlp.fc_gate))
+        fused.update({f"transformer.layers.{i}.mlp.fc", f"transformer.layers.{i}.mlp.gate"})
+    for name, module in list(model.named_modules()):  # module names are the IR's tensor-name prefixes
+        tensors = None if name in fused else int4_tensors(name, module)
+        if tensors is None:
+            continue
         parent_name, _, child = name.rpartition(".")
-        fast = Int4Linear.from_packed(packed, scale, prequant, group_size, dense=module.weight.detach())
+        fast = Int4Linear(*tensors, group_size, dense=module.weight.detach())
         setattr(model.get_submodule(parent_name), child, fast)
 
 

@@ -50,9 +50,13 @@ def rtn_quantize_hf(hf_dir: Path, group_size: int, seed: int = 0) -> tuple[dict,
     n_layers = json.loads((Path(hf_dir) / "config.json").read_text())["num_hidden_layers"]
     quantized, effective = {}, {}
     for layer in range(n_layers):
+        prequants: dict[str, torch.Tensor] = {}
         for spec in names.LINEARS:
             in_features = state[names.hf_layer(layer, spec.hf[0])].shape[1]
-            prequant = torch.rand(in_features, generator=gen) + 0.5  # shared by modules reading one input
+            source = "mlp.fc" if spec.trt == "mlp.gate" else spec.trt  # fc and gate read the same input
+            if source not in prequants:
+                prequants[source] = torch.rand(in_features, generator=gen) + 0.5
+            prequant = prequants[source]  # shared by modules reading one input
             for module in spec.hf:
                 w = state[names.hf_layer(layer, module)].float()
                 q, scales = quantize_rtn(w / prequant[None, :], group_size)

@@ -52,13 +52,39 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
     ir = write_ir(tiny_hf_dir, tmp_path / "ir", quantized=quantized, group_size=32)
     plain = load_model(ir, "cpu")
     fast = load_model(ir, "cpu", int4_kernel=True)
-    swapped = [n for n, m in fast.named_modules() if isinstance(m, Int4Linear)]
-    assert len(swapped) == len(names.LINEARS) * len(fast.transformer.layers)
+    swapped = {n.split(".", 3)[-1] for n, m in fast.named_modules() if isinstance(m, Int4Linear)}
+    assert swapped == {"attention.qkv", "attention.dense", "mlp.proj", "mlp.fc_gate_int4"}
+    assert set(names.QUANTIZABLE) == {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"}
     assert not any(isinstance(m, Int4Linear) for m in plain.modules())
-    # int4 layers keep their own kernel; only plain float fc/gate pairs are stacked into one GEMM.
-    assert all(layer.mlp.fc_gate is None for layer in fast.transformer.layers)
+    # fc + gate run as one GEMM in both: a float one (plain) or one int4 kernel over the stacked rows (fast).
     assert all(layer.mlp.fc_gate is not None for layer in plain.transformer.layers)
-    x = torch.randn(1, fast.config.hidden_size)
-    for layer_plain, layer_fast in zip(plain.transformer.layers, fast.transformer.layers):
-        ref, got = layer_plain.mlp.fc(x), layer_fast.mlp.fc(x)
-        assert (got - ref).norm() / ref.norm() < 1e-2
+    assert all(layer.mlp.fc_gate_int4 is None for layer in plain.transformer.layers)
+    for layer in fast.transformer.layers:
+        mlp = layer.mlp
+        assert isinstance(mlp.fc_gate_int4, Int4Linear) and mlp.fc_gate_int4.out_features == 2 * mlp.fc.out_features
+        assert type(mlp.fc) is torch.nn.Linear and mlp.fc.weight.data_ptr() == mlp.fc_gate_int4.dense.data_ptr()
+    for rows in (1, MAX_INT4_ROWS):
+        x = torch.randn(rows, fast.config.hidden_size)
+        for layer_plain, layer_fast in zip(plain.transformer.layers, fast.transformer.layers):
+            ref, got = layer_plain.mlp(x), layer_fast.mlp(x)
+            assert (got - ref).norm() / ref.norm() < 1e-2
+            assert not torch.equal(got, ref)  # the int4 kernel ran (it rounds activations to bfloat16)
+    x = torch.randn(MAX_INT4_ROWS + 1, fast.config.hidden_size)  # larger steps: the float weights, exactly
+    assert torch.equal(fast.transformer.layers[0].mlp(x), plain.transformer.layers[0].mlp(x))
+
+
+def test_fc_and_gate_with_different_prequant_scales_stay_separate(tiny_hf_dir, tmp_path):
+    """One int4 kernel call multiplies one input; fc and gate fuse only when they pre-scale it the same way."""
+    quantized, _ = rtn_quantize_hf(tiny_hf_dir, group_size=32)
+    key = names.hf_module(0, "mlp.up_proj")
+    q, scales, prequant = quantized[key]
+    quantized[key] = (q, scales, prequant * 1.5)
+    ir = write_ir(tiny_hf_dir, tmp_path / "ir", quantized=quantized, group_size=32)
+    plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", int4_kernel=True)
+    first, second = fast.transformer.layers
+    assert first.mlp.fc_gate_int4 is None
+    assert isinstance(first.mlp.fc, Int4Linear) and isinstance(first.mlp.gate, Int4Linear)
+    assert isinstance(second.mlp.fc_gate_int4, Int4Linear)
+    x = torch.randn(2, fast.config.hidden_size)
+    ref, got = plain.transformer.layers[0].mlp(x), first.mlp(x)
+    assert (got - ref).norm() / ref.norm() < 1e-2
