@@ -31,6 +31,18 @@ def test_metadata_packs_sequences_without_padding():
     assert meta.prefill_seqs == (0, 2)
     assert (meta.max_query_len, meta.max_context_len, meta.max_decode_context_len) == (3, 7, 7)
     assert meta.cu_seqlens_q.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    # The decode batch (b only): its table cut to its blocks, a key mask over them, a mixed step.
+    assert meta.decode_tables.tolist() == [[2, 7]] and not meta.all_decode
+    assert meta.decode_mask.shape == (1, 1, 1, 8) and meta.decode_mask.flatten().tolist() == [True] * 7 + [False]
+
+
+def test_metadata_of_a_pure_decode_step():
+    seqs = [seq("a", 1, 2, [5, 6]), seq("b", 1, 6, [2, 7])]
+    meta = build_attention_metadata(seqs, block_size=4, device="cpu")
+    assert meta.all_decode and meta.decode_tables.tolist() == [[5, 6], [2, 7]]
+    assert meta.decode_mask[:, 0, 0].tolist() == [[True] * 3 + [False] * 5, [True] * 7 + [False]]
+    prefill_only = build_attention_metadata([seq("c", 3, 0, [1])], block_size=4, device="cpu")
+    assert not prefill_only.all_decode and prefill_only.decode_tables.shape == (0, 0)
 
 
 def test_metadata_rejects_a_block_table_too_short():
