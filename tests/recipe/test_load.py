@@ -20,7 +20,7 @@ SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
 def test_the_expected_recipes_ship():
     names = {p.stem for p in SHIPPED}
     assert {"smollm2-135m", "smollm2-135m-awq", "smollm2-135m-rtn", "smollm2-135m-awq-nomask",
-            "llama3-8b-awq", "llama3-8b-awq-torch"} <= names
+            "smollm2-135m-awq-nearest", "llama3-8b-awq", "llama3-8b-awq-torch"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -37,7 +37,7 @@ def test_smollm2_recipes():
     assert base.model.dtype == "float16" and base.quantization.method == "none" and base.backend == "torch"
     awq = load_recipe(RECIPES_DIR / "smollm2-135m-awq.yaml")
     q = awq.quantization
-    assert (q.method, q.group_size, q.exclude_special_tokens) == ("awq", 64, True)
+    assert (q.method, q.group_size, q.exclude_special_tokens, q.effective_rounding) == ("awq", 64, True, "gptq")
     assert (q.calibration.dataset, q.calibration.n_samples, q.calibration.seq_len) == ("pydoc", 128, 512)
     assert q.calibration.chat_template and q.gate.enabled
     rtn = load_recipe(RECIPES_DIR / "smollm2-135m-rtn.yaml").quantization
@@ -46,8 +46,14 @@ def test_smollm2_recipes():
     assert (nomask.method, nomask.exclude_special_tokens) == ("awq", False)
     # The comparison recipes differ from the AWQ recipe only in the compared setting; the RTN baseline's gate
     # is looser (it only catches a broken build, so its figures can be measured next to AWQ's).
-    assert nomask.calibration == q.calibration and nomask.gate == q.gate
+    assert nomask.calibration == q.calibration and nomask.gate == q.gate and nomask.rounding == q.rounding
     assert rtn.gate.max_mean_kl > q.gate.max_mean_kl and q.gate.max_ppl_ratio is not None
+    # AWQ alone (nearest rounding) measures what GPTQ gains; its gate is looser, set from its own figures.
+    nearest = load_recipe(RECIPES_DIR / "smollm2-135m-awq-nearest.yaml").quantization
+    assert nearest.effective_rounding == "nearest" and nearest.exclude_special_tokens
+    assert nearest.calibration == q.calibration and nearest.group_size == q.group_size
+    assert q.gate.max_mean_kl < nearest.gate.max_mean_kl < rtn.gate.max_mean_kl
+    assert not q.gptq_exclude_special_tokens and nomask.gptq_exclude_special_tokens == q.gptq_exclude_special_tokens
 
 
 def test_llama3_recipes():

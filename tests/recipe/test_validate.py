@@ -36,6 +36,13 @@ BAD_COMBINATIONS = [
     ({"runtime.sampling.repetition_penalty": 0}, "runtime.sampling.repetition_penalty", "> 0"),
     ({"runtime.sampling.stop_token_ids": [-3]}, "runtime.sampling.stop_token_ids[0]", ">= 0"),
     ({"serving.port": 9000, "serving.grpc_port": 9000}, "serving.grpc_port", "different ports"),
+    ({"quantization.method": "rtn", "quantization.rounding": "gptq"}, "quantization.rounding",
+     "rounding: nearest"),
+    ({"quantization.method": "awq", "quantization.gptq_exclude_special_tokens": True,
+      "quantization.exclude_special_tokens": False}, "quantization.gptq_exclude_special_tokens",
+     "gptq_exclude_special_tokens: false"),
+    ({"quantization.method": "awq", "quantization.gptq_exclude_special_tokens": True,
+      "quantization.rounding": "nearest"}, "quantization.gptq_exclude_special_tokens", "rounding: gptq"),
 ]
 
 
