@@ -171,7 +171,7 @@ def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: Calibration
     ``calib`` is required for AWQ and ignored for round-to-nearest (data-free). Error propagation between
     layers is off: AWQ only moves scales between ops (function-preserving in float), so the propagated
     activations would be the same; GPTQ then sees each layer's float inputs. Returns the GPTQ summary
-    (``{"modules", "fallback_to_nearest"}``) when GPTQ rounded, else ``{}``.
+    (``{"modules", "fallback_to_nearest", "hessian_excludes_special_tokens"}``) when GPTQ rounded, else ``{}``.
     """
     passes = ("awq", "gptq") if options.method == "awq" and options.rounding == "gptq" else ("awq",)
     with library_context(progress, passes=passes):
