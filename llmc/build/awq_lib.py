@@ -35,6 +35,7 @@ import torch
 
 from llmc.build.calibrate import CalibrationSet
 
+GPTQ_ACTORDER = "static"  # GPTQ's column order (see int4_recipe); the IR format needs no g_idx with it
 ProgressFn = Callable[[str, int, int], None]  # (what is running, e.g. "calibrating 3/31", done, total)
 
 # Tensors the quantization lifecycle attaches to a module; not model weights.
@@ -146,7 +147,7 @@ def int4_recipe(options: Int4Options) -> list[Any]:
     awq = _awq_modifier_class()(duo_scaling=options.duo_scaling, n_grid=options.n_grid,
                                 search_batches=options.search_batches)
     if options.rounding == "gptq":
-        gptq = _gptq_modifier_class()(config_groups=groups, ignore=["lm_head"], actorder="static",
+        gptq = _gptq_modifier_class()(config_groups=groups, ignore=["lm_head"], actorder=GPTQ_ACTORDER,
                                       dampening_frac=options.gptq_dampening,
                                       mask_hessian=options.gptq_use_loss_mask and options.use_loss_mask)
         return [awq, gptq]
@@ -186,8 +187,7 @@ def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: Calibration
         loader = DataLoader(calibration_batches(calib, options.batch_size), batch_size=None, shuffle=False)
         oneshot(model=model, recipe=modifiers, dataset=loader, use_loss_mask=options.use_loss_mask,
                 num_calibration_samples=calib.n_samples, shuffle_calibration_samples=False, propagate_error=False)
-        gptq = modifiers[-1]
-        return gptq.summary() if hasattr(gptq, "summary") else {}
+        return modifiers[-1].summary() if options.rounding == "gptq" else {}
 
 
 @contextlib.contextmanager

@@ -167,7 +167,7 @@ def make_report(recipe: Any, calib: CalibrationSet | None, seconds: dict[str, fl
         "calibration": calib.summary() if calib is not None else None,
         "awq": {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID, "search_samples": AWQ_SEARCH_SAMPLES,
                 "batch_size": CALIBRATION_BATCH} if awq else None,
-        "gptq": {**gptq, "dampening": GPTQ_DAMPENING, "actorder": "static"} if gptq else None,
+        "gptq": {**gptq, "dampening": GPTQ_DAMPENING, "actorder": awq_lib.GPTQ_ACTORDER} if gptq else None,
         "seconds": seconds,
         "cpu_seconds": round(cpu_seconds, 1),
         "checkpoint": written,

@@ -173,11 +173,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fc_gate_int4 is not None:
             fc, gate = self.fc_gate_int4(x).chunk(2, dim=-1)  # [T, I] each
-            return self.proj(F.silu(fc) * gate)
-        if self.fc_gate is not None:
-            fc, gate = F.linear(x, self.fc_gate).chunk(2, dim=-1)  # [T, I] each
-            return self.proj(F.silu(fc) * gate)
-        return self.proj(F.silu(self.fc(x)) * self.gate(x))
+        elif self.fc_gate is not None:
+            fc, gate = F.linear(x, self.fc_gate).chunk(2, dim=-1)
+        else:
+            fc, gate = self.fc(x), self.gate(x)
+        return self.proj(F.silu(fc) * gate)
 
 
 class DecoderLayer(nn.Module):
