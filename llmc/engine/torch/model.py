@@ -126,10 +126,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = self.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_size), cos, sin)  # [T, nh, hd]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_size), cos, sin)  # [T, nkv, hd]
-        v = v.view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
+        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
+        qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
 
@@ -244,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
         Writes this step's keys and values into ``kv_caches`` (one ``(k, v)`` pair per layer).
         """
         h = self.transformer.vocab_embedding(input_ids)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions)  # [T, hd/2] each, shared by all layers
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [T, 1, hd] each, shared by all layers
         for layer, kv_cache in zip(self.transformer.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.transformer.ln_f(h)

@@ -82,15 +82,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[T, hd/2]`` (float32) for absolute ``positions [T]``."""
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotation tables for absolute ``positions [T]``, built once per step and shared by every layer:
+    ``cos [T, 1, hd]`` (the half-size table repeated) and ``sin [T, 1, hd]`` with its first half negated,
+    computed in float32 and cast to ``dtype`` (the activations' dtype, as transformers does)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    return freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, hd] each
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, hd]`` by the per-token angles ``cos/sin [T, hd/2]`` (NeoX halves)."""
-    cos = cos.to(x.dtype)[:, None, :]  # [T, 1, hd/2]
-    sin = sin.to(x.dtype)[:, None, :]
+    """Rotate ``x [T, heads, hd]`` by the tables of :func:`rope_cos_sin` (NeoX halves):
+    ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]``, i.e. transformers' ``x * cos + rotate_half(x) * sin``
+    with the same roundings."""
     x1, x2 = x.chunk(2, dim=-1)  # [T, heads, hd/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin  # 4 ops for q and k together, whatever the head count

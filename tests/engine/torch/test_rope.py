@@ -1,0 +1,34 @@
+"""RoPE tables and rotation: bit-identical to transformers' Llama rotary embedding, in float32 and bfloat16."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from llmc.engine.torch.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_equals_transformers(dtype):
+    torch.manual_seed(0)
+    head_size, positions = 64, torch.tensor([0, 1, 7, 300, 4095])
+    inv_freq = rope_inv_freq(head_size, 10000.0, None)
+    q = torch.randn(len(positions), 9, head_size).to(dtype)  # [T, nh, hd]
+    k = torch.randn(len(positions), 3, head_size).to(dtype)  # [T, nkv, hd]
+    # transformers: emb = cat(freqs, freqs); cos/sin in float32, cast to the activations' dtype; [B, heads, T, hd].
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, T, hd]
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos().to(dtype),
+                                      emb.sin().to(dtype))
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    assert cos.shape == sin.shape == (len(positions), 1, head_size) and cos.dtype == dtype
+    qk = apply_rope(torch.cat([q, k], dim=1), cos, sin)  # q and k heads rotated in one call, as the model does
+    assert qk.dtype == dtype
+    assert torch.equal(qk[:, :9], hf_q[0].transpose(0, 1))
+    assert torch.equal(qk[:, 9:], hf_k[0].transpose(0, 1))
+
+
+def test_position_zero_is_identity():
+    inv_freq = rope_inv_freq(8, 10000.0, None)
+    x = torch.randn(1, 2, 8)
+    cos, sin = rope_cos_sin(inv_freq, torch.tensor([0]))
+    assert torch.equal(apply_rope(x, cos, sin), x)
