@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
 from llmc.errors import EngineError
 from llmc.runtime.types import ScheduledSequence
 
@@ -41,6 +42,7 @@ class AttentionMetadata:
     decode_tokens: torch.Tensor  # [D] int64: their packed token index
     decode_tables: torch.Tensor  # [D, nb] int32: their block tables, cut to the longest decode context
     decode_mask: torch.Tensor  # [D, 1, 1, nb * block_size] bool: True at their cached positions
+    decode_context_lens: torch.Tensor  # [D] int32: their context lengths (cached + this step's token)
     all_decode: bool  # every sequence is a decode: packed tokens are the decode batch in order
     query_lens: tuple[int, ...]  # [B] host copy
     query_starts: tuple[int, ...]  # [B] host: packed index of each sequence's first new token
@@ -112,6 +114,7 @@ def build_attention_metadata(
         decode_tokens=dev([cu[i] for i in decodes], torch.int64),
         decode_tables=dev([tables[i][:decode_blocks] for i in decodes], torch.int32).view(len(decodes), decode_blocks),
         decode_mask=decode_mask[:, None, None, :],
+        decode_context_lens=decode_lens,
         all_decode=len(decodes) == len(seqs),
         query_lens=query_lens,
         query_starts=tuple(cu[:-1]),
@@ -218,8 +221,14 @@ def _prefill_attention(
 def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """All one-token sequences at once: queries ``[D, nh, hd]`` over their padded contexts -> ``[D, nh, hd]``."""
+    """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]``.
+
+    On CUDA with Triton, one kernel reads the blocks in place (:mod:`llmc.engine.torch.triton_attention`);
+    otherwise the contexts are gathered, padded to the longest, and attended with SDPA under a key mask.
+    """
     d, num_heads, head_size = q.shape
+    if q.is_cuda and kernel_available(q.device, meta.block_size, head_size):
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     k = gather_blocks(k_cache, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]

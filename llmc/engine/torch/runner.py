@@ -7,19 +7,23 @@ device and bring the sampled ids to the host with a single ``.tolist()``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
+from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import load_model
+from llmc.engine.torch.triton_attention import kernel_available
 from llmc.errors import EngineError
 from llmc.runtime.params import SamplingParams
 from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 WARMUP_REQUEST_ID = "__llmc_warmup__"
+CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -34,10 +38,17 @@ class TorchModelRunner:
 
     Attributes: ``device``, ``block_size`` (recipe ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
-    weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``.
+    weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
+    decode steps on CUDA, else None).
+
+    On CUDA with Triton, pure decode steps of up to ``engine.max_batch_size`` sequences replay CUDA graphs
+    (:mod:`llmc.engine.torch.cuda_graphs`); ``cuda_graphs=False`` or ``LLMC_CUDA_GRAPHS=0`` runs them eagerly.
+    The cache then holds one extra block, after the ``num_blocks`` the block manager hands out: the padding
+    rows' scratch block.
     """
 
-    def __init__(self, build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None):
+    def __init__(self, build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None,
+                 cuda_graphs: bool = True):
         from llmc.build.manifest import read_manifest
         from llmc.runtime.sampler import Sampler
 
@@ -60,8 +71,17 @@ class TorchModelRunner:
             recipe.kv_cache.cpu_budget_mb,
             recipe.kv_cache.memory_fraction,
         )
-        self.kv_caches = allocate_kv_cache(config, self.num_blocks, self.block_size, kv_dtype, self.device)
+        use_graphs = (cuda_graphs and os.environ.get(CUDA_GRAPHS_ENV, "1") != "0"
+                      and kernel_available(self.device, self.block_size, config.head_size))
+        self.kv_caches = allocate_kv_cache(config, self.num_blocks + int(use_graphs), self.block_size, kv_dtype,
+                                           self.device)
         self.sampler = Sampler(self.device, eos_token_ids=manifest.eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                       -(-recipe.engine.max_seq_len // self.block_size), recipe.engine.max_batch_size,
+                                       scratch_block=self.num_blocks, device=self.device)
+            self.graphs.capture()
 
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the sampled token of every sequence with ``sample=True``.
@@ -72,6 +92,11 @@ class TorchModelRunner:
         if not seqs:
             return ModelRunnerOutput()
         self._check_blocks(seqs)
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            with torch.inference_mode():
+                token_ids = self.sampler(self.graphs.run(seqs), list(seqs))
+            return ModelRunnerOutput(
+                sampled_token_ids={s.request_id: t for s, t in zip(seqs, token_ids.tolist(), strict=True)})
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         sampled = [s for s in seqs if s.sample]

@@ -1,0 +1,131 @@
+"""Decode steps replayed from CUDA graphs: one captured forward + logits per padded batch size.
+
+A decode step of a large model at small batch is launch-bound in eager PyTorch: hundreds of small kernels per
+token, each paying Python and launch overhead while the GPU idles. Capturing the step once and replaying it
+launches everything in one call. What makes a decode step capturable: the Triton paged attention
+(:mod:`llmc.engine.torch.triton_attention`) reads the cache through fixed-shape block tables, and every
+per-step input lives in a static buffer that is overwritten before each replay.
+
+Batch sizes are padded up to the next captured size (powers of two up to ``max_batch_size``, plus
+``max_batch_size``). Padding rows decode token 0 at position 0 into a scratch KV block that the block
+manager never hands out, so they cannot touch a live sequence's cache; their logits are dropped.
+Steps with a prefill, or more sequences than the largest graph, run eagerly as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmc.engine.torch.attention import AttentionMetadata
+from llmc.engine.torch.model import KVCache, LlamaForCausalLM
+from llmc.runtime.types import ScheduledSequence
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
+    sizes, size = [], 1
+    while size < max_batch_size:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphs:
+    """Captured decode steps of ``model`` over ``kv_caches`` for batch sizes up to ``max_batch_size``.
+
+    ``scratch_block`` is a cache block outside the block manager's range (padding rows write there);
+    ``max_blocks`` is the block-table width (``ceil(max_seq_len / block_size)``).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, max_blocks: int,
+                 max_batch_size: int, scratch_block: int, device: torch.device):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.block_size, self.max_blocks, self.scratch_block = block_size, max_blocks, scratch_block
+        self.sizes = graph_batch_sizes(max_batch_size)
+        n = self.sizes[-1]
+        # Static inputs, overwritten before every replay; graph b uses rows [:b]. Pinned host mirror: one copy.
+        self._host = torch.zeros(n, 4 + max_blocks, dtype=torch.int64).pin_memory()
+        self._dev = torch.zeros(n, 4 + max_blocks, dtype=torch.int64, device=device)
+        self._tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self._lens = torch.ones(n, dtype=torch.int32, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self._pad_all()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    def _pad_all(self) -> None:
+        """Every row a padding row (token 0, position 0, scratch slot, scratch block table, length 1)."""
+        self._host.zero_()
+        self._host[:, 2] = self.scratch_block * self.block_size  # slot
+        self._host[:, 3] = 1  # context length
+        self._host[:, 4:] = self.scratch_block
+        self._upload(self.sizes[-1])
+
+    def _upload(self, rows: int) -> None:
+        self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
+        self._tables[:rows].copy_(self._dev[:rows, 4:])
+        self._lens[:rows].copy_(self._dev[:rows, 3])
+
+    def _metadata(self, b: int) -> AttentionMetadata:
+        """A pure-decode step of ``b`` rows over the static buffers (only the decode path reads it)."""
+        rows = torch.arange(b, device=self.device)
+        tables, lens = self._tables[:b], self._lens[:b]
+        return AttentionMetadata(
+            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=self.device), context_lens=lens,
+            block_tables=tables, slot_mapping=self._dev[:b, 2], positions=self._dev[:b, 1], logits_indices=rows,
+            decode_seqs=rows, decode_tokens=rows, decode_tables=tables,
+            decode_mask=torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device), decode_context_lens=lens,
+            all_decode=True, query_lens=(1,) * b, query_starts=tuple(range(b)), num_computed=(0,) * b,
+            prefill_seqs=(), max_query_len=1, max_context_len=self.max_blocks * self.block_size,
+            max_decode_context_len=self.max_blocks * self.block_size, block_size=self.block_size,
+        )
+
+    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self._dev[:b, 0], meta.positions, meta, self.kv_caches)  # [b, H]
+        return self.model.compute_logits(hidden)  # [b, V] float32
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size (largest first, sharing one memory pool); writes only the scratch block."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for b in reversed(self.sizes):
+                meta = self._metadata(b)
+                for _ in range(2):  # warm-up: Triton compilation, cuBLAS workspaces, allocator growth
+                    self._forward(b, meta)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[b] = self._forward(b, meta)
+                self._graphs[b] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, seqs: tuple[ScheduledSequence, ...]) -> bool:
+        """True for a step where every sequence decodes one token and samples, within the captured sizes."""
+        return (0 < len(seqs) <= self.max_batch_size and bool(self._graphs)
+                and all(len(s.token_ids) == 1 and s.sample for s in seqs)
+                and all(-(-(s.num_computed + 1) // self.block_size) <= self.max_blocks for s in seqs))
+
+    def run(self, seqs: tuple[ScheduledSequence, ...]) -> torch.Tensor:
+        """Replay the smallest graph that fits; returns the logits ``[len(seqs), V]`` (a view, valid until the
+        next replay)."""
+        d = len(seqs)
+        b = next(size for size in self.sizes if size >= d)
+        pad = [self.scratch_block] * self.max_blocks
+        rows = []
+        for s in seqs:
+            pos, block_ids = s.num_computed, s.block_ids
+            slot = block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+            tables = list(block_ids[: self.max_blocks]) + pad[len(block_ids):]
+            rows.append([s.token_ids[0], pos, slot, pos + 1, *tables])
+        rows += [[0, 0, self.scratch_block * self.block_size, 1, *pad]] * (b - d)
+        self._host[:b] = torch.tensor(rows, dtype=torch.int64)
+        self._upload(b)
+        self._graphs[b].replay()
+        return self._logits[b][:d]
+

@@ -1,0 +1,82 @@
+"""Time the torch engine's decode steps, CUDA graphs on vs off, at several batch sizes (one process, same build).
+
+    python scripts/decode_steps.py BUILD_DIR --batch 1,8,64 --context 2048 [--device cuda] [--steps 30]
+
+Each step decodes one token for every sequence of the batch at ``--context`` cached tokens (cache contents do
+not change the speed). Reports the median step time of each mode and their ratio; JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmc.engine.torch.runner import TorchModelRunner  # noqa: E402
+from llmc.runtime.params import SamplingParams  # noqa: E402
+from llmc.runtime.types import ScheduledSequence, SchedulerOutput  # noqa: E402
+
+
+def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2**20, ignore_eos=True)
+    per_seq = -(-(context + 1) // block_size)
+    seqs = tuple(
+        ScheduledSequence(f"r{i}", (1000 + i,), context, tuple(range(i * per_seq, (i + 1) * per_seq)), True, greedy,
+                          prompt_token_ids=tuple(range(context)))
+        for i in range(batch))
+    return SchedulerOutput(step=0, sequences=seqs)
+
+
+def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> float:
+    for _ in range(3):
+        runner.execute(step)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.execute(step)  # ends with the sampled ids on the host: a full step, synchronised
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("build")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    from llmc.build.manifest import read_manifest
+
+    block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
+    blocks_needed = max(batches) * -(-(args.context + 1) // block_size) + 8
+    result = {"context": args.context, "device": args.device, "steps": args.steps, "batches": {}}
+    runners = {}
+    for mode, graphs in (("graphs", True), ("eager", False)):
+        start = time.perf_counter()
+        runners[mode] = TorchModelRunner(args.build, device=args.device, num_blocks=blocks_needed, cuda_graphs=graphs)
+        result[f"{mode}_load_s"] = round(time.perf_counter() - start, 2)
+    for batch in batches:
+        row = {}
+        for mode, runner in runners.items():
+            row[f"{mode}_ms"] = round(time_steps(runner, decode_step(batch, args.context, runner.block_size),
+                                                 args.steps) * 1e3, 3)
+        row["eager_over_graphs"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+        result["batches"][batch] = row
+        print(json.dumps({batch: row}), file=sys.stderr, flush=True)
+    result["graphs_used"] = runners["graphs"].graphs is not None
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

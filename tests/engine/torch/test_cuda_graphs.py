@@ -1,0 +1,123 @@
+"""Triton paged decode attention and CUDA-graph decode steps.
+
+The CPU tests run everywhere; the ``gpu`` tests run through the device tool (an NVIDIA GPU with Triton).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmc.engine.torch.attention import _decode_attention, build_attention_metadata, gather_blocks
+from llmc.engine.torch.cuda_graphs import graph_batch_sizes
+from llmc.engine.torch.triton_attention import kernel_available, num_splits
+from llmc.runtime.params import SamplingParams
+from llmc.runtime.types import ScheduledSequence
+from tests.engine.torch.helpers import MiniScheduler, make_build_dir
+from tests.engine.torch.test_gpu import random_llama
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
+    assert num_splits(1, 8, 72) == 32  # batch 1, 8 kv heads: 256 programs
+    assert num_splits(1, 8, 4) == 4  # never more splits than blocks
+    assert num_splits(64, 8, 72) == 1
+
+
+def test_cpu_never_uses_the_kernel_or_graphs(tiny_hf_dir, tmp_path):
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    assert not kernel_available("cpu", 32, 64)
+    runner = TorchModelRunner(make_build_dir(tiny_hf_dir, tmp_path / "b", tokens_per_block=32), device="cpu")
+    assert runner.graphs is None
+    assert runner.kv_caches[0][0].shape[0] == runner.num_blocks  # no scratch block
+
+
+def _random_decode_batch(device, dtype, block_size=16, num_blocks=64, nkv=4, group=3, hd=64,
+                         lengths=(1, 16, 17, 100, 333)):
+    torch.manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=device).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, nkv, hd, device=device).to(dtype)
+    order = torch.randperm(num_blocks - 1).tolist()  # scattered, non-contiguous block tables
+    seqs, used = [], 0
+    for i, length in enumerate(lengths):
+        n = -(-length // block_size)
+        blocks = tuple(b + 1 for b in order[used:used + n])
+        used += n
+        seqs.append(ScheduledSequence(f"r{i}", (7,), length - 1, blocks, True, GREEDY,
+                                      prompt_token_ids=tuple(range(length - 1))))
+    meta = build_attention_metadata(seqs, block_size, device)
+    q = torch.randn(len(seqs), nkv * group, hd, device=device).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_kernel_matches_the_reference_decode_attention(dtype, splits):
+    from llmc.engine.torch.triton_attention import paged_decode_attention
+
+    q, k_cache, v_cache, meta = _random_decode_batch("cuda", dtype)
+    assert kernel_available("cuda", meta.block_size, q.shape[-1])
+    scale = q.shape[-1] ** -0.5
+    got = paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale, splits)
+    # Reference: gather + masked SDPA in float32 (the CPU path's math), on the same inputs.
+    k = gather_blocks(k_cache.float(), meta.decode_tables).transpose(1, 2)
+    v = gather_blocks(v_cache.float(), meta.decode_tables).transpose(1, 2)
+    d, nh, hd = q.shape
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().view(d, k.shape[1], -1, hd), k, v, attn_mask=meta.decode_mask, scale=scale).reshape(d, nh, hd)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.float() - ref).abs().max().item() < tol
+    if splits is None:  # the engine's decode path picks the kernel on CUDA, with the default splits
+        assert torch.equal(_decode_attention(q, k_cache, v_cache, meta, scale), got)
+
+
+def _run_schedule(runner, prompts: dict[str, list[int]], arrivals: dict[str, int], max_new: int, chunk: int):
+    sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=chunk)
+    step = 0
+    while step < 200 and (len(sched.reqs) < len(prompts)
+                          or any(len(r["out"]) < r["max_new"] for r in sched.reqs.values())):
+        for rid, at in arrivals.items():
+            if at == step:
+                sched.add(rid, prompts[rid], max_new=max_new)
+        out = sched.schedule(step)
+        if out.sequences:
+            sched.update(runner.execute(out).sampled_token_ids)
+        step += 1
+    return {rid: r["out"] for rid, r in sched.reqs.items()}, sched
+
+
+@pytest.mark.gpu
+def test_graph_decode_equals_eager_decode_and_leaves_other_blocks_alone(tmp_path):
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    graphed = TorchModelRunner(build, device="cuda", num_blocks=64)
+    eager = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    assert graphed.kv_caches[0][0].shape[0] == 65  # the scratch block after the 64 managed ones
+    calls = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda seqs: calls.append(len(seqs)) or run(seqs)
+    # Mixed lengths, staggered arrivals: decode batches of 1, 2 and 3 rows (padded to 1, 2 and 4).
+    prompts = {"a": list(range(100, 137)), "b": list(range(300, 305)), "c": list(range(500, 550))}
+    arrivals = {"a": 0, "b": 2, "c": 5}
+    out_graph, sched = _run_schedule(graphed, prompts, arrivals, max_new=12, chunk=16)
+    out_eager, _ = _run_schedule(eager, prompts, arrivals, max_new=12, chunk=16)
+    assert out_graph == out_eager
+    assert calls and set(calls) >= {1, 2, 3}
+    used = {b for r in sched.reqs.values() for b in r["blocks"]}
+    k_cache = graphed.kv_caches[0][0]
+    untouched = [b for b in range(64) if b not in used]
+    assert untouched and k_cache[untouched].abs().sum().item() == 0  # padding rows wrote only the scratch block
+    assert k_cache[64].abs().sum().item() > 0
