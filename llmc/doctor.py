@@ -21,7 +21,7 @@ from llmc.engine.tensorrt_llm.versions import PIP_SPEC, Importer, check_version,
 from llmc.errors import BackendUnavailableError
 
 # Distribution names read from package metadata (no import: llmcompressor takes seconds to import).
-METADATA_PACKAGES = ("torch", "transformers", "tritonclient", "llmcompressor")
+METADATA_PACKAGES = ("torch", "transformers", "triton", "tritonclient", "llmcompressor")
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,14 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
     return versions, notes
 
 
-def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None
-                     ) -> tuple[BackendStatus, ...]:
+def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None,
+                     triton_version: str | None = None) -> tuple[BackendStatus, ...]:
     """Which backends are usable, from what was found (pure: tests pass the findings in)."""
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
+    if gpus:  # the CUDA decode path: Triton paged attention + CUDA graphs, or the eager reference path
+        torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention in CUDA graphs"
+                         if triton_version else "; CUDA decode steps: eager reference attention (no triton; "
+                         "Fix: pip install triton for paged attention in CUDA graphs)")
     statuses = [BackendStatus("torch", True, torch_detail)]
     problems = []
     if trtllm_version is None:
@@ -149,7 +153,7 @@ def collect_report(importer: Importer = importlib.import_module) -> DoctorReport
         versions[name] = probe.version
         if probe.error:
             notes[name] = probe.error
-    backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"))
+    backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"), versions["triton"])
     return DoctorReport(gpus, driver, torch.version.cuda, versions, notes, backends)
 
 

@@ -4,7 +4,8 @@
 #   2. `llmc build` with the torch backend,
 #   3. the `gpu`-marked tests,
 #   4. greedy tokens of llmc vs transformers on the same random model (16 tokens),
-#   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) with transformers generate as the baseline.
+#   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) with transformers generate as the baseline,
+#   6. decode-step times with and without CUDA graphs (scripts/decode_steps.py; skip with SKIP_DECODE_STEPS).
 # Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
 #        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency), SKIP_GPU_TESTS,
 #        SKIP_FP32_TWIN (no float32 greedy check), SKIP_BENCH. Needs torch + transformers.
@@ -80,3 +81,9 @@ step "llmc bench (ISL 2048 / OSL 128; concurrency 1, 8, 64; baseline transformer
 $py -m llmc.cli bench "$work/build" --device "$device" --isl "${ISL:-2048}" --osl "${OSL:-128}" \
   --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 --warmup 2 --baseline hf \
   --json "$out/bench.json" --plots "$out/plots"
+
+if [ "$device" = cuda ] && [ -z "${SKIP_DECODE_STEPS:-}" ]; then
+  step "decode steps: CUDA graphs vs eager (batch 1, 8, 64 at 2,048 cached tokens)"
+  $py scripts/decode_steps.py "$work/build" --batch 1,8,64 --context 2048 --device "$device" >"$out/decode_steps.json"
+  cat "$out/decode_steps.json"
+fi

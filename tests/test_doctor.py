@@ -16,8 +16,8 @@ def test_doctor_runs_here_and_reports_json():
     result = CliRunner().invoke(doctor_cmd, ["--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert set(report["versions"]) == {"torch", "transformers", "tritonclient", "llmcompressor", "tensorrt",
-                                       "tensorrt_llm"}
+    assert set(report["versions"]) == {"torch", "transformers", "triton", "tritonclient", "llmcompressor",
+                                       "tensorrt", "tensorrt_llm"}
     assert report["versions"]["torch"] and report["versions"]["tensorrt_llm"] is None
     backends = {b["name"]: b for b in report["backends"]}
     assert backends["torch"]["usable"] is True
@@ -36,6 +36,15 @@ def test_tensorrt_llm_usable_on_hopper_with_1_2():
     torch_status, trt = backend_statuses((H100,), "1.2.0", None)
     assert torch_status.usable and "CUDA (NVIDIA H100 80GB HBM3)" in torch_status.detail
     assert trt.usable and trt.detail == "TensorRT-LLM 1.2.0 on NVIDIA H100 80GB HBM3 (SM90)"
+
+
+def test_cuda_decode_path_named_by_triton_presence():
+    with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert with_triton.detail.endswith("CUDA decode steps: Triton 3.6.0 paged attention in CUDA graphs")
+    without, _ = backend_statuses((H100,), None, "missing")
+    assert "eager reference attention (no triton; Fix: pip install triton" in without.detail
+    cpu_only, _ = backend_statuses((), None, "missing", triton_version="3.6.0")
+    assert cpu_only.detail == "CPU; no CUDA GPU found"
 
 
 def test_int4_awq_not_on_sm100():
