@@ -21,6 +21,20 @@ from llmc.engine.torch.model import KVCache, LlamaForCausalLM
 from llmc.runtime.types import ScheduledSequence
 
 
+def decode_rows(seqs: tuple[ScheduledSequence, ...], rows: int, block_size: int, max_blocks: int,
+                scratch_block: int) -> list[list[int]]:
+    """The static-buffer rows of a decode step, padded to ``rows``: ``[token, position, cache slot, context
+    length, block table (max_blocks entries)]`` per sequence, then padding rows that decode token 0 at position
+    0 into the scratch block. Table entries past a sequence's blocks point at the scratch block (never read)."""
+    pad = [scratch_block] * max_blocks
+    out = []
+    for s in seqs:
+        pos, block_ids = s.num_computed, s.block_ids
+        slot = block_ids[pos // block_size] * block_size + pos % block_size
+        out.append([s.token_ids[0], pos, slot, pos + 1, *block_ids[:max_blocks], *pad[len(block_ids):]])
+    return out + [[0, 0, scratch_block * block_size, 1, *pad] for _ in range(rows - len(seqs))]
+
+
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
     sizes, size = [], 1
@@ -57,12 +71,10 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def _pad_all(self) -> None:
-        """Every row a padding row (token 0, position 0, scratch slot, scratch block table, length 1)."""
-        self._host.zero_()
-        self._host[:, 2] = self.scratch_block * self.block_size  # slot
-        self._host[:, 3] = 1  # context length
-        self._host[:, 4:] = self.scratch_block
-        self._upload(self.sizes[-1])
+        """Every row a padding row (see :func:`decode_rows`), so capture writes only the scratch block."""
+        n = self.sizes[-1]
+        self._host[:] = torch.tensor(decode_rows((), n, self.block_size, self.max_blocks, self.scratch_block))
+        self._upload(n)
 
     def _upload(self, rows: int) -> None:
         self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
@@ -116,14 +128,7 @@ class DecodeGraphs:
         next replay)."""
         d = len(seqs)
         b = next(size for size in self.sizes if size >= d)
-        pad = [self.scratch_block] * self.max_blocks
-        rows = []
-        for s in seqs:
-            pos, block_ids = s.num_computed, s.block_ids
-            slot = block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-            tables = list(block_ids[: self.max_blocks]) + pad[len(block_ids):]
-            rows.append([s.token_ids[0], pos, slot, pos + 1, *tables])
-        rows += [[0, 0, self.scratch_block * self.block_size, 1, *pad]] * (b - d)
+        rows = decode_rows(seqs, b, self.block_size, self.max_blocks, self.scratch_block)
         self._host[:b] = torch.tensor(rows, dtype=torch.int64)
         self._upload(b)
         self._graphs[b].replay()

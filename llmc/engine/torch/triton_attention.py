@@ -121,8 +121,8 @@ def paged_decode_attention(
     _kernel()[(d, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P=max(MIN_DOT_ROWS, triton_next_pow2(group)), HEAD=head_size, BLOCK=block_size,
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
     )
     m, s = ml.unbind(-1)  # [D, nh, S] each; empty splits have m = -inf and s = 0
     weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # [D, nh, S]
@@ -130,5 +130,5 @@ def paged_decode_attention(
     return out.to(q.dtype)
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()

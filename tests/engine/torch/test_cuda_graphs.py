@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmc.engine.torch.attention import _decode_attention, build_attention_metadata, gather_blocks
-from llmc.engine.torch.cuda_graphs import graph_batch_sizes
+from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes
 from llmc.engine.torch.triton_attention import kernel_available, num_splits
 from llmc.runtime.params import SamplingParams
 from llmc.runtime.types import ScheduledSequence
@@ -23,6 +23,18 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
     assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():
+    a = ScheduledSequence("a", (11,), 5, (7, 3), True, GREEDY)  # position 5 with blocks of 4: block 3, offset 1
+    b = ScheduledSequence("b", (12,), 0, (9,), True, GREEDY)
+    rows = decode_rows((a, b), rows=4, block_size=4, max_blocks=3, scratch_block=20)
+    assert rows == [
+        [11, 5, 3 * 4 + 1, 6, 7, 3, 20],
+        [12, 0, 9 * 4, 1, 9, 20, 20],
+        [0, 0, 80, 1, 20, 20, 20],
+        [0, 0, 80, 1, 20, 20, 20],
+    ]
 
 
 def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
