@@ -14,6 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from llmc.checkpoint.config import W4A16_AWQ
+from llmc.engine.torch import int4_ext
 from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
 from llmc.engine.torch.loader import DTYPES
 from llmc.engine.torch.model import ModelConfig
@@ -58,12 +60,17 @@ def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: st
     }
     engine_dir.mkdir(parents=True, exist_ok=True)
     (engine_dir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
-    return {
+    report = {
         "backend": BACKEND,
         "engine_dir": str(engine_dir),
         "kv_bytes_per_token": bytes_per_token,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
     }
+    if engine["quantization"].get("quant_algo") == W4A16_AWQ:
+        # Ahead of time: build llmc's CPU int4 kernel now (~30 s once per machine) rather than in the first
+        # `llmc generate` on CPU. On a machine without it the CPU engine uses PyTorch's int4 op (reported).
+        report["cpu_int4_matmul"] = int4_ext.status()
+    return report
 
 
 def read_engine_config(engine_dir: str | Path) -> dict[str, Any]:

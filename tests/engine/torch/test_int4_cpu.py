@@ -7,6 +7,7 @@ import torch
 
 from llmc.checkpoint import names
 from llmc.checkpoint.int4 import pack_int4
+from llmc.engine.torch import int4_ext
 from llmc.engine.torch.int4_cpu import MAX_INT4_ROWS, Int4Linear, int4_kernel_available
 from llmc.engine.torch.loader import load_model
 from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
@@ -27,17 +28,72 @@ def random_layer(out_features=96, in_features=128, group=32, seed=0):
 
 
 @pytest.mark.parametrize("rows", [1, 2, MAX_INT4_ROWS])
-def test_int4_rows_match_the_dequantized_layer(rows):
+def test_torch_int4_rows_match_the_dequantized_layer(rows):
     q, scale, prequant, dense = random_layer()
-    layer = Int4Linear.from_packed(pack_int4(q), scale, prequant, 32, dense)
+    layer = Int4Linear.from_packed(pack_int4(q), scale, prequant, 32, dense, kernel="torch")
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
     expected = x @ dense.T
     got = layer(x)
     rel = (got - expected).norm() / expected.norm()
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert layer.kernel == "torch" and got.dtype == torch.float32 and got.shape == (rows, 96)
     assert rel < 1e-2  # activations are rounded to bfloat16 inside the kernel; the weights are exact
     # Not the dense path in disguise: the int4 path really rounds its activations.
     assert not torch.equal(got, torch.nn.functional.linear(x, dense))
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="llmc's int4 kernel needs an AVX-512 CPU")
+EXPECTED_KERNEL = "llmc" if AVX512 else "torch"
+
+
+def test_this_machine_builds_llmcs_kernel():
+    """With AVX-512 (CI and the development machines have it, and a compiler) the kernel must build: the
+    fallback must not hide a broken build. Without it, the status says why."""
+    if AVX512:
+        assert int4_ext.load() is not None, int4_ext.status()
+        assert int4_ext.status() == "llmc AVX-512 float32 kernel"
+    else:
+        assert int4_ext.load() is None and "needs AVX512" in int4_ext.status()
+
+
+@needs_avx512
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, MAX_INT4_ROWS, 2 * MAX_INT4_ROWS + 3])
+@pytest.mark.parametrize("shape", [(96, 128, 32), (48, 256, 64), (32, 64, 64)])
+def test_llmc_kernel_computes_the_dequantized_layer_in_float32(rows, shape):
+    out_features, in_features, group = shape
+    q, scale, prequant, dense = random_layer(out_features, in_features, group)
+    layer = Int4Linear.from_packed(pack_int4(q), scale, prequant, group, dense, kernel="llmc")
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    got = layer.packed_matmul(x)  # the int4 kernel at any row count (forward uses it up to MAX_INT4_ROWS)
+    expected = x.double() @ dense.double().T
+    assert layer.kernel == "llmc" and got.dtype == torch.float32 and got.shape == (rows, out_features)
+    # float32 end to end: only summation order differs from the float64 product (bfloat16 would be ~1e-3).
+    assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+def test_the_kernel_choice_follows_the_environment(monkeypatch):
+    q, scale, prequant, dense = random_layer()
+    monkeypatch.setenv(int4_ext.ENV, "torch")
+    int4_ext.load.cache_clear()
+    try:
+        assert int4_ext.load() is None and int4_ext.status() == f"PyTorch's int4 op ({int4_ext.ENV}=torch)"
+        assert Int4Linear(q, scale, prequant, 32, dense).kernel == "torch"
+    finally:
+        monkeypatch.delenv(int4_ext.ENV)
+        int4_ext.load.cache_clear()
+    assert Int4Linear(q, scale, prequant, 32, dense).kernel == EXPECTED_KERNEL
+
+
+def test_pack_tiles_layout():
+    q = torch.arange(32 * 4).remainder(16).sub(8).view(32, 4).to(torch.int8)  # [N=32, K=4]
+    scale = torch.arange(32 * 2, dtype=torch.float32).view(32, 2)  # group 2
+    packed, scales = int4_ext.pack_tiles(q, scale, 2)
+    assert packed.shape == (2, 4, 8) and packed.dtype == torch.uint8 and scales.shape == (2, 2, 16)
+    u = q.to(torch.int16) + 8
+    tile, k, j = 1, 3, 5  # channel 16 + 2j (low nibble) and 16 + 2j + 1 (high nibble) at column k
+    assert packed[tile, k, j].item() == u[16 + 2 * j, k].item() | (u[16 + 2 * j + 1, k].item() << 4)
+    assert scales[tile, 1, 7].item() == scale[16 + 7, 1].item()
 
 
 def test_larger_steps_use_the_float_weight_exactly():
@@ -53,6 +109,7 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
     plain = load_model(ir, "cpu")
     fast = load_model(ir, "cpu", int4_kernel=True)
     swapped = {n.split(".", 3)[-1] for n, m in fast.named_modules() if isinstance(m, Int4Linear)}
+    assert {m.kernel for m in fast.modules() if isinstance(m, Int4Linear)} == {EXPECTED_KERNEL}
     assert swapped == {"attention.qkv", "attention.dense", "mlp.proj", "mlp.fc_gate_int4"}
     assert set(names.QUANTIZABLE) == {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"}
     assert not any(isinstance(m, Int4Linear) for m in plain.modules())
@@ -67,8 +124,8 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
         x = torch.randn(rows, fast.config.hidden_size)
         for layer_plain, layer_fast in zip(plain.transformer.layers, fast.transformer.layers):
             ref, got = layer_plain.mlp(x), layer_fast.mlp(x)
-            assert (got - ref).norm() / ref.norm() < 1e-2
-            assert not torch.equal(got, ref)  # the int4 kernel ran (it rounds activations to bfloat16)
+            # llmc's kernel: float32 activations, exact weights; PyTorch's op rounds activations to bfloat16.
+            assert (got - ref).norm() / ref.norm() < (1e-5 if AVX512 else 1e-2)
     x = torch.randn(MAX_INT4_ROWS + 1, fast.config.hidden_size)  # larger steps: the float weights, exactly
     assert torch.equal(fast.transformer.layers[0].mlp(x), plain.transformer.layers[0].mlp(x))
 
