@@ -50,7 +50,7 @@ class Int4Linear(nn.Module):
 
     ``kernel``: ``"llmc"`` is llmc's float32 kernel (:mod:`llmc.engine.torch.int4_ext`: exact dequantized
     weights, activations not rounded); ``"torch"`` is PyTorch's op (activations and scales rounded to bfloat16);
-    ``"auto"`` takes llmc's where it builds and the shape suits it. The chosen one is in :attr:`kernel`.
+    ``"auto"`` takes llmc's where it builds. The chosen one is in :attr:`kernel`.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, prequant: torch.Tensor, group_size: int,
@@ -60,15 +60,15 @@ class Int4Linear(nn.Module):
         assert supports_shape(out_features, in_features, group_size), (tuple(q.shape), group_size)
         assert kernel in ("auto", "llmc", "torch"), kernel
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        fits = int4_ext.supports_shape(out_features, in_features, group_size)
-        if kernel == "llmc" or (kernel == "auto" and fits and int4_ext.load() is not None):
-            assert fits and int4_ext.load() is not None, int4_ext.status()
+        ext = int4_ext.load() if kernel != "torch" else None  # supports_shape above covers the kernel's tiles
+        if ext is not None:
             self.kernel = "llmc"
-            self._ext = int4_ext.load()  # the compiled module, held so a later change of mind cannot unhook it
+            self._ext = ext  # the compiled module, held so a later change of mind cannot unhook it
             packed, tile_scales = int4_ext.pack_tiles(q, scale, group_size)
             self.register_buffer("packed", packed)  # uint8 [O/16, K, 8]
             self.register_buffer("tile_scales", tile_scales)  # float32 [O/16, K/g, 16]
         else:
+            assert kernel != "llmc", int4_ext.status()
             self.kernel = "torch"
             unsigned = (q.to(torch.int32) + 8).contiguous()  # [O, K] in [0, 15]
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))

@@ -10,7 +10,7 @@ this kernel vs PyTorch's op: 1 row 188 vs 220 us, 4 rows 244 vs 311 us, 8 rows 4
 1,030 us.
 
 Availability: an x86-64 CPU with AVX-512 (PyTorch's CPU capability ``AVX512``), a C++ compiler and ninja.
-The build takes ~25 s once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default
+The build takes ~30 s once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); ``llmc build`` does it in its compile step for AWQ builds.
 ``LLMC_CPU_INT4_KERNEL=torch`` skips it. Whenever it is unavailable, :class:`~llmc.engine.torch.int4_cpu.Int4Linear`
 uses PyTorch's op, and :func:`status` says why.
@@ -32,7 +32,8 @@ SOURCE = Path(__file__).parent / "csrc" / "int4_matmul.cpp"
 NAME = "llmc_int4_cpu_v2"  # bump with any change to the source's interface
 ENV = "LLMC_CPU_INT4_KERNEL"  # "torch": use PyTorch's int4 op instead
 TILE = 16  # output channels per tile (one AVX-512 register of float32)
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]  # OpenMP: torch's own libgomp at run time
+# -fopenmp: at::parallel_for runs on torch's thread pool; at run time the extension shares torch's own libgomp.
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-fopenmp"]
 
 _why_not: str | None = None
 
@@ -56,7 +57,8 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build
 
-        module = build(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        module = build(name=NAME, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                       verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back, say why
         _why_not = f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
         logger.warning("llmc's CPU int4 kernel is unavailable, using PyTorch's int4 op: %s. Fix: install a C++ "
@@ -81,4 +83,3 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[t
     packed = (u[..., 0::2] | (u[..., 1::2] << 4)).contiguous()  # [T, K, 8]: channel 2j low, 2j+1 high
     scales = scale.to(torch.float32).view(n // TILE, TILE, k // group_size).transpose(1, 2).contiguous()
     return packed, scales
-
