@@ -56,6 +56,7 @@ def start_sse_server(stats: StreamStats) -> tuple[ThreadingHTTPServer, str]:
                 self.send_error(404)
                 return
             stats.enter({"path": self.path, **body})
+            left = False
             try:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -67,9 +68,14 @@ def start_sse_server(stats: StreamStats) -> tuple[ThreadingHTTPServer, str]:
                 if openai:
                     self._send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
                     self._send({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+                    # The client starts its next request as soon as it reads [DONE]: leave first, or the
+                    # stream would still count as open when that request enters.
+                    stats.leave()
+                    left = True
                     self.wfile.write(b"data: [DONE]\n\n")
             finally:
-                stats.leave()
+                if not left:
+                    stats.leave()
 
         def _send(self, event: dict[str, Any]) -> None:
             self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -113,12 +119,18 @@ def start_grpc_server(stats: StreamStats) -> tuple[Any, str]:
             for request in request_iterator:
                 body = inputs_of(request)
                 stats.enter(body)
+                left = False
                 try:
                     for _, text in stats.chunks(body["max_tokens"]):
                         yield response(request, text, False)
+                    # The generator stays suspended at the final yield while the client already starts its
+                    # next request: leave first (see the SSE handler).
+                    stats.leave()
+                    left = True
                     yield response(request, None, True)
                 finally:
-                    stats.leave()
+                    if not left:
+                        stats.leave()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
