@@ -14,8 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint.config import W4A16_AWQ
-from llmc.engine.torch import int4_ext
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
 from llmc.engine.torch.loader import DTYPES
 from llmc.engine.torch.model import ModelConfig
@@ -66,10 +65,9 @@ def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: st
         "kv_bytes_per_token": bytes_per_token,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
     }
-    if engine["quantization"].get("quant_algo") == W4A16_AWQ:
-        # Ahead of time: build llmc's CPU int4 kernel now (~30 s once per machine) rather than in the first
-        # `llmc generate` on CPU. On a machine without it the CPU engine uses PyTorch's int4 op (reported).
-        report["cpu_int4_matmul"] = int4_ext.status()
+    # Ahead of time: build llmc's CPU kernels now (~40 s once per machine) rather than in the first
+    # `llmc generate` on CPU. On a machine without them the CPU engine uses PyTorch's ops (reported).
+    report["cpu_kernels"] = cpu_ext.status()
     return report
 
 

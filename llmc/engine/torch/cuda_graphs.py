@@ -87,8 +87,8 @@ class DecodeGraphs:
         tables, lens = self._tables[:b], self._lens[:b]
         return AttentionMetadata(
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32, device=self.device), context_lens=lens,
-            block_tables=tables, slot_mapping=self._dev[:b, 2], positions=self._dev[:b, 1], logits_indices=rows,
-            decode_seqs=rows, decode_tokens=rows, decode_tables=tables,
+            block_tables=tables, slot_mapping=self._dev[:b, 2], positions=self._dev[:b, 1], token_seqs=rows,
+            logits_indices=rows, decode_seqs=rows, decode_tokens=rows, decode_tables=tables,
             decode_mask=torch.ones(b, 1, 1, 1, dtype=torch.bool, device=self.device), decode_context_lens=lens,
             all_decode=True, query_lens=(1,) * b, query_starts=tuple(range(b)), num_computed=(0,) * b,
             prefill_seqs=(), max_query_len=1, max_context_len=self.max_blocks * self.block_size,

@@ -3,7 +3,7 @@
 A 135M-parameter model is 540 MB of float32 weights, read once per decoded token; packed int4 is 8x smaller
 (it fits this class of CPU's L3 cache). Two int4 matmuls serve steps of at most ``MAX_INT4_ROWS`` tokens:
 
-- llmc's own AVX-512 kernel (:mod:`llmc.engine.torch.int4_ext`, compiled on first use): float32 activations
+- llmc's own AVX-512 kernel (:mod:`llmc.engine.torch.cpu_ext`, compiled on first use): float32 activations
   and scales, so the layer computes exactly the dequantized weights the accuracy gate scored. Measured in
   whole SmolLM2 decode steps against PyTorch's op (same process, interleaved, 2-core Xeon, 2026-11-29):
   1 sequence 20.6 vs 20.5 ms, 4 sequences 29.5 vs 32.1 ms, 16 sequences 60.2 vs 72.8 ms.
@@ -15,7 +15,7 @@ Larger steps (prefill chunks, big batches) are compute-bound GEMMs where float32
 so :class:`Int4Linear` keeps the dequantized float weight too (memory: +1/8 of the float weights).
 The loader stacks each MLP's fc and gate into one Int4Linear (one kernel call instead of two).
 
-Used by :func:`llmc.engine.torch.loader.load_model` with ``int4_kernel=True`` (the runner's default on CPU)
+Used by :func:`llmc.engine.torch.loader.load_model` with ``cpu_kernels=True`` (the runner's default on CPU)
 when an int4 matmul exists and the layer's shape suits it; otherwise layers are dequantized.
 """
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from llmc.checkpoint.int4 import unpack_int4
-from llmc.engine.torch import int4_ext
+from llmc.engine.torch import cpu_ext
 
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
 MAX_INT4_ROWS = 16  # rows (tokens in the step) up to which the int4 kernel beats the float GEMM on CPU
@@ -48,7 +48,7 @@ class Int4Linear(nn.Module):
     ``dense`` [O, K] the same layer's dequantized effective weight, used for steps of more than
     ``MAX_INT4_ROWS`` rows. Input and output are in the model's compute dtype.
 
-    ``kernel``: ``"llmc"`` is llmc's float32 kernel (:mod:`llmc.engine.torch.int4_ext`: exact dequantized
+    ``kernel``: ``"llmc"`` is llmc's float32 kernel (:mod:`llmc.engine.torch.cpu_ext`: exact dequantized
     weights, activations not rounded); ``"torch"`` is PyTorch's op (activations and scales rounded to bfloat16);
     ``"auto"`` takes llmc's where it builds. The chosen one is in :attr:`kernel`.
     """
@@ -60,15 +60,15 @@ class Int4Linear(nn.Module):
         assert supports_shape(out_features, in_features, group_size), (tuple(q.shape), group_size)
         assert kernel in ("auto", "llmc", "torch"), kernel
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        ext = int4_ext.load() if kernel != "torch" else None  # supports_shape above covers the kernel's tiles
+        ext = cpu_ext.load() if kernel != "torch" else None  # supports_shape above covers the kernel's tiles
         if ext is not None:
             self.kernel = "llmc"
             self._ext = ext  # the compiled module, held so a later change of mind cannot unhook it
-            packed, tile_scales = int4_ext.pack_tiles(q, scale, group_size)
+            packed, tile_scales = cpu_ext.pack_tiles(q, scale, group_size)
             self.register_buffer("packed", packed)  # uint8 [O/16, K, 8]
             self.register_buffer("tile_scales", tile_scales)  # float32 [O/16, K/g, 16]
         else:
-            assert kernel != "llmc", int4_ext.status()
+            assert kernel != "llmc", cpu_ext.status()
             self.kernel = "torch"
             unsigned = (q.to(torch.int32) + 8).contiguous()  # [O, K] in [0, 15]
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))

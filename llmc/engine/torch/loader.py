@@ -39,13 +39,17 @@ def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype 
 
 def load_model(
     checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None,
-    int4_kernel: bool = False,
+    cpu_kernels: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
 
-    ``int4_kernel``: on CPU, keep W4A16_AWQ linears packed and multiply with PyTorch's int4 kernel
-    (:mod:`llmc.engine.torch.int4_cpu`) instead of dequantized float weights, where the op and shape allow
-    (single-rank checkpoints); every other layer, and every other case, is dequantized as before.
+    ``cpu_kernels`` (the runner's default), on CPU:
+
+    - keep W4A16_AWQ linears packed and multiply with an int4 kernel (:mod:`llmc.engine.torch.int4_cpu`)
+      instead of dequantized float weights, where the op and shape allow (single-rank checkpoints); every other
+      layer, and every other case, is dequantized as before;
+    - multiply the logits layer of a 16-bit IR with llmc's kernel over an exact 16-bit copy of its weight
+      (:meth:`LlamaForCausalLM.use_16bit_logits`).
 
     Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing tensor or a
     shape that does not match the config (extra tensors are ignored with a warning, as TensorRT-LLM does).
@@ -70,8 +74,11 @@ def load_model(
     model.to_empty(device=device)
     model.load_state_dict(weights, strict=True)
     model.reset_buffers()
-    if int4_kernel and quant.get("quant_algo") == W4A16_AWQ and torch.device(device).type == "cpu":
+    on_cpu = cpu_kernels and torch.device(device).type == "cpu"
+    if on_cpu and quant.get("quant_algo") == W4A16_AWQ:
         _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks))
+    if on_cpu and config.dtype in ("float16", "bfloat16"):
+        model.use_16bit_logits(DTYPES[config.dtype])
     for layer in model.transformer.layers:
         layer.mlp.fuse_fc_gate()  # one GEMM for fc + gate (plain float layers only)
     return model.eval().requires_grad_(False)

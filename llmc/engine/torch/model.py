@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, paged_attention
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
@@ -105,7 +106,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the same math in one kernel
+            if cpu_ext.fused_available(x):
+                return cpu_ext.rms_norm(x, self.weight, self.eps)  # one pass, one op
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the same math
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -171,10 +174,11 @@ class MLP(nn.Module):
         self.fc_gate_int4 = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fc_gate_int4 is not None:
-            fc, gate = self.fc_gate_int4(x).chunk(2, dim=-1)  # [T, I] each
-        elif self.fc_gate is not None:
-            fc, gate = F.linear(x, self.fc_gate).chunk(2, dim=-1)
+        if self.fc_gate_int4 is not None or self.fc_gate is not None:
+            both = self.fc_gate_int4(x) if self.fc_gate_int4 is not None else F.linear(x, self.fc_gate)  # [T, 2I]
+            if cpu_ext.fused_available(both):
+                return self.proj(cpu_ext.silu_mul(both))
+            fc, gate = both.chunk(2, dim=-1)  # [T, I] each
         else:
             fc, gate = self.fc(x), self.gate(x)
         return self.proj(F.silu(fc) * gate)
@@ -193,8 +197,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        h = h + self.attention(self.input_layernorm(h), cos, sin, attn, kv_cache)
-        return h + self.mlp(self.post_layernorm(h))
+        a = self.attention(self.input_layernorm(h), cos, sin, attn, kv_cache)
+        norm = self.post_layernorm
+        if cpu_ext.fused_available(h) and cpu_ext.fused_available(a) and norm.weight.dtype == torch.float32:
+            normed = cpu_ext.add_rms_norm_(h, a, norm.weight, norm.eps)  # h += a in place: h is this step's own
+        else:
+            h = h + a
+            normed = norm(h)
+        return h + self.mlp(normed)
 
 
 class Transformer(nn.Module):
@@ -224,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         )
         self.register_buffer("inv_freq", torch.empty(config.head_size // 2, dtype=torch.float32), persistent=False)
+        self.logits_tiles: torch.Tensor | None = None  # see use_16bit_logits
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -249,7 +260,29 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.transformer.ln_f(h)
 
+    def logits_weight(self) -> torch.Tensor:
+        """``[V, H]``: the lm_head's weight, or the embedding's when they are tied."""
+        return self.transformer.vocab_embedding.weight if self.lm_head is None else self.lm_head.weight
+
+    def use_16bit_logits(self, dtype: torch.dtype) -> bool:
+        """CPU, float32 compute: multiply the logits layer with llmc's kernel over a ``dtype`` copy of its weight
+        (``csrc/dense16_matmul.cpp``), half the bytes of the float32 weight read per step (SmolLM2: 57 of its
+        113 MB). Only when that copy is exact (a 16-bit checkpoint's weight widened to float32), so the logits
+        stay float32 products of the same weights. Returns whether the kernel is in use."""
+        weight = self.logits_weight()
+        vocab = weight.shape[0]
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or vocab % cpu_ext.TILE:
+            return False
+        if cpu_ext.load() is None:
+            return False
+        narrow = weight.detach().to(dtype)
+        if not torch.equal(narrow.float(), weight):
+            return False
+        self.logits_tiles = cpu_ext.pack_tiles16(narrow)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[S, V]`` float32 for the hidden states of the sampled positions only."""
-        weight = self.transformer.vocab_embedding.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.logits_tiles is not None and hidden.dtype == torch.float32:
+            return cpu_ext.dense16_matmul(hidden.contiguous(), self.logits_tiles)
+        return F.linear(hidden, self.logits_weight()).float()

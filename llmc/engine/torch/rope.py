@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.engine.torch import cpu_ext
 from llmc.errors import CheckpointError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -97,6 +98,8 @@ def rope_cos_sin(
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [T, heads, hd]`` by the tables of :func:`rope_cos_sin` (NeoX halves):
     ``[x1 * cos - x2 * sin, x2 * cos + x1 * sin]``, i.e. transformers' ``x * cos + rotate_half(x) * sin``
-    with the same roundings."""
+    with the same roundings. On CPU in float32, llmc's fused kernel does it in one pass (:mod:`cpu_ext`)."""
+    if cpu_ext.rope_available(x, cos):
+        return cpu_ext.rope(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)  # [T, heads, hd/2] each
     return x * cos + torch.cat((x2, x1), dim=-1) * sin  # 4 ops for q and k together, whatever the head count

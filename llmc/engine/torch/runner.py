@@ -57,8 +57,8 @@ class TorchModelRunner:
         recipe = manifest.recipe_obj()
         engine = read_engine_config(build_dir / "engine")
         self.device = resolve_device(device)
-        # On CPU, W4A16 layers stay packed int4 (PyTorch's int4 kernel): an 8x smaller weight read per token.
-        self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device, int4_kernel=True)
+        # On CPU: W4A16 layers stay packed int4 (8x fewer weight bytes per token) and llmc's CPU kernels run.
+        self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device, cpu_kernels=True)
         config = self.model.config
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, self.model.transformer.ln_f.weight.dtype)
         self.block_size = recipe.kv_cache.tokens_per_block

@@ -23,6 +23,7 @@ def test_metadata_packs_sequences_without_padding():
     assert meta.cu_seqlens_q.tolist() == [0, 3, 4, 6]
     assert meta.context_lens.tolist() == [3, 7, 5]
     assert meta.positions.tolist() == [0, 1, 2, 6, 3, 4]
+    assert meta.token_seqs.tolist() == [0, 0, 0, 1, 2, 2]
     # slot = block_id * block_size + offset: b's position 6 is block 7 offset 2; c's 3, 4 are 9:3 and 1:0.
     assert meta.slot_mapping.tolist() == [20, 21, 22, 30, 39, 4]
     assert meta.block_tables.tolist() == [[5, 0], [2, 7], [9, 1]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmc.engine.base import compile_engine
-from llmc.engine.torch import int4_ext
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.compile import read_engine_config
 from llmc.errors import CheckpointError, EngineError
 from llmc.recipe import recipe_from_dict
@@ -37,16 +37,17 @@ def test_engine_json_describes_the_engine(tiny_hf_dir, tiny_ir_dir, tmp_path):
     assert read_engine_config(engine_dir) == engine
 
 
-def test_awq_engines_build_the_cpu_int4_kernel_at_compile_time(tiny_hf_dir, tmp_path):
+def test_engines_build_the_cpu_kernels_at_compile_time(tiny_hf_dir, tmp_path):
     from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
 
     quantized, _ = rtn_quantize_hf(tiny_hf_dir, group_size=32)
     ir = write_ir(tiny_hf_dir, tmp_path / "checkpoint", quantized=quantized, group_size=32)
     report = compile_engine(recipe(tiny_hf_dir), ir, tmp_path / "engine")
-    assert report["cpu_int4_matmul"] == int4_ext.status()  # built (or found cached) here, or why not
-    assert int4_ext.load() is not None or torch.backends.cpu.get_cpu_capability() != "AVX512"
+    assert report["cpu_kernels"] == cpu_ext.status()  # built (or found cached) here, or why not
+    assert cpu_ext.load() is not None or torch.backends.cpu.get_cpu_capability() != "AVX512"
+    # 16-bit engines too: their CPU decode attention is one of the kernels.
     plain_ir = write_ir(tiny_hf_dir, tmp_path / "plain_checkpoint")
-    assert "cpu_int4_matmul" not in compile_engine(recipe(tiny_hf_dir), plain_ir, tmp_path / "plain_engine")
+    assert compile_engine(recipe(tiny_hf_dir), plain_ir, tmp_path / "plain_engine")["cpu_kernels"] == cpu_ext.status()
 
 
 def test_fp8_kv_cache_is_refused_by_the_torch_backend(tiny_hf_dir, tiny_ir_dir, tmp_path):

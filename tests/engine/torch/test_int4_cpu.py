@@ -7,7 +7,7 @@ import torch
 
 from llmc.checkpoint import names
 from llmc.checkpoint.int4 import pack_int4
-from llmc.engine.torch import int4_ext
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.int4_cpu import MAX_INT4_ROWS, Int4Linear, int4_kernel_available
 from llmc.engine.torch.loader import load_model
 from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
@@ -50,10 +50,10 @@ def test_this_machine_builds_llmcs_kernel():
     """With AVX-512 (CI and the development machines have it, and a compiler) the kernel must build: the
     fallback must not hide a broken build. Without it, the status says why."""
     if AVX512:
-        assert int4_ext.load() is not None, int4_ext.status()
-        assert int4_ext.status() == "llmc AVX-512 float32 kernel"
+        assert cpu_ext.load() is not None, cpu_ext.status()
+        assert cpu_ext.status() == "llmc AVX-512 float32 kernels"
     else:
-        assert int4_ext.load() is None and "needs AVX512" in int4_ext.status()
+        assert cpu_ext.load() is None and "needs AVX512" in cpu_ext.status()
 
 
 @needs_avx512
@@ -74,21 +74,21 @@ def test_llmc_kernel_computes_the_dequantized_layer_in_float32(rows, shape):
 
 def test_the_kernel_choice_follows_the_environment(monkeypatch):
     q, scale, prequant, dense = random_layer()
-    monkeypatch.setenv(int4_ext.ENV, "torch")
-    int4_ext.load.cache_clear()
+    monkeypatch.setenv(cpu_ext.ENV, "torch")
+    cpu_ext.load.cache_clear()
     try:
-        assert int4_ext.load() is None and int4_ext.status() == f"PyTorch's int4 op ({int4_ext.ENV}=torch)"
+        assert cpu_ext.load() is None and cpu_ext.status() == f"PyTorch's ops ({cpu_ext.ENV}=torch)"
         assert Int4Linear(q, scale, prequant, 32, dense).kernel == "torch"
     finally:
-        monkeypatch.delenv(int4_ext.ENV)
-        int4_ext.load.cache_clear()
+        monkeypatch.delenv(cpu_ext.ENV)
+        cpu_ext.load.cache_clear()
     assert Int4Linear(q, scale, prequant, 32, dense).kernel == EXPECTED_KERNEL
 
 
 def test_pack_tiles_layout():
     q = torch.arange(32 * 4).remainder(16).sub(8).view(32, 4).to(torch.int8)  # [N=32, K=4]
     scale = torch.arange(32 * 2, dtype=torch.float32).view(32, 2)  # group 2
-    packed, scales = int4_ext.pack_tiles(q, scale, 2)
+    packed, scales = cpu_ext.pack_tiles(q, scale, 2)
     assert packed.shape == (2, 4, 8) and packed.dtype == torch.uint8 and scales.shape == (2, 2, 16)
     u = q.to(torch.int16) + 8
     tile, k, j = 1, 3, 5  # channel 16 + 2j (low nibble) and 16 + 2j + 1 (high nibble) at column k
@@ -107,7 +107,7 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
     quantized, _ = rtn_quantize_hf(tiny_hf_dir, group_size=32)
     ir = write_ir(tiny_hf_dir, tmp_path / "ir", quantized=quantized, group_size=32)
     plain = load_model(ir, "cpu")
-    fast = load_model(ir, "cpu", int4_kernel=True)
+    fast = load_model(ir, "cpu", cpu_kernels=True)
     swapped = {n.split(".", 3)[-1] for n, m in fast.named_modules() if isinstance(m, Int4Linear)}
     assert {m.kernel for m in fast.modules() if isinstance(m, Int4Linear)} == {EXPECTED_KERNEL}
     assert swapped == {"attention.qkv", "attention.dense", "mlp.proj", "mlp.fc_gate_int4"}
@@ -137,7 +137,7 @@ def test_fc_and_gate_with_different_prequant_scales_stay_separate(tiny_hf_dir, t
     q, scales, prequant = quantized[key]
     quantized[key] = (q, scales, prequant * 1.5)
     ir = write_ir(tiny_hf_dir, tmp_path / "ir", quantized=quantized, group_size=32)
-    plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", int4_kernel=True)
+    plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", cpu_kernels=True)
     first, second = fast.transformer.layers
     assert first.mlp.fc_gate_int4 is None
     assert isinstance(first.mlp.fc, Int4Linear) and isinstance(first.mlp.gate, Int4Linear)

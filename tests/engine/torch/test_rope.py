@@ -27,6 +27,21 @@ def test_apply_rope_equals_transformers(dtype):
     assert torch.equal(qk[:, 9:], hf_k[0].transpose(0, 1))
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="llmc's CPU kernels need AVX-512")
+def test_the_cpu_kernel_rotates_bit_for_bit_like_the_torch_ops(monkeypatch):
+    from llmc.engine.torch import cpu_ext
+
+    torch.manual_seed(1)
+    positions = torch.tensor([0, 3, 64, 2047, 9000, 5])
+    cos, sin = rope_cos_sin(rope_inv_freq(64, 10000.0, None), positions)
+    qkv = torch.randn(len(positions), (9 + 3 + 3) * 64)
+    x = qkv[:, : 12 * 64].view(len(positions), 12, 64)  # q and k heads: a strided view of qkv, as in the model
+    assert cpu_ext.rope_available(x, cos)
+    fused = apply_rope(x, cos, sin)
+    monkeypatch.setattr(cpu_ext, "rope_available", lambda x, cos: False)
+    assert torch.equal(fused, apply_rope(x, cos, sin)) and not torch.equal(fused, x)
+
+
 def test_position_zero_is_identity():
     inv_freq = rope_inv_freq(8, 10000.0, None)
     x = torch.randn(1, 2, 8)

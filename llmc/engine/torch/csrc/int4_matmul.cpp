@@ -2,12 +2,12 @@
 //   W[n, k] = (u[n, k] - 8) * scale[n, k / group]
 // in float32 throughout (activations are not rounded), AVX-512.
 //
-// Layout (built by llmc/engine/torch/int4_ext.py: pack_tiles): output channels in tiles of 16.
+// Layout (built by llmc/engine/torch/cpu_ext.py: pack_tiles): output channels in tiles of 16.
 //   packed: uint8 [N/16, K, 8]  byte j of (tile, k) holds channel 2j (low nibble) and 2j+1 (high nibble), u in [0, 15]
 //   scales: float [N/16, K/group, 16]
 // One pass over a tile dequantizes each 16-channel column once for up to 16 rows of x, so the cost of
 // unpacking the weights is shared by the whole decode batch; tiles are spread over torch's thread pool.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -69,16 +69,16 @@ void all_tiles(const float* x, int64_t K, const uint8_t* w, const float* scales,
 
 }  // namespace
 
-torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                           int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.size(2) == 8,
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 8,
               "packed: contiguous uint8 [N/16, K, 8]");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   TORCH_CHECK(packed.size(1) == K && group % 2 == 0 && K % group == 0, "packed/group do not match x's K");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.is_contiguous() && scales.size(0) == N / 16 &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.size(0) == N / 16 &&
               scales.size(1) == K / group && scales.size(2) == 16, "scales: contiguous float32 [N/16, K/group, 16]");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -96,5 +96,3 @@ torch::Tensor int4_matmul(const torch::Tensor& x, const torch::Tensor& packed, c
   }
   return y;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_matmul", &int4_matmul, "W4A16 matmul, float32, AVX-512"); }

@@ -1,0 +1,22 @@
+// The Python module of llmc's CPU kernels (llmc/engine/torch/cpu_ext.py builds it from the sources here).
+#include <torch/extension.h>  // the only source with pybind11: the kernels include ATen alone (faster builds)
+
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group);
+at::Tensor dense16_matmul(const at::Tensor& x, const at::Tensor& w);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& a);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
+                                  at::Tensor lens, double scale);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_matmul", &int4_matmul, "W4A16 matmul, float32, AVX-512 (int4_matmul.cpp)");
+  m.def("dense16_matmul", &dense16_matmul, "float32 x @ 16-bit W^T, float32 math, AVX-512 (dense16_matmul.cpp)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (fused_ops.cpp)");
+  m.def("add_rms_norm_", &add_rms_norm_, "h += d in place, then RMSNorm of h (fused_ops.cpp)");
+  m.def("silu_mul", &silu_mul, "silu(first half) * second half of float32 rows (fused_ops.cpp)");
+  m.def("rope", &rope, "NeoX rotary embedding of float32 heads (fused_ops.cpp)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-token queries over a paged KV cache, float32, AVX-512 (paged_attention.cpp)");
+}
