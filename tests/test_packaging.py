@@ -18,10 +18,11 @@ def test_every_package_is_listed_and_templates_are_mapped():
     templates = {p.relative_to(ROOT / "model_repo") for p in (ROOT / "model_repo").rglob("*") if p.is_file()}
     shipped = {t for t in templates if any(t.match(pattern) for pattern in data)}
     assert shipped == {t for t in templates if t.suffix in (".pbtxt", ".py")} and shipped
-    # The CPU int4 kernel's C++ source is compiled on the user's machine, so the wheel must carry it.
-    sources = {p.name for p in (ROOT / "llmc" / "engine" / "torch" / "csrc").glob("*.cpp")}
+    # The CPU kernels' C++ sources and headers are compiled on the user's machine: the wheel must carry them.
+    sources = {p.name for p in (ROOT / "llmc" / "engine" / "torch" / "csrc").iterdir() if p.suffix in (".cpp", ".h")}
     patterns = project["tool"]["setuptools"]["package-data"]["llmc.engine.torch"]
-    assert sources and all(any(Path("csrc", name).match(pattern) for pattern in patterns) for name in sources)
+    assert {"vec_math.h", "bindings.cpp"} <= sources
+    assert all(any(Path("csrc", name).match(pattern) for pattern in patterns) for name in sources)
 
 
 def test_console_script_points_at_the_cli():

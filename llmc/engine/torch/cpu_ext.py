@@ -41,6 +41,7 @@ NAME = "llmc_cpu_v3"  # bump with any change to the interfaces or to csrc/*.h (t
 ENV = "LLMC_CPU_KERNELS"  # "torch": use PyTorch's ops instead
 TILE = 16  # output channels per int4 tile (one AVX-512 register of float32)
 ATTENTION_HEAD_SIZES = (16, 32, 64, 128)
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # -fopenmp: at::parallel_for runs on torch's thread pool; at run time the extension shares torch's own libgomp.
 # -ffp-contract=off: a product and a sum stay two roundings unless a kernel asks for an FMA (RoPE matches
 # transformers bit for bit this way).
@@ -86,8 +87,9 @@ def status() -> str:
 
 
 def decode_attention_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """True when :func:`paged_decode_attention` takes these operands (CPU, float32, a supported head size)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    """True when :func:`paged_decode_attention` takes these operands (CPU, float32 queries, a float32, float16 or
+    bfloat16 cache, a supported head size)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in CACHE_DTYPES
             and q.shape[-1] in ATTENTION_HEAD_SIZES and load() is not None)
 
 

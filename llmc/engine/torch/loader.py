@@ -20,6 +20,7 @@ from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import merge_shards
 from llmc.checkpoint.int4 import dequantize_w4a16, unpack_int4
 from llmc.checkpoint.io import read_checkpoint
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
 from llmc.errors import CheckpointError
 
@@ -48,8 +49,9 @@ def load_model(
     - keep W4A16_AWQ linears packed and multiply with an int4 kernel (:mod:`llmc.engine.torch.int4_cpu`)
       instead of dequantized float weights, where the op and shape allow (single-rank checkpoints); every other
       layer, and every other case, is dequantized as before;
-    - multiply the logits layer of a 16-bit IR with llmc's kernel over an exact 16-bit copy of its weight
-      (:meth:`LlamaForCausalLM.use_16bit_logits`).
+    - with a 16-bit IR, multiply the logits layer (:meth:`LlamaForCausalLM.use_16bit_logits`) and, unquantized,
+      every decoder linear (:class:`~llmc.engine.torch.dense16_cpu.Dense16Linear`) in decode steps with llmc's
+      kernel over the exact 16-bit copy of the weight: half the bytes per token.
 
     Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing tensor or a
     shape that does not match the config (extra tensors are ignored with a warning, as TensorRT-LLM does).
@@ -77,10 +79,12 @@ def load_model(
     on_cpu = cpu_kernels and torch.device(device).type == "cpu"
     if on_cpu and quant.get("quant_algo") == W4A16_AWQ:
         _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks))
-    if on_cpu and config.dtype in ("float16", "bfloat16"):
-        model.use_16bit_logits(DTYPES[config.dtype])
     for layer in model.transformer.layers:
         layer.mlp.fuse_fc_gate()  # one GEMM for fc + gate (plain float layers only)
+    if on_cpu and config.dtype in ("float16", "bfloat16") and cpu_ext.load() is not None:
+        model.use_16bit_logits(DTYPES[config.dtype])
+        if quant.get("quant_algo") is None:
+            _use_dense16_kernel(model, DTYPES[config.dtype])
     return model.eval().requires_grad_(False)
 
 
@@ -108,7 +112,7 @@ def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], 
         gate = int4_tensors(f"transformer.layers.{i}.mlp.gate", layer.mlp.gate)
         if fc is None or gate is None or not torch.equal(fc[2], gate[2]) or not layer.mlp.fuse_fc_gate():
             continue
-        layer.mlp.use_int4_fc_gate(Int4Linear(torch.cat([fc[0], gate[0]]), torch.cat([fc[1], gate[1]]), fc[2],
+        layer.mlp.use_fc_gate_kernel(Int4Linear(torch.cat([fc[0], gate[0]]), torch.cat([fc[1], gate[1]]), fc[2],
                                               group_size, dense=layer.mlp.fc_gate))
         fused.update({f"transformer.layers.{i}.mlp.fc", f"transformer.layers.{i}.mlp.gate"})
     for name, module in list(model.named_modules()):  # module names are the IR's tensor-name prefixes
@@ -118,6 +122,23 @@ def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], 
         parent_name, _, child = name.rpartition(".")
         fast = Int4Linear(*tensors, group_size, dense=module.weight.detach())
         setattr(model.get_submodule(parent_name), child, fast)
+
+
+def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Swap each float linear of the decoder (and each stacked fc + gate) for a :class:`Dense16Linear` over the
+    exact ``dtype`` copy of its weight; a weight without one stays as it is."""
+    from llmc.engine.torch.dense16_cpu import Dense16Linear, exact_copy
+
+    for layer in model.transformer.layers:
+        if layer.mlp.fc_gate is not None and layer.mlp.fc_gate_kernel is None:
+            narrow = exact_copy(layer.mlp.fc_gate, dtype)
+            if narrow is not None:
+                layer.mlp.use_fc_gate_kernel(Dense16Linear(layer.mlp.fc_gate, narrow))
+        for parent, child in ((layer.attention, "qkv"), (layer.attention, "dense"), (layer.mlp, "proj")):
+            module = getattr(parent, child)
+            narrow = exact_copy(module.weight, dtype) if type(module) is torch.nn.Linear else None
+            if narrow is not None:
+                setattr(parent, child, Dense16Linear(module.weight.detach(), narrow))
 
 
 def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[str, torch.Tensor]:

@@ -149,12 +149,12 @@ class MLP(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
         self.fc_gate: torch.Tensor | None = None  # [2I, H] once fused
-        self.fc_gate_int4: nn.Module | None = None  # CPU int4 kernel over [fc; gate], see use_int4_fc_gate
+        self.fc_gate_kernel: nn.Module | None = None  # a CPU kernel's module over [fc; gate], see use_fc_gate_kernel
 
     def fuse_fc_gate(self) -> bool:
         """Stack the fc and gate weights into one ``[2I, H]`` tensor; both Linear weights become views of it, so
         the state dict and memory stay the same. Only plain Linear layers fuse (int4 ones fuse through
-        :meth:`use_int4_fc_gate`). Returns whether fc and gate are fused (also when they already were)."""
+        :meth:`use_fc_gate_kernel`). Returns whether fc and gate are fused (also when they already were)."""
         if self.fc_gate is not None:
             return True
         if type(self.fc) is not nn.Linear or type(self.gate) is not nn.Linear:
@@ -166,16 +166,16 @@ class MLP(nn.Module):
         self.fc_gate = fused
         return True
 
-    def use_int4_fc_gate(self, fused: nn.Module) -> None:
-        """Run fc and gate as one int4 module whose outputs are ``[fc; gate]`` (an ``Int4Linear`` built over
-        :attr:`fc_gate`, which it uses as its float weight for larger steps); fc and gate stay plain Linear
-        views of that weight."""
-        assert self.fc_gate is not None, "fuse_fc_gate() first: the int4 module shares the stacked float weight"
-        self.fc_gate_int4 = fused
+    def use_fc_gate_kernel(self, fused: nn.Module) -> None:
+        """Run fc and gate as one CPU-kernel module whose outputs are ``[fc; gate]`` (an ``Int4Linear`` or
+        ``Dense16Linear`` built over :attr:`fc_gate`, which it uses as its float weight for larger steps); fc and
+        gate stay plain Linear views of that weight."""
+        assert self.fc_gate is not None, "fuse_fc_gate() first: the kernel's module shares the stacked float weight"
+        self.fc_gate_kernel = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fc_gate_int4 is not None or self.fc_gate is not None:
-            both = self.fc_gate_int4(x) if self.fc_gate_int4 is not None else F.linear(x, self.fc_gate)  # [T, 2I]
+        if self.fc_gate_kernel is not None or self.fc_gate is not None:
+            both = self.fc_gate_kernel(x) if self.fc_gate_kernel is not None else F.linear(x, self.fc_gate)  # [T, 2I]
             if cpu_ext.fused_available(both):
                 return self.proj(cpu_ext.silu_mul(both))
             fc, gate = both.chunk(2, dim=-1)  # [T, I] each

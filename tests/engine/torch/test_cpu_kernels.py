@@ -66,8 +66,8 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
     scale = 0.125
     kernel = cpu_ext.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
     assert torch.equal(_decode_attention(q, k_cache, v_cache, meta, scale), kernel)
-    # Not the kernel: bfloat16 caches, a head size it has no code for, or LLMC_CPU_KERNELS=torch.
-    assert not cpu_ext.decode_attention_available(q.bfloat16(), k_cache.bfloat16())
+    # Not the kernel: bfloat16 queries, a head size it has no code for, or LLMC_CPU_KERNELS=torch.
+    assert not cpu_ext.decode_attention_available(q.bfloat16(), k_cache)
     assert not cpu_ext.decode_attention_available(q[..., :48], k_cache[..., :48])
     monkeypatch.setenv(cpu_ext.ENV, "torch")
     cpu_ext.load.cache_clear()
@@ -79,6 +79,18 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
     finally:
         monkeypatch.delenv(cpu_ext.ENV)
         cpu_ext.load.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_caches_are_widened_exactly(dtype):
+    q, k_cache, v_cache, meta = decode_batch((1, 33, 161), 3, 3, 64, 32)
+    k16, v16 = k_cache.to(dtype), v_cache.to(dtype)
+    assert cpu_ext.decode_attention_available(q, k16)
+    got = cpu_ext.paged_decode_attention(q, k16, v16, meta.decode_tables, meta.decode_context_lens, 0.125)
+    # the same float32 math as over the widened cache: only the cache's own rounding is new
+    ref = reference_decode_attention(q, k16.float(), v16.float(), meta, 0.125)
+    assert got.dtype == torch.float32 and ((got - ref).abs().max() / ref.abs().max()).item() < 2e-6
 
 
 @needs_kernels
@@ -197,3 +209,40 @@ def test_mixed_steps_attend_token_by_token_through_the_kernel(chunk, monkeypatch
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 2e-6
     # Within the limit one call covers every token; over it, only the decode batch uses the kernel.
     assert calls == ([t] if chunk <= attention.CPU_KERNEL_MAX_QUERY_LEN else [1])
+
+
+@needs_kernels
+def test_a_16_bit_checkpoint_decodes_through_its_exact_16_bit_weights(tiny_hf_dir, tmp_path):
+    from llmc.engine.torch.dense16_cpu import MAX_ROWS, Dense16Linear
+
+    ir = write_ir(tiny_hf_dir, tmp_path / "checkpoint", dtype="bfloat16")
+    plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", cpu_kernels=True)
+    for layer in fast.transformer.layers:
+        for module in (layer.attention.qkv, layer.attention.dense, layer.mlp.proj, layer.mlp.fc_gate_kernel):
+            assert isinstance(module, Dense16Linear) and module.tiles.dtype == torch.bfloat16
+    assert fast.logits_tiles is not None and fast.logits_tiles.dtype == torch.bfloat16
+    layer = fast.transformer.layers[0].attention.qkv
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, MAX_ROWS):  # the kernel: float32 products of the same weights
+        x = torch.randn(rows, layer.in_features, generator=gen)
+        ref = x.double() @ layer.dense.double().T
+        assert ((layer(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    x = torch.randn(MAX_ROWS + 1, layer.in_features, generator=gen)  # prefill-sized: the float32 GEMM, exactly
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dense))
+    # The whole model agrees with the plain float32 one (a 5-token prefill, then a decode step).
+    cfg = fast.config
+    outs = []
+    for model in (plain, fast):
+        kv = [(torch.zeros(4, 8, cfg.num_kv_heads, cfg.head_size), torch.zeros(4, 8, cfg.num_kv_heads, cfg.head_size))
+              for _ in range(cfg.num_layers)]
+        hidden = []
+        for new, done in ((tuple(range(5, 10)), 0), ((11,), 5)):
+            seq = ScheduledSequence("a", new, done, (1,), True, GREEDY, prompt_token_ids=tuple(range(5, 10)))
+            meta = build_attention_metadata([seq], 8, "cpu")
+            with torch.inference_mode():
+                hidden.append(model(torch.tensor(new), meta.positions, meta, kv))
+        outs.append(model.compute_logits(torch.cat(hidden)))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    # A float32 checkpoint keeps its plain linears.
+    fp32 = load_model(write_ir(tiny_hf_dir, tmp_path / "fp32"), "cpu", cpu_kernels=True)
+    assert type(fp32.transformer.layers[0].attention.qkv) is torch.nn.Linear

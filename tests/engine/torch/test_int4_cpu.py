@@ -110,16 +110,16 @@ def test_loader_swaps_quantized_linears_and_keeps_the_logits(tiny_hf_dir, tmp_pa
     fast = load_model(ir, "cpu", cpu_kernels=True)
     swapped = {n.split(".", 3)[-1] for n, m in fast.named_modules() if isinstance(m, Int4Linear)}
     assert {m.kernel for m in fast.modules() if isinstance(m, Int4Linear)} == {EXPECTED_KERNEL}
-    assert swapped == {"attention.qkv", "attention.dense", "mlp.proj", "mlp.fc_gate_int4"}
+    assert swapped == {"attention.qkv", "attention.dense", "mlp.proj", "mlp.fc_gate_kernel"}
     assert set(names.QUANTIZABLE) == {"attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"}
     assert not any(isinstance(m, Int4Linear) for m in plain.modules())
     # fc + gate run as one GEMM in both: a float one (plain) or one int4 kernel over the stacked rows (fast).
     assert all(layer.mlp.fc_gate is not None for layer in plain.transformer.layers)
-    assert all(layer.mlp.fc_gate_int4 is None for layer in plain.transformer.layers)
+    assert all(layer.mlp.fc_gate_kernel is None for layer in plain.transformer.layers)
     for layer in fast.transformer.layers:
         mlp = layer.mlp
-        assert isinstance(mlp.fc_gate_int4, Int4Linear) and mlp.fc_gate_int4.out_features == 2 * mlp.fc.out_features
-        assert type(mlp.fc) is torch.nn.Linear and mlp.fc.weight.data_ptr() == mlp.fc_gate_int4.dense.data_ptr()
+        assert isinstance(mlp.fc_gate_kernel, Int4Linear) and mlp.fc_gate_kernel.out_features == 2 * mlp.fc.out_features
+        assert type(mlp.fc) is torch.nn.Linear and mlp.fc.weight.data_ptr() == mlp.fc_gate_kernel.dense.data_ptr()
     for rows in (1, MAX_INT4_ROWS):
         x = torch.randn(rows, fast.config.hidden_size)
         for layer_plain, layer_fast in zip(plain.transformer.layers, fast.transformer.layers):
@@ -139,9 +139,9 @@ def test_fc_and_gate_with_different_prequant_scales_stay_separate(tiny_hf_dir, t
     ir = write_ir(tiny_hf_dir, tmp_path / "ir", quantized=quantized, group_size=32)
     plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", cpu_kernels=True)
     first, second = fast.transformer.layers
-    assert first.mlp.fc_gate_int4 is None
+    assert first.mlp.fc_gate_kernel is None
     assert isinstance(first.mlp.fc, Int4Linear) and isinstance(first.mlp.gate, Int4Linear)
-    assert isinstance(second.mlp.fc_gate_int4, Int4Linear)
+    assert isinstance(second.mlp.fc_gate_kernel, Int4Linear)
     x = torch.randn(2, fast.config.hidden_size)
     ref, got = plain.transformer.layers[0].mlp(x), first.mlp(x)
     assert (got - ref).norm() / ref.norm() < 1e-2

@@ -1,9 +1,10 @@
 // llmc's CPU paged decode attention: each sequence has one new query token; its query heads attend over the
 // sequence's cached keys and values, read in place through its block table (no gather copy, no padding).
-// float32 throughout, exact two-pass softmax, AVX-512.
+// float32 math, exact two-pass softmax, AVX-512. The cache may be float32, float16 or bfloat16 (widened exactly
+// as it is read); q and the output are float32.
 //
 //   q:        float [D, nh, hd], any strides on the first two dims (the model's q is a view of its qkv)
-//   k_cache:  float [num_blocks, block_size, nkv, hd] (v_cache alike), contiguous
+//   k_cache:  float | half | bfloat16 [num_blocks, block_size, nkv, hd] (v_cache alike), contiguous
 //   tables:   int32 [D, max_blocks]: sequence i's token p lives in block tables[i, p / block_size]
 //   lens:     int32 [D]: tokens to attend per sequence (its cached tokens, this step's included)
 //   returns   float [D, nh, hd]
@@ -24,11 +25,22 @@ namespace {
 
 using llmc::exp_ps;
 
+// 16 cache values at p, widened to float32 (exact for all three dtypes).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
 struct Item {
   const float* q;       // the item's first query head; heads `q_head_stride` apart
   int64_t q_head_stride;
-  const float* k;       // k_cache + h * hd: a token's row is at slot * row_stride
-  const float* v;
+  const T* k;           // k_cache + h * hd: a token's row is at slot * row_stride
+  const T* v;
   int64_t row_stride;   // nkv * hd
   const int32_t* table;
   int64_t block_size, len, group;
@@ -37,18 +49,18 @@ struct Item {
 };
 
 // Pass 2 for query heads g0 .. g0 + QC - 1: out = sum_t p[g][t] v_t / sum[g], accumulated in registers.
-template <int NV, int QC>
-void weighted_values(const Item& it, const float* probs, const float* inv_sum, int64_t g0) {
+template <int NV, int QC, typename T>
+void weighted_values(const Item<T>& it, const float* probs, const float* inv_sum, int64_t g0) {
   __m512 acc[QC][NV];
   for (int c = 0; c < QC; ++c)
     for (int j = 0; j < NV; ++j) acc[c][j] = _mm512_setzero_ps();
   for (int64_t t0 = 0, b = 0; t0 < it.len; t0 += it.block_size, ++b) {
-    const float* base = it.v + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
+    const T* base = it.v + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
     const int64_t n = std::min(it.block_size, it.len - t0);
     for (int64_t o = 0; o < n; ++o) {
-      const float* row = base + o * it.row_stride;
+      const T* row = base + o * it.row_stride;
       __m512 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(row + 16 * j);
+      for (int j = 0; j < NV; ++j) v[j] = load16(row + 16 * j);
       for (int c = 0; c < QC; ++c) {
         const __m512 p = _mm512_set1_ps(probs[(g0 + c) * it.len + t0 + o]);
         for (int j = 0; j < NV; ++j) acc[c][j] = _mm512_fmadd_ps(p, v[j], acc[c][j]);
@@ -61,8 +73,8 @@ void weighted_values(const Item& it, const float* probs, const float* inv_sum, i
   }
 }
 
-template <int NV>
-void attend(const Item& it, std::vector<float>& buf) {
+template <int NV, typename T>
+void attend(const Item<T>& it, std::vector<float>& buf) {
   constexpr int kMaxChunk = NV == 1 ? 8 : 16 / NV;  // query heads per value pass: QC * NV <= 16 accumulators
   const int64_t len = it.len, group = it.group;
   buf.resize(group * len + group);
@@ -70,12 +82,12 @@ void attend(const Item& it, std::vector<float>& buf) {
   float* inv_sum = probs + group * len;
   // Pass 1: scores of every (query head, token).
   for (int64_t t0 = 0, b = 0; t0 < len; t0 += it.block_size, ++b) {
-    const float* base = it.k + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
+    const T* base = it.k + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
     const int64_t n = std::min(it.block_size, len - t0);
     for (int64_t o = 0; o < n; ++o) {
-      const float* row = base + o * it.row_stride;
+      const T* row = base + o * it.row_stride;
       __m512 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(row + 16 * j);
+      for (int j = 0; j < NV; ++j) k[j] = load16(row + 16 * j);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = it.q + g * it.q_head_stride;
         __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
@@ -112,7 +124,7 @@ void attend(const Item& it, std::vector<float>& buf) {
     switch (std::min<int64_t>(kMaxChunk, group - g0)) {
 #define LLMC_CHUNK(C) \
   case C:             \
-    if constexpr (C <= kMaxChunk) weighted_values<NV, C>(it, probs, inv_sum, g0); \
+    if constexpr (C <= kMaxChunk) weighted_values<NV, C, T>(it, probs, inv_sum, g0); \
     break;
       LLMC_CHUNK(1) LLMC_CHUNK(2) LLMC_CHUNK(3) LLMC_CHUNK(4) LLMC_CHUNK(5) LLMC_CHUNK(6) LLMC_CHUNK(7)
       LLMC_CHUNK(8)
@@ -121,15 +133,41 @@ void attend(const Item& it, std::vector<float>& buf) {
   }
 }
 
+template <typename T>
+void run_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+               const int32_t* lens, int64_t grain, float scale, at::Tensor& out) {
+  const int64_t d = q.size(0), nh = q.size(1), hd = q.size(2), block_size = k_cache.size(1), nkv = k_cache.size(2);
+  const int64_t group = nh / nkv;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, d * nkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / nkv, h = w % nkv;
+      const Item<T> it{qp + i * q.stride(0) + h * group * q.stride(1), q.stride(1), kp + h * hd, vp + h * hd,
+                       nkv * hd, tp + i * tables.size(1), block_size, lens[i], group, scale,
+                       op + (i * nh + h * group) * hd};
+      if (hd == 16) attend<1>(it, buf);
+      else if (hd == 32) attend<2>(it, buf);
+      else if (hd == 64) attend<4>(it, buf);
+      else attend<8>(it, buf);
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                      at::Tensor tables, at::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q: float32 [D, nh, hd]");
+  const auto cache_type = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "caches: contiguous float32 [num_blocks, block_size, nkv, hd]");
+                  v_cache.is_contiguous() && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16),
+              "caches: contiguous float32, float16 or bfloat16 [num_blocks, block_size, nkv, hd], both alike");
   TORCH_CHECK(tables.scalar_type() == at::kInt && tables.is_contiguous() && lens.scalar_type() == at::kInt &&
                   tables.size(0) == q.size(0) && lens.size(0) == q.size(0),
               "tables: int32 [D, nb]; lens: int32 [D]");
@@ -148,23 +186,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   // ~4 flops per (query head, token, channel); chunks of at least ~0.5 MFLOP keep the pool's overhead small.
   const int64_t per_item = std::max<int64_t>(1, 4 * group * max_len * hd);
   const int64_t grain = std::max<int64_t>(1, 500000 / per_item);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, d * nkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / nkv, h = w % nkv;
-      const Item it{qp + i * q.stride(0) + h * group * q.stride(1), q.stride(1), kp + h * hd, vp + h * hd,
-                    nkv * hd, tp + i * tables.size(1), block_size, len_ptr[i], group,
-                    static_cast<float>(scale), op + (i * nh + h * group) * hd};
-      if (hd == 16) attend<1>(it, buf);
-      else if (hd == 32) attend<2>(it, buf);
-      else if (hd == 64) attend<4>(it, buf);
-      else attend<8>(it, buf);
-    }
-  });
+  if (cache_type == at::kFloat) run_items<float>(q, k_cache, v_cache, tables, len_ptr, grain, scale, out);
+  else if (cache_type == at::kHalf) run_items<at::Half>(q, k_cache, v_cache, tables, len_ptr, grain, scale, out);
+  else run_items<at::BFloat16>(q, k_cache, v_cache, tables, len_ptr, grain, scale, out);
   return out;
 }
