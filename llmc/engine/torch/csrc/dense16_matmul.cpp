@@ -21,16 +21,32 @@ inline __m512 widen(const uint16_t* p) {
   return _mm512_cvtph_ps(h);
 }
 
+// Few rows: the columns are split over kSplit independent accumulators per row, so consecutive FMAs do not wait
+// on each other (one chain of dependent FMAs per row would cap a 1-row step at one column per FMA latency).
 template <int M, bool kBF16>
 void tile_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 wk = widen<kBF16>(w + k * 16);
+  constexpr int kSplit = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  __m512 acc[M][kSplit];
+  for (int m = 0; m < M; ++m)
+    for (int s = 0; s < kSplit; ++s) acc[m][s] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + kSplit <= K; k += kSplit) {
+#pragma GCC unroll 4
+    for (int s = 0; s < kSplit; ++s) {
+      const __m512 wk = widen<kBF16>(w + (k + s) * 16);
 #pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * K + k]), acc[m]);
+      for (int m = 0; m < M; ++m) acc[m][s] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * K + k + s]), acc[m][s]);
+    }
   }
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
+  for (; k < K; ++k) {
+    const __m512 wk = widen<kBF16>(w + k * 16);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * K + k]), acc[m][0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = acc[m][0];
+    for (int s = 1; s < kSplit; ++s) sum = _mm512_add_ps(sum, acc[m][s]);
+    _mm512_storeu_ps(y + m * N, sum);
+  }
 }
 
 template <int M, bool kBF16>
