@@ -238,9 +238,9 @@ def _decode_attention(
     """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]``.
 
     One kernel reads the blocks in place: on CUDA with Triton (:mod:`llmc.engine.torch.triton_attention`), on
-    CPU llmc's C++ kernel for float32 (:mod:`llmc.engine.torch.cpu_ext`). Otherwise the contexts are gathered,
-    padded to the longest, and attended with SDPA under a key mask (the reference both kernels are tested
-    against).
+    CPU llmc's C++ kernel for float32 queries (:mod:`llmc.engine.torch.cpu_ext`). Otherwise the contexts are
+    gathered, padded to the longest, and attended with SDPA under a key mask (the reference both kernels are
+    tested against).
     """
     d, num_heads, head_size = q.shape
     if q.is_cuda and kernel_available(q.device, meta.block_size, head_size):

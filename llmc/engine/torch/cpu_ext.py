@@ -7,13 +7,15 @@
   weights the accuracy gate scored (up to summation order). Measured on SmolLM2's four layer shapes together
   (qkv, dense, fc+gate, proj; 2-core Xeon, hot loop, 2026-11-29), this kernel vs PyTorch's op: 1 row 188 vs
   220 us, 4 rows 244 vs 311 us, 8 rows 402 vs 571 us, 16 rows 748 vs 1,030 us.
-- ``dense16_matmul`` (``csrc/dense16_matmul.cpp``): the logits layer of a 16-bit checkpoint, over its exact
-  float16/bfloat16 weight in float32 math: half the bytes of the float32 copy per step. SmolLM2's 49,152 x 576
-  (hot loop, 2026-11-29), against PyTorch's float32 matmul: 1 row 1.5 vs 2.2 ms, 16 rows 5.3 vs 6.8 ms.
+- ``dense16_matmul`` (``csrc/dense16_matmul.cpp``): the logits layer of a 16-bit checkpoint (and, unquantized,
+  its decoder linears: :mod:`llmc.engine.torch.dense16_cpu`) in decode steps, over the exact float16/bfloat16
+  weight in float32 math: half the bytes of the float32 copy per step. SmolLM2's 49,152 x 576 (hot loop,
+  2026-11-29), against PyTorch's float32 matmul: 1 row 1.5 vs 2.2 ms, 16 rows 5.3 vs 6.8 ms.
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul`` and ``rope`` (``csrc/fused_ops.cpp``): the decoder's elementwise work in
   one pass each, where PyTorch's forms dispatch 3-6 ops (an RMSNorm of one token: ~50 us as 6 ops).
-- ``paged_decode_attention`` (``csrc/paged_attention.cpp``): one-token queries over the paged KV cache, read
-  in place through the block tables. The portable path copies every context out of the cache and pads it for
+- ``paged_decode_attention`` (``csrc/paged_attention.cpp``): one-token queries over the paged KV cache
+  (float32, float16 or bfloat16), read in place through the block tables: decode steps, and every token of
+  prefill chunks of up to 128 tokens. The portable path copies every context out of the cache and pads it for
   SDPA. SmolLM2's shapes (9 query / 3 kv heads of 64, 161 cached tokens, one layer, 2026-11-29): 1 sequence
   12.6 vs 99 us, 16 sequences 116 vs 625 us.
 

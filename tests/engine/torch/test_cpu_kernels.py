@@ -170,8 +170,11 @@ def test_the_model_runs_its_elementwise_work_through_the_fused_ops(tiny_ir_dir, 
     cfg = model.config
     calls = {}
     for name in ("rms_norm", "add_rms_norm_", "silu_mul"):
-        real = getattr(cpu_ext, name)
-        monkeypatch.setattr(cpu_ext, name, lambda *a, _n=name, _r=real: calls.update({_n: calls.get(_n, 0) + 1}) or _r(*a))
+        def counted(*args, _name=name, _real=getattr(cpu_ext, name)):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args)
+
+        monkeypatch.setattr(cpu_ext, name, counted)
     seqs = [ScheduledSequence("a", tuple(range(5, 12)), 0, (1,), True, GREEDY, prompt_token_ids=tuple(range(5, 12)))]
     meta = build_attention_metadata(seqs, 8, "cpu")
     kv = [(torch.zeros(4, 8, cfg.num_kv_heads, cfg.head_size), torch.zeros(4, 8, cfg.num_kv_heads, cfg.head_size))
