@@ -15,10 +15,10 @@ from llmc.errors import EngineError
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def kv_cache_dtype(recipe_kv_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The cache's storage dtype: ``auto`` = the compute dtype; fp8 needs the tensorrt_llm backend."""
+def kv_cache_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype: ``auto`` = the checkpoint's dtype; fp8 needs the tensorrt_llm backend."""
     if recipe_kv_dtype == "auto":
-        return compute_dtype
+        return model_dtype
     if recipe_kv_dtype not in KV_DTYPES:
         raise EngineError(
             f"kv_cache.dtype {recipe_kv_dtype!r} is not supported by the torch backend. "

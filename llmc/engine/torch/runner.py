@@ -16,7 +16,7 @@ from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
-from llmc.engine.torch.loader import load_model
+from llmc.engine.torch.loader import DTYPES, load_model
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.errors import EngineError
 from llmc.runtime.params import SamplingParams
@@ -60,7 +60,9 @@ class TorchModelRunner:
         # On CPU: W4A16 layers stay packed int4 (8x fewer weight bytes per token) and llmc's CPU kernels run.
         self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device, cpu_kernels=True)
         config = self.model.config
-        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, self.model.transformer.ln_f.weight.dtype)
+        # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
+        # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
+        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, DTYPES[config.dtype])
         self.block_size = recipe.kv_cache.tokens_per_block
         self.vocab_size = config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_dtype)

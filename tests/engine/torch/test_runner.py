@@ -49,6 +49,31 @@ def test_kv_budget_and_sizes_follow_the_recipe(build_dir, tiny_model):
     assert TorchModelRunner(build_dir, num_blocks=7).num_blocks == 7
 
 
+def test_auto_kv_dtype_is_the_checkpoints_also_on_cpu(tiny_hf_dir, tmp_path, monkeypatch):
+    """kv_cache.dtype auto = model.dtype (docs/RECIPE.md): a float16 checkpoint computes in float32 on CPU but
+    caches K/V in float16, as engine.json's kv_bytes_per_token says; greedy tokens equal a float32 cache's."""
+    from llmc.engine.torch import runner as runner_module
+    from llmc.engine.torch.compile import read_engine_config
+
+    build = make_build_dir(tiny_hf_dir, tmp_path / "tiny16", dtype="float16", tokens_per_block=8)
+
+    def greedy(runner):
+        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=6)
+        sched.add("a", list(range(100, 117)), max_new=8)
+        for step in range(12):
+            sched.update(runner.execute(sched.schedule(step)).sampled_token_ids)
+        return sched.reqs["a"]["out"]
+
+    runner = TorchModelRunner(build, device="cpu")
+    assert runner.kv_caches[0][0].dtype == torch.float16
+    assert runner.model.transformer.ln_f.weight.dtype == torch.float32
+    assert runner.kv_bytes_per_token == read_engine_config(build / "engine")["kv_bytes_per_token"]
+    monkeypatch.setattr(runner_module, "kv_cache_dtype", lambda recipe_dtype, model_dtype: torch.float32)
+    wide = TorchModelRunner(build, device="cpu")
+    assert wide.kv_caches[0][0].dtype == torch.float32
+    assert greedy(runner) == greedy(wide)
+
+
 def test_only_sampling_sequences_return_tokens(build_dir):
     runner = TorchModelRunner(build_dir, num_blocks=8)
     chunk = ScheduledSequence("a", (5, 6, 7), 0, (3,), False, GREEDY)
