@@ -12,6 +12,7 @@ attended in one batched call; sequences with several new tokens (prefill chunks)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,16 @@ class AttentionMetadata:
     max_context_len: int
     max_decode_context_len: int  # 0 when there are no decodes
     block_size: int
+
+    @functools.cached_property
+    def token_tables(self) -> torch.Tensor:
+        """``[T, max_blocks]`` int32: each new token's block table (built on first use, once per step)."""
+        return self.block_tables.index_select(0, self.token_seqs)
+
+    @functools.cached_property
+    def token_context_lens(self) -> torch.Tensor:
+        """``[T]`` int32: the cached tokens each new token attends to (its position + 1)."""
+        return (self.positions + 1).to(torch.int32)
 
     @property
     def num_seqs(self) -> int:
@@ -163,9 +174,8 @@ def paged_attention(
     if meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN and cpu_ext.decode_attention_available(q, k_cache):
         # Every packed token is a one-token query over its own sequence's cache up to its position (this step's
         # k/v are in the cache already): one call for prefill chunks and decodes alike, no gather.
-        tables = meta.block_tables.index_select(0, meta.token_seqs)  # [T, max_blocks]
-        lens = (meta.positions + 1).to(torch.int32)
-        return cpu_ext.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        return cpu_ext.paged_decode_attention(q, k_cache, v_cache, meta.token_tables, meta.token_context_lens,
+                                              scale)
     out = torch.empty_like(q)
     if meta.decode_seqs.numel() > 0:
         q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]

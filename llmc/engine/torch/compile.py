@@ -59,16 +59,15 @@ def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: st
     }
     engine_dir.mkdir(parents=True, exist_ok=True)
     (engine_dir / ENGINE_JSON).write_text(json.dumps(engine, indent=2, sort_keys=True) + "\n")
-    report = {
+    return {
         "backend": BACKEND,
         "engine_dir": str(engine_dir),
         "kv_bytes_per_token": bytes_per_token,
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
+        # Ahead of time: build llmc's CPU kernels now (~40 s once per machine) rather than in the first
+        # `llmc generate` on CPU. On a machine without them the CPU engine uses PyTorch's ops (reported).
+        "cpu_kernels": cpu_ext.status(),
     }
-    # Ahead of time: build llmc's CPU kernels now (~40 s once per machine) rather than in the first
-    # `llmc generate` on CPU. On a machine without them the CPU engine uses PyTorch's ops (reported).
-    report["cpu_kernels"] = cpu_ext.status()
-    return report
 
 
 def read_engine_config(engine_dir: str | Path) -> dict[str, Any]:

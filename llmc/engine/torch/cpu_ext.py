@@ -113,6 +113,15 @@ def pack_tiles(q: torch.Tensor, scale: torch.Tensor, group_size: int) -> tuple[t
     return packed, scales
 
 
+def exact_copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A float32 CPU ``weight [N, K]`` in the 16-bit ``dtype`` when that loses nothing and its rows fill whole
+    tiles (what :func:`pack_tiles16` takes), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.shape[0] % TILE:
+        return None
+    narrow = weight.detach().to(dtype)
+    return narrow if torch.equal(narrow.float(), weight) else None
+
+
 def pack_tiles16(weight: torch.Tensor) -> torch.Tensor:
     """A float16 or bfloat16 ``[N, K]`` weight -> ``dense16_matmul``'s tiles ``[N/16, K, 16]`` (same dtype)."""
     n, k = weight.shape

@@ -8,7 +8,8 @@ registers: the products are the float32 layer's, up to summation order, from hal
 weight stays too (memory: +1/2 of the float32 weights).
 
 Used by :func:`llmc.engine.torch.loader.load_model` with ``cpu_kernels=True`` for 16-bit checkpoints whose
-weights round-trip exactly, when llmc's CPU kernels are available.
+weights round-trip exactly (:func:`~llmc.engine.torch.cpu_ext.exact_copy16`), when llmc's CPU kernels are
+available.
 """
 
 from __future__ import annotations
@@ -19,14 +20,6 @@ from torch import nn
 from llmc.engine.torch import cpu_ext
 
 MAX_ROWS = 16  # rows (tokens in the step) up to which the kernel serves the layer
-
-
-def exact_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """``weight`` in ``dtype`` when that loses nothing (and its rows fill whole tiles), else None."""
-    if weight.dtype != torch.float32 or weight.shape[0] % cpu_ext.TILE:
-        return None
-    narrow = weight.detach().to(dtype)
-    return narrow if torch.equal(narrow.float(), weight) else None
 
 
 class Dense16Linear(nn.Module):

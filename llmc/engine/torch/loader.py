@@ -127,16 +127,16 @@ def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], 
 def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """Swap each float linear of the decoder (and each stacked fc + gate) for a :class:`Dense16Linear` over the
     exact ``dtype`` copy of its weight; a weight without one stays as it is."""
-    from llmc.engine.torch.dense16_cpu import Dense16Linear, exact_copy
+    from llmc.engine.torch.dense16_cpu import Dense16Linear
 
     for layer in model.transformer.layers:
         if layer.mlp.fc_gate is not None and layer.mlp.fc_gate_kernel is None:
-            narrow = exact_copy(layer.mlp.fc_gate, dtype)
+            narrow = cpu_ext.exact_copy16(layer.mlp.fc_gate, dtype)
             if narrow is not None:
                 layer.mlp.use_fc_gate_kernel(Dense16Linear(layer.mlp.fc_gate, narrow))
         for parent, child in ((layer.attention, "qkv"), (layer.attention, "dense"), (layer.mlp, "proj")):
             module = getattr(parent, child)
-            narrow = exact_copy(module.weight, dtype) if type(module) is torch.nn.Linear else None
+            narrow = cpu_ext.exact_copy16(module.weight, dtype) if type(module) is torch.nn.Linear else None
             if narrow is not None:
                 setattr(parent, child, Dense16Linear(module.weight.detach(), narrow))
 

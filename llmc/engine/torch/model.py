@@ -269,14 +269,8 @@ class LlamaForCausalLM(nn.Module):
         (``csrc/dense16_matmul.cpp``), half the bytes of the float32 weight read per step (SmolLM2: 57 of its
         113 MB). Only when that copy is exact (a 16-bit checkpoint's weight widened to float32), so the logits
         stay float32 products of the same weights. Returns whether the kernel is in use."""
-        weight = self.logits_weight()
-        vocab = weight.shape[0]
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or vocab % cpu_ext.TILE:
-            return False
-        if cpu_ext.load() is None:
-            return False
-        narrow = weight.detach().to(dtype)
-        if not torch.equal(narrow.float(), weight):
+        narrow = cpu_ext.exact_copy16(self.logits_weight(), dtype)
+        if narrow is None or cpu_ext.load() is None:
             return False
         self.logits_tiles = cpu_ext.pack_tiles16(narrow)
         return True
