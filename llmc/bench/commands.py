@@ -44,6 +44,7 @@ class BenchOptions:
     plots: Path | None
     seed: int
     threads: int | None = None
+    repeat: int = 1
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
@@ -67,11 +68,11 @@ def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> t
         per_level = opts.num_prompts or len(workload.prompts)
     else:
         per_level = opts.num_prompts or max(8, 2 * max(opts.concurrency))
-        total = opts.warmup + sum(level_sizes(opts.concurrency, per_level))
+        total = opts.warmup + opts.repeat * sum(level_sizes(opts.concurrency, per_level))
         workload = synthetic_workload(tokenizer, LengthDist(opts.isl_dist, opts.isl, opts.spread),
                                       LengthDist(opts.osl_dist, opts.osl, opts.spread), total, opts.seed,
                                       add_special_tokens)
-    return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup)
+    return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup, opts.repeat)
 
 
 def _progress(prefix: str = "") -> Callable[..., None]:
@@ -229,15 +230,19 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots into this folder.")
 @click.option("--seed", default=0, show_default=True, help="Workload seed (prompt lengths and texts).")
 @click.option("--threads", type=click.IntRange(1), help="torch CPU threads for the engine and the baseline.")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
+              help="Measure every level this many times (levels interleaved, fresh prompts each time); TGS is the "
+                   "median repetition's, latencies pool all requests. For hosts with noisy neighbours.")
 def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: str | None, tokenizer: Path | None,
               isl: int, osl: int, isl_dist: str, osl_dist: str, spread: float, num_prompts: int | None,
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
               sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
-              warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None) -> None:
+              warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None,
+              repeat: int) -> None:
     """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
     if baseline and url:
         raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": sampling_seed}
     execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
                          num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
-                         max(0, warmup), json_out, plots, seed, threads))
+                         max(0, warmup), json_out, plots, seed, threads, repeat))

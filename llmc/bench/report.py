@@ -4,6 +4,7 @@ Per concurrency level: TTFT P50/P95/P99 overall and by prompt-length bucket (<=1
 P50/P95/P99 and its mean per token index, end-to-end latency, TGS (generated tokens / wall time) with its
 four conditions (prompt-length distribution, sampling parameters, concurrency, memory used) and requests/s.
 A baseline measured in the same run gets the same figures, and ``ratios`` divides llmc's by the baseline's.
+With ``--repeat N`` each level is measured N times: TGS is the median repetition's, latencies pool all requests.
 """
 
 from __future__ import annotations
@@ -39,37 +40,52 @@ def itl_by_token_index(level: LevelResult) -> list[float]:
     return [s / c for s, c in zip(sums, counts)]
 
 
-def summarize_level(level: LevelResult, prompts: Sequence[BenchPrompt], sampling: dict[str, Any]) -> dict[str, Any]:
-    """The report entry of one level: latency percentiles, throughput and the TGS conditions."""
-    records = level.records
+def _tgs(level: LevelResult) -> float | None:
+    generated = sum(r.generated_tokens for r in level.records)
+    return generated / level.wall_s if level.wall_s > 0 else None
+
+
+def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequence[BenchPrompt],
+                    sampling: dict[str, Any]) -> dict[str, Any]:
+    """The report entry of one level: latency percentiles, throughput and the TGS conditions.
+
+    ``level`` may be several repetitions of the level: latencies pool their requests, TGS is the median
+    repetition's (each repetition's is in ``repetitions``), memory and step figures are that repetition's."""
+    reps = [level] if isinstance(level, LevelResult) else list(level)
+    by_tgs = sorted(reps, key=lambda lv: _tgs(lv) or 0.0)
+    median = by_tgs[(len(by_tgs) - 1) // 2]  # the lower median: an even count never averages two runs
+    records = [r for lv in reps for r in lv.records]
     ttfts = [r.ttft for r in records if r.ttft is not None]
     by_bucket = {b: _stats([r.ttft for r in records if r.ttft is not None and ttft_bucket(r.prompt_tokens) == b])
                  for b in TTFT_BUCKETS}
     generated = sum(r.generated_tokens for r in records)
-    tgs = generated / level.wall_s if level.wall_s > 0 else None
+    wall = sum(lv.wall_s for lv in reps)
+    tgs = _tgs(median)
     return {
-        "concurrency": level.concurrency,
+        "concurrency": median.concurrency,
         "num_requests": len(records),
-        "wall_s": level.wall_s,
+        "wall_s": wall,
         "prompt_tokens": sum(r.prompt_tokens for r in records),
         "generated_tokens": generated,
         "tgs": tgs,
-        "tgs_per_request": tgs / level.concurrency if tgs is not None else None,
-        "requests_per_s": len(records) / level.wall_s if level.wall_s > 0 else None,
+        "tgs_per_request": tgs / median.concurrency if tgs is not None else None,
+        "requests_per_s": len(records) / wall if wall > 0 else None,
+        "repetitions": [{"wall_s": lv.wall_s, "generated_tokens": sum(r.generated_tokens for r in lv.records),
+                         "tgs": _tgs(lv)} for lv in reps],
         "ttft_s": _stats(ttfts),
         "ttft_by_bucket_s": by_bucket,
         "itl_s": _stats([gap for r in records for gap in r.itls]),
-        "itl_by_token_index_s": itl_by_token_index(level),
+        "itl_by_token_index_s": itl_by_token_index(LevelResult(median.concurrency, tuple(records), wall)),
         "e2e_s": _stats([r.e2e for r in records]),
         "finish_reasons": _count(r.finish_reason for r in records),
         "ttft_vs_prompt_tokens": [[r.prompt_tokens, r.ttft] for r in records if r.ttft is not None],
-        "memory": level.memory,
-        "steps": level.steps,
+        "memory": median.memory,
+        "steps": median.steps,
         "conditions": {
             "prompt_length_distribution": prompt_length_summary(list(prompts)),
             "sampling": sampling,
-            "concurrency": level.concurrency,
-            "memory": level.memory,
+            "concurrency": median.concurrency,
+            "memory": median.memory,
         },
     }
 
@@ -133,7 +149,7 @@ def build_report(run: dict[str, Any], levels: Sequence[LevelResult], plan: Bench
                  ) -> dict[str, Any]:
     """The whole report. ``run`` describes the target (mode, engine_dir or url/protocol, device, workload);
     ``host_start`` is ``host_info()`` taken before measuring (its load average is kept as ``load_average_start``)."""
-    summaries = [summarize_level(lv, plan.prompts_of(lv.concurrency), sampling) for lv in levels]
+    summaries = [summarize_level(reps, plan.prompts_of(c), sampling) for c, reps in _by_level(levels)]
     measured = [p for _, prompts in plan.levels for p in prompts]
     host = host_info()
     if host_start is not None:
@@ -146,6 +162,7 @@ def build_report(run: dict[str, Any], levels: Sequence[LevelResult], plan: Bench
         "sampling": sampling,
         "osl_enforcement": OSL_ENFORCEMENT,
         "warmup_requests": len(plan.warmup),
+        "repeat": plan.repeat,
         "prompt_lengths": prompt_length_summary(measured),
         "levels": summaries,
         "scaling": scaling(summaries),
@@ -153,10 +170,18 @@ def build_report(run: dict[str, Any], levels: Sequence[LevelResult], plan: Bench
         "ratios": [],
     }
     if baseline is not None:
-        base = [summarize_level(lv, plan.prompts_of(lv.concurrency), sampling) for lv in baseline]
+        base = [summarize_level(reps, plan.prompts_of(c), sampling) for c, reps in _by_level(baseline)]
         report["baseline"] = {**(baseline_info or {}), "levels": base, "scaling": scaling(base)}
         report["ratios"] = ratios(summaries, base)
     return report
+
+
+def _by_level(levels: Sequence[LevelResult]) -> list[tuple[int, list[LevelResult]]]:
+    """Measurements grouped by concurrency (the repetitions of each level), in first-run order."""
+    groups: dict[int, list[LevelResult]] = {}
+    for lv in levels:
+        groups.setdefault(lv.concurrency, []).append(lv)
+    return list(groups.items())
 
 
 def _ms(value: float | None) -> str:
@@ -184,7 +209,10 @@ def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
             mem_text += f", kv {mem['kv_blocks_used_peak']}/{mem['kv_blocks_total']} blk"
         if "cuda_max_allocated_mb" in mem:
             mem_text += f", cuda {mem['cuda_max_allocated_mb']:.0f} MB"
-        table.add_row(str(lv["concurrency"]), str(lv["num_requests"]), _num(lv["tgs"]), _num(lv["requests_per_s"], "{:.2f}"),
+        tgs = _num(lv["tgs"])
+        if len(lv.get("repetitions", ())) > 1:  # the median, then every repetition's
+            tgs += " (" + "/".join(_num(r["tgs"], "{:.0f}") for r in lv["repetitions"]) + ")"
+        table.add_row(str(lv["concurrency"]), str(lv["num_requests"]), tgs, _num(lv["requests_per_s"], "{:.2f}"),
                       f"{_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])}", buckets or "-",
                       f"{_ms(i['p50'])}/{_ms(i['p95'])}/{_ms(i['p99'])}", _ms(lv["e2e_s"]["p50"]), mem_text)
     return table
@@ -206,6 +234,9 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     console.print(f"prompts: {report['prompt_lengths']['count']} (tokens min {pl['min']} mean {_num(pl['mean'])} max "
                   f"{pl['max']}), sampling: temperature={report['sampling'].get('temperature')}, "
                   f"OSL enforced by {report['osl_enforcement']}")
+    if report.get("repeat", 1) > 1:
+        console.print(f"every level measured {report['repeat']} times, interleaved: TGS is the median repetition's "
+                      "(each repetition's in brackets); latencies pool all requests")
     console.print(level_table("llmc", report["levels"]))
     if report.get("baseline"):
         console.print(level_table(f"baseline: {report['baseline'].get('name')}", report["baseline"]["levels"]))

@@ -17,7 +17,8 @@ Pipeline per row (each stage skipped when no row in the batch needs it):
    or its row; unseeded rows share the sampler's generator.
 
 A row whose distribution collapses (every logit -inf, e.g. NaN logits) falls back to the argmax of the
-sanitized logits instead of failing. Host work is building a handful of small tensors from the sequences'
+sanitized logits instead of failing. The row argmax is ``torch.argmax`` unless the engine passes a faster one
+with the same answer (the CPU runner passes llmc's kernel, :func:`llmc.engine.torch.cpu_ext.argmax_rows`). Host work is building a handful of small tensors from the sequences'
 parameters; nothing reads device values back (no ``.item()``).
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -96,8 +97,12 @@ class Sampler:
     unseeded rows (random when None).
     """
 
-    def __init__(self, device: torch.device | str, eos_token_ids: Sequence[int] = (), seed: int | None = None):
+    def __init__(self, device: torch.device | str, eos_token_ids: Sequence[int] = (), seed: int | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``argmax``: ``[S, V]`` float32 without NaN -> each row's first index of its maximum (int64 ``[S]``);
+        None: ``torch.argmax``."""
         self.device = torch.device(device)
+        self._argmax = argmax if argmax is not None else (lambda x: x.argmax(dim=-1))
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
@@ -112,13 +117,13 @@ class Sampler:
         logits = self._mask_min_tokens(raw, seqs)
         if any(s.params.uses_penalties for s in seqs):
             logits = _sanitize(apply_penalties(logits, seqs, self.device))
-        fallback = raw.argmax(dim=-1)  # [S] greedy on the unfiltered logits
-        chosen = fallback if logits is raw else logits.argmax(dim=-1)  # [S] the greedy answer
+        fallback = self._argmax(raw)  # [S] greedy on the unfiltered logits
+        chosen = fallback if logits is raw else self._argmax(logits)  # [S] the greedy answer
         if batch.any_sampled:
             scaled = _scale(logits, batch.temperature)  # [S, V], values in [-inf, 0]
             probs = _filter(scaled, batch).exp()  # [S, V] unnormalized, row max exactly 1
             noise = self._exponential_noise(seqs, logits.shape[1])  # [S, V] Exp(1), > 0
-            sampled = (probs / noise).argmax(dim=-1)  # [S] exponential race
+            sampled = self._argmax(probs / noise)  # [S] exponential race
             chosen = torch.where(batch.greedy, chosen, sampled)
         if logits is raw and not batch.any_sampled:
             return chosen

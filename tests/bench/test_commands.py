@@ -31,6 +31,20 @@ def test_offline_cli_writes_json_and_plots(bench_build_dir, tmp_path):
     assert "llmc / baseline" in result.output
 
 
+def test_offline_cli_repeats_every_level(bench_build_dir, tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--isl", "12", "--osl", "3", "--num-prompts", "2",
+                                            "--concurrency", "1,2", "--repeat", "2", "--json", str(out), "--device",
+                                            "cpu"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["repeat"] == 2 and [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert len(lv["repetitions"]) == 2 and lv["generated_tokens"] == 2 * 2 * 3
+        assert lv["tgs"] in [r["tgs"] for r in lv["repetitions"]]
+    assert "measured 2 times" in result.output
+
+
 @pytest.mark.parametrize("text", ["0", "a,b", "", "2,2"])
 def test_bad_concurrency(text):
     with pytest.raises(RequestError):

@@ -82,6 +82,26 @@ def test_report_schema_conditions_and_ratios():
     assert [s["ratio"] for s in report["scaling"]] == pytest.approx([1.0, 4.0])
 
 
+def test_repetitions_report_the_median_tgs_and_pool_latencies(capsys):
+    from rich.console import Console
+
+    plan = BenchPlan(warmup=(), levels=((1, PROMPTS), (4, PROMPTS), (1, PROMPTS), (4, PROMPTS), (1, PROMPTS),
+                                        (4, PROMPTS)))
+    # concurrency 1 at 16/2/8 tok/s (walls 1, 8, 2 s), concurrency 4 at 32/16/64 tok/s
+    llmc = [level(1, 1.0), level(4, 0.5), level(1, 8.0), level(4, 1.0), level(1, 2.0), level(4, 0.25)]
+    report = build_report({"mode": "offline", "engine_dir": "x", "device": "cpu"}, llmc, plan, {})
+    one, four = report["levels"]
+    assert report["repeat"] == 3 and [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+    assert [r["tgs"] for r in one["repetitions"]] == pytest.approx([16.0, 2.0, 8.0])
+    assert one["tgs"] == pytest.approx(8.0) and four["tgs"] == pytest.approx(32.0)  # the medians
+    assert report["scaling"][1]["ratio"] == pytest.approx(4.0)
+    assert one["num_requests"] == 12 and one["ttft_s"]["count"] == 12 and one["wall_s"] == pytest.approx(11.0)
+    assert one["conditions"]["prompt_length_distribution"]["count"] == 12
+    console = Console(width=200, record=True)
+    print_report(report, console)
+    assert "8.0 (16/2/8)" in console.export_text()
+
+
 def test_print_report_renders(capsys):
     from rich.console import Console
 

@@ -65,7 +65,7 @@ class Int4Linear(nn.Module):
             self.kernel = "llmc"
             self._ext = ext  # the compiled module, held so a later change of mind cannot unhook it
             packed, tile_scales = cpu_ext.pack_tiles(q, scale, group_size)
-            self.register_buffer("packed", packed)  # uint8 [O/16, K, 8]
+            self.register_buffer("packed", packed)  # int8 [O/16, K/2, 16]
             self.register_buffer("tile_scales", tile_scales)  # float32 [O/16, K/g, 16]
         else:
             assert kernel != "llmc", cpu_ext.status()

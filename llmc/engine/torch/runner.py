@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from llmc.engine.torch import cpu_ext
+
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
@@ -77,7 +79,8 @@ class TorchModelRunner:
                       and kernel_available(self.device, self.block_size, config.head_size))
         self.kv_caches = allocate_kv_cache(config, self.num_blocks + int(use_graphs), self.block_size, kv_dtype,
                                            self.device)
-        self.sampler = Sampler(self.device, eos_token_ids=manifest.eos_token_ids)
+        fast_argmax = cpu_ext.argmax_rows if self.device.type == "cpu" and cpu_ext.load() is not None else None
+        self.sampler = Sampler(self.device, eos_token_ids=manifest.eos_token_ids, argmax=fast_argmax)
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,

@@ -249,3 +249,33 @@ def test_a_16_bit_checkpoint_decodes_through_its_exact_16_bit_weights(tiny_hf_di
     # A float32 checkpoint keeps its plain linears.
     fp32 = load_model(write_ir(tiny_hf_dir, tmp_path / "fp32"), "cpu", cpu_kernels=True)
     assert type(fp32.transformer.layers[0].attention.qkv) is torch.nn.Linear
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 49152), (16, 49152), (5, 37), (3, 1)])
+def test_argmax_rows_is_torch_argmax(shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen)
+    if shape[1] > 20:
+        x[0, 3] = x[0, 17] = x[0].max() + 1  # a tie: the first column wins, as in torch
+        if shape[0] > 2:
+            x[-1] = float("-inf")  # a collapsed row: column 0, as torch
+            x[1, shape[1] - 1] = float("inf")  # +inf in the last (tail) lane
+            x[2, 5:9] = float("-inf")
+    got = cpu_ext.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+    assert shape[1] <= 20 or got[0].item() == 3
+
+
+@needs_kernels
+def test_the_cpu_runner_samples_greedy_tokens_with_the_argmax_kernel(tiny_hf_dir, tmp_path):
+    from llmc.engine.torch.runner import TorchModelRunner
+    from tests.engine.torch.helpers import make_build_dir
+
+    runner = TorchModelRunner(make_build_dir(tiny_hf_dir, tmp_path / "b"), "cpu", num_blocks=8)
+    assert runner.sampler._argmax is cpu_ext.argmax_rows
+    logits = torch.randn(3, runner.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits[1, 5] = float("nan")  # sanitized to -inf first: never chosen
+    seqs = [ScheduledSequence(f"r{i}", (1,), 0, (0,), True, GREEDY, prompt_token_ids=(1,)) for i in range(3)]
+    expected = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
+    assert torch.equal(runner.sampler(logits, seqs), expected)

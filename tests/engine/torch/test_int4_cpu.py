@@ -57,7 +57,6 @@ def test_this_machine_builds_llmcs_kernel():
 
 
 @needs_avx512
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, MAX_INT4_ROWS, 2 * MAX_INT4_ROWS + 3])
 @pytest.mark.parametrize("shape", [(96, 128, 32), (48, 256, 64), (32, 64, 64)])
 def test_llmc_kernel_computes_the_dequantized_layer_in_float32(rows, shape):
@@ -70,6 +69,18 @@ def test_llmc_kernel_computes_the_dequantized_layer_in_float32(rows, shape):
     assert layer.kernel == "llmc" and got.dtype == torch.float32 and got.shape == (rows, out_features)
     # float32 end to end: only summation order differs from the float64 product (bfloat16 would be ~1e-3).
     assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_avx512
+def test_llmc_kernel_is_batch_invariant():
+    """A row's result is bit for bit the same whichever rows share its call (1, 5, 16 or 21 rows): a sequence's
+    tokens do not change with the decode batch it lands in."""
+    q, scale, prequant, dense = random_layer(96, 256, 64)
+    layer = Int4Linear.from_packed(pack_int4(q), scale, prequant, 64, dense, kernel="llmc")
+    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([layer.packed_matmul(x[i:i + 1]) for i in range(21)])
+    for rows in (5, 16, 21):
+        assert torch.equal(layer.packed_matmul(x[:rows]), alone[:rows]), rows
 
 
 def test_the_kernel_choice_follows_the_environment(monkeypatch):
@@ -89,10 +100,12 @@ def test_pack_tiles_layout():
     q = torch.arange(32 * 4).remainder(16).sub(8).view(32, 4).to(torch.int8)  # [N=32, K=4]
     scale = torch.arange(32 * 2, dtype=torch.float32).view(32, 2)  # group 2
     packed, scales = cpu_ext.pack_tiles(q, scale, 2)
-    assert packed.shape == (2, 4, 8) and packed.dtype == torch.uint8 and scales.shape == (2, 2, 16)
-    u = q.to(torch.int16) + 8
-    tile, k, j = 1, 3, 5  # channel 16 + 2j (low nibble) and 16 + 2j + 1 (high nibble) at column k
-    assert packed[tile, k, j].item() == u[16 + 2 * j, k].item() | (u[16 + 2 * j + 1, k].item() << 4)
+    assert packed.shape == (2, 2, 16) and packed.dtype == torch.int8 and scales.shape == (2, 2, 16)
+    tile, p, j = 1, 1, 5  # channel 16 + j at columns 2p (low nibble) and 2p + 1 (high nibble)
+    byte = packed[tile, p, j].item() & 0xFF
+    low, high = byte & 0xF, byte >> 4
+    signed = [v - 16 if v > 7 else v for v in (low, high)]  # two's complement nibbles
+    assert signed == [q[16 + j, 2 * p].item(), q[16 + j, 2 * p + 1].item()]
     assert scales[tile, 1, 7].item() == scale[16 + 7, 1].item()
 
 

@@ -7,6 +7,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& d, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& a);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& x);
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor tables,
                                   at::Tensor lens, double scale);
 
@@ -17,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += d in place, then RMSNorm of h (fused_ops.cpp)");
   m.def("silu_mul", &silu_mul, "silu(first half) * second half of float32 rows (fused_ops.cpp)");
   m.def("rope", &rope, "NeoX rotary embedding of float32 heads (fused_ops.cpp)");
+  m.def("argmax_rows", &argmax_rows, "each float32 row's first index of its maximum (fused_ops.cpp)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token queries over a paged KV cache, float32, AVX-512 (paged_attention.cpp)");
 }

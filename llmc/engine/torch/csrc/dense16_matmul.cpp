@@ -4,13 +4,16 @@
 // its float32 copy, and widening it to float32 is exact, so the products equal the float32 layer's up to
 // summation order. Layout (llmc/engine/torch/cpu_ext.py: pack_tiles16): output channels in tiles of 16,
 //   w: float16 | bfloat16 [N/16, K, 16]
-// One pass over a tile widens each 16-channel column once for up to 16 rows of x; tiles are spread over
-// torch's thread pool.
+// One pass over a tile widens each 16-channel column once for up to 16 rows of x (read column by column: see
+// columns.h); tiles are spread over torch's thread pool.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
+
+#include "columns.h"
 
 namespace {
 
@@ -24,7 +27,7 @@ inline __m512 widen(const uint16_t* p) {
 // Few rows: the columns are split over kSplit independent accumulators per row, so consecutive FMAs do not wait
 // on each other (one chain of dependent FMAs per row would cap a 1-row step at one column per FMA latency).
 template <int M, bool kBF16>
-void tile_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N) {
+void tile_rows(const float* xt, int64_t K, const uint16_t* w, float* y, int64_t N) {
   constexpr int kSplit = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
   __m512 acc[M][kSplit];
   for (int m = 0; m < M; ++m)
@@ -35,12 +38,12 @@ void tile_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N
     for (int s = 0; s < kSplit; ++s) {
       const __m512 wk = widen<kBF16>(w + (k + s) * 16);
 #pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) acc[m][s] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * K + k + s]), acc[m][s]);
+      for (int m = 0; m < M; ++m) acc[m][s] = _mm512_fmadd_ps(wk, _mm512_set1_ps(xt[(k + s) * M + m]), acc[m][s]);
     }
   }
   for (; k < K; ++k) {
     const __m512 wk = widen<kBF16>(w + k * 16);
-    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(wk, _mm512_set1_ps(x[m * K + k]), acc[m][0]);
+    for (int m = 0; m < M; ++m) acc[m][0] = _mm512_fmadd_ps(wk, _mm512_set1_ps(xt[k * M + m]), acc[m][0]);
   }
   for (int m = 0; m < M; ++m) {
     __m512 sum = acc[m][0];
@@ -50,18 +53,20 @@ void tile_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N
 }
 
 template <int M, bool kBF16>
-void all_tiles(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N) {
+void all_tiles(const float* xt, int64_t K, const uint16_t* w, float* y, int64_t N) {
   at::parallel_for(0, N / 16, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) tile_rows<M, kBF16>(x, K, w + t * K * 16, y + t * 16, N);
+    for (int64_t t = begin; t < end; ++t) tile_rows<M, kBF16>(xt, K, w + t * K * 16, y + t * 16, N);
   });
 }
 
 template <bool kBF16>
 void rows_in_blocks(const float* xp, int64_t M, int64_t K, const uint16_t* wp, float* yp, int64_t N) {
+  std::vector<float> buf;
   for (int64_t m0 = 0; m0 < M; m0 += 16) {  // rows in blocks of up to 16 (16 accumulators in registers)
-    const float* xs = xp + m0 * K;
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    const float* xs = llmc::columns_of(xp + m0 * K, rows, K, buf);
     float* ys = yp + m0 * N;
-    switch (std::min<int64_t>(16, M - m0)) {
+    switch (rows) {
 #define LLMC_ROWS(n) case n: all_tiles<n, kBF16>(xs, K, wp, ys, N); break;
       LLMC_ROWS(1) LLMC_ROWS(2) LLMC_ROWS(3) LLMC_ROWS(4) LLMC_ROWS(5) LLMC_ROWS(6) LLMC_ROWS(7) LLMC_ROWS(8)
       LLMC_ROWS(9) LLMC_ROWS(10) LLMC_ROWS(11) LLMC_ROWS(12) LLMC_ROWS(13) LLMC_ROWS(14) LLMC_ROWS(15)

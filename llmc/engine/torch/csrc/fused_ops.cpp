@@ -6,6 +6,8 @@
 //   silu_mul(a [T, 2I])                       -> silu(a[:, :I]) * a[:, I:]   (the MLP's fc and gate halves)
 //   rope(x [T, heads, hd], cos, sin [T, 1, hd]) -> x * cos + cat(x2, x1) * sin (llmc/engine/torch/rope.py), with
 //                                                 transformers' roundings: two products, then the sum (no FMA)
+//   argmax_rows(x [R, V])                     -> int64 [R]: each row's first index of its maximum, as torch.argmax
+//                                                 (NaN never wins: the sampler maps NaN to -inf first)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -139,6 +141,40 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
           _mm512_storeu_ps(o + j, _mm512_add_ps(a, b));
         }
       }
+    }
+  });
+  return out;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) >= 1,
+              "x: contiguous float32 [R, V] with V >= 1");
+  const int64_t rows = x.size(0), v = x.size(1);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements * 4 / v), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * v;
+      // Per lane: the largest value seen and the first column holding it (only a strictly larger value moves it).
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i where = _mm512_set1_epi32(-1);
+      __m512i col = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512i step = _mm512_set1_epi32(16);
+      for (int64_t j = 0; j < v; j += 16) {
+        const __mmask16 m = v - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(v - j);
+        const __m512 val = _mm512_maskz_loadu_ps(m, row + j);
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(m, val, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, gt, val);
+        where = _mm512_mask_mov_epi32(where, gt, col);
+        col = _mm512_add_epi32(col, step);
+      }
+      const float top = _mm512_reduce_max_ps(best);
+      // The first column among the lanes that hold the maximum; an all -inf (or all NaN) row gives column 0.
+      const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ) &
+                               _mm512_cmpge_epi32_mask(where, _mm512_setzero_si512());
+      const int32_t first = at_top ? _mm512_mask_reduce_min_epi32(at_top, where) : 0;
+      op[r] = first;
     }
   });
   return out;

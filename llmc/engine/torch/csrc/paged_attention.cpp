@@ -10,7 +10,7 @@
 //   returns   float [D, nh, hd]
 //
 // One work item is (sequence, kv head): its `group` query heads share every key and value row loaded.
-// Pass 1 scores all context tokens, pass 2 accumulates the probability-weighted values in registers
+// Pass 1 scores all context tokens (16 at a time), pass 2 accumulates the probability-weighted values in registers
 // (query heads in chunks, so at most 16 accumulators are live). Items are spread over torch's thread pool.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,6 +35,14 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Asks for the cache lines of one row (hd values) ahead of use: a context's rows are scattered over its blocks
+// and strided by the other kv heads, which the hardware prefetchers do not follow far enough.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t hd) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 template <typename T>
 struct Item {
   const float* q;       // the item's first query head; heads `q_head_stride` apart
@@ -44,27 +52,35 @@ struct Item {
   int64_t row_stride;   // nkv * hd
   const int32_t* table;
   int64_t block_size, len, group;
+  int64_t hd;
   float scale;
   float* out;           // [group, hd] contiguous
 };
 
+// Each context token's cache slot (block * block_size + offset), from the block table.
+template <typename T>
+void context_slots(const Item<T>& it, std::vector<int64_t>& slots) {
+  slots.resize(it.len);
+  for (int64_t t0 = 0, b = 0; t0 < it.len; t0 += it.block_size, ++b) {
+    const int64_t first = static_cast<int64_t>(it.table[b]) * it.block_size;
+    for (int64_t o = 0; o < std::min(it.block_size, it.len - t0); ++o) slots[t0 + o] = first + o;
+  }
+}
+
 // Pass 2 for query heads g0 .. g0 + QC - 1: out = sum_t p[g][t] v_t / sum[g], accumulated in registers.
 template <int NV, int QC, typename T>
-void weighted_values(const Item<T>& it, const float* probs, const float* inv_sum, int64_t g0) {
+void weighted_values(const Item<T>& it, const int64_t* slots, const float* probs, const float* inv_sum, int64_t g0) {
   __m512 acc[QC][NV];
   for (int c = 0; c < QC; ++c)
     for (int j = 0; j < NV; ++j) acc[c][j] = _mm512_setzero_ps();
-  for (int64_t t0 = 0, b = 0; t0 < it.len; t0 += it.block_size, ++b) {
-    const T* base = it.v + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
-    const int64_t n = std::min(it.block_size, it.len - t0);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* row = base + o * it.row_stride;
-      __m512 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = load16(row + 16 * j);
-      for (int c = 0; c < QC; ++c) {
-        const __m512 p = _mm512_set1_ps(probs[(g0 + c) * it.len + t0 + o]);
-        for (int j = 0; j < NV; ++j) acc[c][j] = _mm512_fmadd_ps(p, v[j], acc[c][j]);
-      }
+  for (int64_t t = 0; t < it.len; ++t) {
+    if (t + 16 < it.len) prefetch_row(it.v + slots[t + 16] * it.row_stride, it.hd);
+    const T* row = it.v + slots[t] * it.row_stride;
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load16(row + 16 * j);
+    for (int c = 0; c < QC; ++c) {
+      const __m512 p = _mm512_set1_ps(probs[(g0 + c) * it.len + t]);
+      for (int j = 0; j < NV; ++j) acc[c][j] = _mm512_fmadd_ps(p, v[j], acc[c][j]);
     }
   }
   for (int c = 0; c < QC; ++c) {
@@ -74,26 +90,41 @@ void weighted_values(const Item<T>& it, const float* probs, const float* inv_sum
 }
 
 template <int NV, typename T>
-void attend(const Item<T>& it, std::vector<float>& buf) {
+void attend(const Item<T>& it, std::vector<float>& buf, std::vector<int64_t>& slot_buf) {
   constexpr int kMaxChunk = NV == 1 ? 8 : 16 / NV;  // query heads per value pass: QC * NV <= 16 accumulators
   const int64_t len = it.len, group = it.group;
   buf.resize(group * len + group);
   float* probs = buf.data();  // [group, len]: scores, then probabilities
   float* inv_sum = probs + group * len;
-  // Pass 1: scores of every (query head, token).
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += it.block_size, ++b) {
-    const T* base = it.k + static_cast<int64_t>(it.table[b]) * it.block_size * it.row_stride;
-    const int64_t n = std::min(it.block_size, len - t0);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* row = base + o * it.row_stride;
-      __m512 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = load16(row + 16 * j);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = it.q + g * it.q_head_stride;
-        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-        for (int j = 1; j < NV; ++j) d = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], d);
-        probs[g * len + t0 + o] = _mm512_reduce_add_ps(d) * it.scale;
+  context_slots(it, slot_buf);
+  const int64_t* slots = slot_buf.data();
+  // Pass 1: scores of every (query head, token), 16 tokens at a time: their keys are widened once into `keys`,
+  // then each query head's 16 dot products are reduced together (sum16).
+  alignas(64) float keys[16 * 16 * NV];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    for (int64_t t = t0 + 16; t < std::min(len, t0 + 32); ++t) prefetch_row(it.k + slots[t] * it.row_stride, it.hd);
+    if (t0 + 16 >= len)  // the values' first rows, for pass 2
+      for (int64_t t = 0; t < std::min<int64_t>(len, 16); ++t) prefetch_row(it.v + slots[t] * it.row_stride, it.hd);
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < n) {
+        const T* row = it.k + slots[t0 + i] * it.row_stride;
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(keys + (i * NV + j) * 16, load16(row + 16 * j));
+      } else {
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(keys + (i * NV + j) * 16, _mm512_setzero_ps());
       }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = it.q + g * it.q_head_stride;
+      __m512 qv[NV], d[16];
+      for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qg + 16 * j);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        d[i] = _mm512_mul_ps(qv[0], _mm512_load_ps(keys + i * NV * 16));
+        for (int j = 1; j < NV; ++j) d[i] = _mm512_fmadd_ps(qv[j], _mm512_load_ps(keys + (i * NV + j) * 16), d[i]);
+      }
+      const __m512 scores = _mm512_mul_ps(llmc::sum16(d), _mm512_set1_ps(it.scale));
+      _mm512_mask_storeu_ps(probs + g * len + t0, static_cast<__mmask16>((1u << n) - 1), scores);
     }
   }
   // Softmax rows: subtract the max, exponentiate, keep 1 / sum for the end of pass 2.
@@ -124,7 +155,7 @@ void attend(const Item<T>& it, std::vector<float>& buf) {
     switch (std::min<int64_t>(kMaxChunk, group - g0)) {
 #define LLMC_CHUNK(C) \
   case C:             \
-    if constexpr (C <= kMaxChunk) weighted_values<NV, C, T>(it, probs, inv_sum, g0); \
+    if constexpr (C <= kMaxChunk) weighted_values<NV, C, T>(it, slots, probs, inv_sum, g0); \
     break;
       LLMC_CHUNK(1) LLMC_CHUNK(2) LLMC_CHUNK(3) LLMC_CHUNK(4) LLMC_CHUNK(5) LLMC_CHUNK(6) LLMC_CHUNK(7)
       LLMC_CHUNK(8)
@@ -145,15 +176,16 @@ void run_items(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   float* op = out.data_ptr<float>();
   at::parallel_for(0, d * nkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
+    std::vector<int64_t> slots;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t i = w / nkv, h = w % nkv;
       const Item<T> it{qp + i * q.stride(0) + h * group * q.stride(1), q.stride(1), kp + h * hd, vp + h * hd,
-                       nkv * hd, tp + i * tables.size(1), block_size, lens[i], group, scale,
+                       nkv * hd, tp + i * tables.size(1), block_size, lens[i], group, hd, scale,
                        op + (i * nh + h * group) * hd};
-      if (hd == 16) attend<1>(it, buf);
-      else if (hd == 32) attend<2>(it, buf);
-      else if (hd == 64) attend<4>(it, buf);
-      else attend<8>(it, buf);
+      if (hd == 16) attend<1>(it, buf, slots);
+      else if (hd == 32) attend<2>(it, buf, slots);
+      else if (hd == 64) attend<4>(it, buf, slots);
+      else attend<8>(it, buf, slots);
     }
   });
 }
