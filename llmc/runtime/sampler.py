@@ -18,8 +18,9 @@ Pipeline per row (each stage skipped when no row in the batch needs it):
 
 A row whose distribution collapses (every logit -inf, e.g. NaN logits) falls back to the argmax of the
 sanitized logits instead of failing. The row argmax is ``torch.argmax`` unless the engine passes a faster one
-with the same answer (the CPU runner passes llmc's kernel, :func:`llmc.engine.torch.cpu_ext.argmax_rows`). Host work is building a handful of small tensors from the sequences'
-parameters; nothing reads device values back (no ``.item()``).
+with the same answer (the CPU runner passes llmc's kernel, :func:`llmc.engine.torch.cpu_ext.argmax_rows`).
+Host work is building a handful of small tensors from the sequences' parameters; nothing reads device values
+back (no ``.item()``).
 """
 
 from __future__ import annotations

@@ -4,21 +4,26 @@
   (``_weight_int4pack_mm_for_cpu``) rounds activations and group scales to bfloat16 and re-unpacks the weights
   for every 4 rows, so a 16-sequence decode step costs 4x a 4-row one. This kernel unpacks each 16-channel
   weight column once for up to 16 rows and keeps float32 throughout: the model computes exactly the dequantized
-  weights the accuracy gate scored (up to summation order). Measured on SmolLM2's four layer shapes together
-  (qkv, dense, fc+gate, proj; 2-core Xeon, hot loop, 2026-11-29), this kernel vs PyTorch's op: 1 row 188 vs
-  220 us, 4 rows 244 vs 311 us, 8 rows 402 vs 571 us, 16 rows 748 vs 1,030 us.
+  weights the accuracy gate scored (up to summation order), and a row's result does not depend on the other
+  rows of the call. Measured on SmolLM2's four layer shapes together (qkv, dense, fc+gate, proj; 2-core Xeon,
+  hot loop, 2026-11-29 23:58, three runs), this kernel vs PyTorch's op: 1 row 162-210 vs 184-193 us (on
+  par: one row is bound by the latency of its FMA chain), 4 rows 234-259 vs 304-376 us, 8 rows 365-396 vs
+  559-584 us, 16 rows 652-672 vs 982-1,124 us. The kernel's previous form (unsigned nibbles, 16 row pointers
+  that spilled out of the registers) took 748 us at 16 rows.
 - ``dense16_matmul`` (``csrc/dense16_matmul.cpp``): the logits layer of a 16-bit checkpoint (and, unquantized,
   its decoder linears: :mod:`llmc.engine.torch.dense16_cpu`) in decode steps, over the exact float16/bfloat16
   weight in float32 math: half the bytes of the float32 copy per step. SmolLM2's 49,152 x 576 (hot loop,
   2026-11-29), against PyTorch's float32 matmul: 1 row 1.5 vs 2.2 ms, 16 rows 5.3 vs 6.8 ms.
 - ``rms_norm``, ``add_rms_norm_``, ``silu_mul`` and ``rope`` (``csrc/fused_ops.cpp``): the decoder's elementwise work in
   one pass each, where PyTorch's forms dispatch 3-6 ops (an RMSNorm of one token: ~50 us as 6 ops); and
-  ``argmax_rows``, the sampler's argmax over the vocabulary (16 x 49,152 logits: 834 us as ``torch.argmax``).
+  ``argmax_rows``, the sampler's argmax over the vocabulary (16 x 49,152 logits: 52 vs 757 us for
+  ``torch.argmax``; 1 row: 6 vs 87 us).
 - ``paged_decode_attention`` (``csrc/paged_attention.cpp``): one-token queries over the paged KV cache
   (float32, float16 or bfloat16), read in place through the block tables: decode steps, and every token of
   prefill chunks of up to 128 tokens. The portable path copies every context out of the cache and pads it for
-  SDPA. SmolLM2's shapes (9 query / 3 kv heads of 64, 161 cached tokens, one layer, 2026-11-29): 1 sequence
-  12.6 vs 99 us, 16 sequences 116 vs 625 us.
+  SDPA. SmolLM2's shapes (9 query / 3 kv heads of 64, 161 cached tokens, float16 cache, one layer, hot loop,
+  2026-11-29 23:58): 1 sequence 12.3 vs 91 us, 16 sequences 88 vs 587 us. Cycling through 30 layers' caches
+  (as a decode step does), prefetching the rows 16 tokens ahead took 16 sequences from 114-121 to 97-100 us.
 
 Availability: an x86-64 CPU with AVX-512 (PyTorch's CPU capability ``AVX512``), a C++ compiler and ninja.
 The build takes ~40 s once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default

@@ -4,9 +4,9 @@ A 135M-parameter model is 540 MB of float32 weights, read once per decoded token
 (it fits this class of CPU's L3 cache). Two int4 matmuls serve steps of at most ``MAX_INT4_ROWS`` tokens:
 
 - llmc's own AVX-512 kernel (:mod:`llmc.engine.torch.cpu_ext`, compiled on first use): float32 activations
-  and scales, so the layer computes exactly the dequantized weights the accuracy gate scored. Measured in
-  whole SmolLM2 decode steps against PyTorch's op (same process, interleaved, 2-core Xeon, 2026-11-29):
-  1 sequence 20.6 vs 20.5 ms, 4 sequences 29.5 vs 32.1 ms, 16 sequences 60.2 vs 72.8 ms.
+  and scales, so the layer computes exactly the dequantized weights the accuracy gate scored. On SmolLM2's
+  four layer shapes (2-core Xeon, 2026-11-29) it is on par with PyTorch's op at 1 row and 1.2-1.7x faster at
+  4-16 rows (figures in :mod:`llmc.engine.torch.cpu_ext`).
 - PyTorch's ``_weight_int4pack_mm_for_cpu`` where that kernel is unavailable (no AVX-512, no compiler):
   activations and group scales rounded to bfloat16 inside the matmul. The IR's symmetric int4 maps onto its
   asymmetric form exactly: ``w = (u - 8) * scale + zero`` with ``u = q + 8`` in [0, 15] and ``zero = 0``.

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from llmc.engine.torch import cpu_ext
-
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
