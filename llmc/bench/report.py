@@ -50,7 +50,8 @@ def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequenc
     """The report entry of one level: latency percentiles, throughput and the TGS conditions.
 
     ``level`` may be several repetitions of the level: latencies pool their requests, TGS is the median
-    repetition's (each repetition's is in ``repetitions``), memory and step figures are that repetition's."""
+    repetition's (each repetition's is in ``repetitions``), memory and step figures are that repetition's, and
+    ``wall_s`` / ``requests_per_s`` cover all of them."""
     reps = [level] if isinstance(level, LevelResult) else list(level)
     by_tgs = sorted(reps, key=lambda lv: _tgs(lv) or 0.0)
     median = by_tgs[(len(by_tgs) - 1) // 2]  # the lower median: an even count never averages two runs
