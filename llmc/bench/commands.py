@@ -231,8 +231,9 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
 @click.option("--seed", default=0, show_default=True, help="Workload seed (prompt lengths and texts).")
 @click.option("--threads", type=click.IntRange(1), help="torch CPU threads for the engine and the baseline.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
-              help="Measure every level this many times (levels interleaved, fresh prompts each time); TGS is the "
-                   "median repetition's, latencies pool all requests. For hosts with noisy neighbours.")
+              help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
+                   "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "
+                   "noisy neighbours.")
 def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: str | None, tokenizer: Path | None,
               isl: int, osl: int, isl_dist: str, osl_dist: str, spread: float, num_prompts: int | None,
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
