@@ -23,14 +23,21 @@ MAX_ROWS = 16  # rows (tokens in the step) up to which the kernel serves the lay
 
 
 class Dense16Linear(nn.Module):
-    """``y = x @ W^T`` for a float32 ``dense`` weight ``[O, K]`` that has an exact 16-bit copy ``narrow``."""
+    """``y = x @ W^T`` for a float32 ``dense`` weight ``[O, K]`` that has an exact 16-bit copy ``narrow`` (build it
+    with :meth:`over`, which makes that check once)."""
 
     def __init__(self, dense: torch.Tensor, narrow: torch.Tensor):
         super().__init__()
-        assert narrow.shape == dense.shape and torch.equal(narrow.float(), dense)
+        assert narrow.shape == dense.shape and narrow.dtype in (torch.float16, torch.bfloat16)
         self.out_features, self.in_features = dense.shape
         self.register_buffer("dense", dense)
         self.register_buffer("tiles", cpu_ext.pack_tiles16(narrow))  # [O/16, K, 16] in the checkpoint's dtype
+
+    @classmethod
+    def over(cls, weight: torch.Tensor, dtype: torch.dtype) -> Dense16Linear | None:
+        """The layer over ``weight`` when its ``dtype`` copy is exact (:func:`cpu_ext.exact_copy16`), else None."""
+        narrow = cpu_ext.exact_copy16(weight, dtype)
+        return None if narrow is None else cls(weight.detach(), narrow)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, O]
         if x.shape[0] > MAX_ROWS or x.dtype != torch.float32:

@@ -131,14 +131,14 @@ def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
 
     for layer in model.transformer.layers:
         if layer.mlp.fc_gate is not None and layer.mlp.fc_gate_kernel is None:
-            narrow = cpu_ext.exact_copy16(layer.mlp.fc_gate, dtype)
-            if narrow is not None:
-                layer.mlp.use_fc_gate_kernel(Dense16Linear(layer.mlp.fc_gate, narrow))
+            fast = Dense16Linear.over(layer.mlp.fc_gate, dtype)
+            if fast is not None:
+                layer.mlp.use_fc_gate_kernel(fast)
         for parent, child in ((layer.attention, "qkv"), (layer.attention, "dense"), (layer.mlp, "proj")):
             module = getattr(parent, child)
-            narrow = cpu_ext.exact_copy16(module.weight, dtype) if type(module) is torch.nn.Linear else None
-            if narrow is not None:
-                setattr(parent, child, Dense16Linear(module.weight.detach(), narrow))
+            fast = Dense16Linear.over(module.weight, dtype) if type(module) is torch.nn.Linear else None
+            if fast is not None:
+                setattr(parent, child, fast)
 
 
 def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[str, torch.Tensor]:
