@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    from llmc.build.manifest import read_manifest
+    from llmc.builder.manifest import read_manifest
 
     block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
     blocks_needed = max(batches) * -(-(args.context + 1) // block_size) + 8

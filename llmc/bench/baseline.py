@@ -43,8 +43,8 @@ class StepTimer(BaseStreamer):
 def resolve_hf_dir(build_dir: str | Path) -> Path:
     """The Hugging Face folder a build was made from: the recorded source folder, or the cached conversion
     of its GGUF file (converted again if the cache was cleared). Raises SourceError when the source is gone."""
-    from llmc.build.load import resolve_source
-    from llmc.build.manifest import read_manifest
+    from llmc.builder.load import resolve_source
+    from llmc.builder.manifest import read_manifest
 
     manifest = read_manifest(Path(build_dir))
     recipe = manifest.recipe_obj()

@@ -131,7 +131,7 @@ def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
 
     if device == "cpu" or opts.engine_dir is None:
         return None
-    from llmc.build.manifest import read_manifest
+    from llmc.builder.manifest import read_manifest
 
     return getattr(torch, read_manifest(opts.engine_dir).dtype)
 
@@ -139,13 +139,13 @@ def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
 def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, Any]:
     """Measure a running server over ``opts.protocol``; the tokenizer comes from ENGINE_DIR or --tokenizer."""
     from llmc.bench.client import make_client, run_client
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     add_special, model = False, opts.model
     if opts.tokenizer is not None:
         tokenizer = load_tokenizer(opts.tokenizer)
     elif opts.engine_dir is not None:
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.manifest import read_manifest
 
         recipe = read_manifest(opts.engine_dir).recipe_obj()
         tokenizer = load_tokenizer(opts.engine_dir / "tokenizer")

@@ -40,7 +40,7 @@ def load_runner(build_dir: str | Path, device: torch.device | str = "cpu", num_b
     ``llmc.engine.tensorrt_llm.runner.TrtllmRunner.from_build_dir`` instead (EngineError here says so).
     Raises EngineError for an unreadable build folder or an unknown backend.
     """
-    from llmc.build.manifest import read_manifest
+    from llmc.builder.manifest import read_manifest
 
     backend = read_manifest(Path(build_dir)).backend
     if backend == "torch":

@@ -44,8 +44,8 @@ def validate_against_sources(recipe: Recipe) -> dict[str, Any] | None:
 
     Raises RecipeError (or another LlmcError, e.g. an unreadable source) on the first problem.
     """
-    read_source_config = _optional_function("llmc.build.load", "read_source_config") or \
-        _optional_function("llmc.build.sources", "read_source_config")
+    read_source_config = _optional_function("llmc.builder.load", "read_source_config") or \
+        _optional_function("llmc.builder.sources", "read_source_config")
     hf_config = read_source_config(recipe.model.source) if read_source_config is not None else None
     if hf_config is None:
         click.echo(f"warning: model source not found at {recipe.model.source}: model-dependent checks run at "

@@ -71,7 +71,7 @@ def spec(default: Any = MISSING, *, bounds: Range | None = None, pattern: str | 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where the model comes from, resolved but not located (locating is ``llmc.build``'s job).
+    """Where the model comes from, resolved but not located (locating is ``llmc.builder``'s job).
 
     ``kind == "package"``: the file ``file`` inside the installed Python package ``package`` (written
     ``package:<pkg>/<file>`` in YAML). ``kind == "path"``: an absolute ``path`` (HF folder or .gguf file).

@@ -83,8 +83,8 @@ class Engine:
 
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one."""
-        from llmc.build.load import load_tokenizer
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.load import load_tokenizer
+        from llmc.builder.manifest import read_manifest
         from llmc.engine.base import load_runner
 
         build_dir = Path(path)

@@ -49,7 +49,7 @@ def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: A
     """
     build_dir, out_dir = Path(build_dir), Path(out_dir)
     if recipe is None:
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.manifest import read_manifest
 
         manifest = read_manifest(build_dir)
         recipe, eos_token_ids = manifest.recipe_obj(), manifest.eos_token_ids

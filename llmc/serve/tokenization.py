@@ -53,7 +53,7 @@ class TokenizerSettings:
         )
 
     def load_tokenizer(self) -> Any:
-        from llmc.build.load import load_tokenizer
+        from llmc.builder.load import load_tokenizer
 
         return load_tokenizer(Path(self.tokenizer_dir))
 

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def bench_build_dir(tmp_path_factory, tiny_hf_dir) -> Path:
     """A float32 torch-backend build of the tiny random Llama (SmolLM2's tokenizer), built by ``llmc build``."""
-    from llmc.build.pipeline import build
+    from llmc.builder.pipeline import build
     from llmc.recipe import recipe_from_dict
 
     recipe = recipe_from_dict({
@@ -25,7 +25,7 @@ def bench_build_dir(tmp_path_factory, tiny_hf_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_hf_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     return load_tokenizer(smollm2_hf_dir)
 

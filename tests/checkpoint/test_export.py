@@ -1,4 +1,4 @@
-"""llmc.build.export: 16-bit export of an HF folder and the W4A16_AWQ writer (incl. groupwise padding)."""
+"""llmc.builder.export: 16-bit export of an HF folder and the W4A16_AWQ writer (incl. groupwise padding)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.build.export import export_checkpoint, write_w4a16_checkpoint
-from llmc.build.load import SourceModel, load_state_dict
+from llmc.builder.export import export_checkpoint, write_w4a16_checkpoint
+from llmc.builder.load import SourceModel, load_state_dict
 from llmc.checkpoint.config import trtllm_config_from_hf
 from llmc.checkpoint.convert import hf_to_trtllm, merge_shards, pad_for_groupwise
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4

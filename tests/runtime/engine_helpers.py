@@ -18,7 +18,7 @@ SMOLLM2_LIMITS = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512,
 
 def build_engine_dir(hf_dir: Path, out_dir: Path, name: str, limits: dict, tokens_per_block: int = 8) -> Path:
     """Run the real build pipeline on an HF folder (float32, torch backend) into ``out_dir``."""
-    from llmc.build.pipeline import build
+    from llmc.builder.pipeline import build
     from llmc.recipe import recipe_from_dict
 
     recipe = recipe_from_dict({

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from llmc.build.manifest import read_manifest
+from llmc.builder.manifest import read_manifest
 from llmc.errors import BuildError
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config
 from llmc.serve.protocol import ENSEMBLE_INPUTS

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from llmc.build.load import load_tokenizer
+from llmc.builder.load import load_tokenizer
 from llmc.engine.tensorrt_llm.stop_words import from_stop_words_list
 from llmc.serve.repo import template_root
 from llmc.serve.tokenization import RequestTokenizer, StreamDetokenizers, TokenizerSettings

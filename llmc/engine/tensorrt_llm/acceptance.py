@@ -63,8 +63,8 @@ def _chat_ids(tokenizer, prompt: str) -> list[int]:
 @click.option("--min-prefix", default=8, show_default=True)
 def main(torch_build: Path, trt_recipe: Path, work: Path, max_new_tokens: int, min_prefix: int) -> None:
     """Compare greedy tokens of TensorRT engines and the torch engine built from the same IR."""
-    from llmc.build.load import load_tokenizer
-    from llmc.build.manifest import read_manifest
+    from llmc.builder.load import load_tokenizer
+    from llmc.builder.manifest import read_manifest
     from llmc.engine.tensorrt_llm.build import build_engines
     from llmc.engine.tensorrt_llm.runner import TrtllmRunner, TrtllmRunnerConfig
     from llmc.recipe import load_recipe

@@ -45,7 +45,7 @@ class TrtllmEngine:
     def from_build_dir(cls, build_dir: str | Path, model_runner_cls: Any = None,
                        found_versions: dict[str, str | None] | None = None) -> TrtllmEngine:
         """Open a build folder whose manifest says ``backend: tensorrt_llm`` (versions checked first)."""
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.manifest import read_manifest
         from llmc.engine.tensorrt_llm.runner import TrtllmRunner
 
         build_dir = Path(build_dir)

@@ -90,8 +90,8 @@ class TrtllmRunner:
                        importer: Importer = importlib.import_module) -> TrtllmRunner:
         """Open ``build_dir`` (llmc build folder): refuse engines built under other TensorRT versions
         (:func:`check_engine_versions`; ``found_versions`` defaults to the installed ones), then load."""
-        from llmc.build.load import load_tokenizer
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.load import load_tokenizer
+        from llmc.builder.manifest import read_manifest
 
         build_dir = Path(build_dir)
         engine_dir = build_dir / "engine"

@@ -50,7 +50,7 @@ class TorchModelRunner:
 
     def __init__(self, build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None,
                  cuda_graphs: bool = True):
-        from llmc.build.manifest import read_manifest
+        from llmc.builder.manifest import read_manifest
         from llmc.runtime.sampler import Sampler
 
         build_dir = Path(build_dir)

@@ -47,7 +47,7 @@ def test_from_dir_without_tensorrt_llm_says_what_is_needed(trt_build_dir):
 
 
 def test_text_prompt_is_tokenized_like_the_torch_engine_and_streams_events(trt_build_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     words = load_tokenizer(trt_build_dir / "tokenizer").encode(" the cat sat", add_special_tokens=False)
     engine, cls = open_engine(trt_build_dir, [words + [2]])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmc.build.load import load_tokenizer
+from llmc.builder.load import load_tokenizer
 from llmc.engine.tensorrt_llm.manifest import EngineManifest
 from llmc.engine.tensorrt_llm.runner import TrtllmRunner, TrtllmRunnerConfig
 from llmc.errors import EngineError, RequestError

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from llmc.build.load import load_state_dict
-from llmc.build.manifest import Manifest, write_manifest
+from llmc.builder.load import load_state_dict
+from llmc.builder.manifest import Manifest, write_manifest
 from llmc.checkpoint import names
 from llmc.checkpoint.config import trtllm_config_from_hf
 from llmc.checkpoint.convert import hf_to_trtllm, shard

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.build.load import load_tokenizer
+from llmc.builder.load import load_tokenizer
 from llmc.engine.torch.runner import TorchModelRunner
 from tests.engine.torch.helpers import MiniScheduler, PagedSession, make_build_dir
 

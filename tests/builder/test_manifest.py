@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmc.build import manifest as mf
+from llmc.builder import manifest as mf
 from llmc.errors import EngineError
 
 

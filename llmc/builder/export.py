@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from llmc.build.load import load_state_dict
+from llmc.builder.load import load_state_dict
 from llmc.checkpoint.config import W4A16_AWQ, trtllm_config_from_hf, with_tp_size
 from llmc.checkpoint.convert import QuantizedLinear, hf_to_trtllm, pad_for_groupwise, shard
 from llmc.checkpoint.io import write_checkpoint
@@ -30,12 +30,12 @@ def export_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path) -> d
     """Write the 16-bit IR of ``source`` (a SourceModel) for ``recipe`` into ``checkpoint_dir``.
 
     Returns {"tensors", "bytes", "seconds", "tp_size", "dtype"}. BuildError if the recipe asks for int4
-    (that goes through ``llmc.build.quantize.quantize_checkpoint``).
+    (that goes through ``llmc.builder.quantize.quantize_checkpoint``).
     """
     if recipe.quantization.method != "none":
         raise BuildError(
             f"export_checkpoint writes 16-bit checkpoints, but quantization.method is "
-            f"{recipe.quantization.method!r}; use llmc.build.quantize.quantize_checkpoint for awq/rtn"
+            f"{recipe.quantization.method!r}; use llmc.builder.quantize.quantize_checkpoint for awq/rtn"
         )
     start = time.perf_counter()
     quantization = {"quant_algo": None, "kv_cache_quant_algo": kv_cache_quant_algo(recipe.kv_cache.dtype)}

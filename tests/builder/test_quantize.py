@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from llmc.build import awq_lib
-from llmc.build.calibrate import build_calibration_set
-from llmc.build.quantize import export_int4, load_float32_model, quantize_checkpoint
+from llmc.builder import awq_lib
+from llmc.builder.calibrate import build_calibration_set
+from llmc.builder.quantize import export_int4, load_float32_model, quantize_checkpoint
 from llmc.checkpoint.io import read_checkpoint
 from llmc.errors import RecipeError
 from llmc.recipe import recipe_from_dict
@@ -27,14 +27,14 @@ def tiny_recipe(hf_dir, method="awq", mask=True, group_size=GROUP, **calibration
 
 @pytest.fixture(scope="module")
 def source(tiny_hf_dir):
-    from llmc.build.load import resolve_source
+    from llmc.builder.load import resolve_source
 
     return resolve_source(tiny_recipe(tiny_hf_dir).model)
 
 
 @pytest.fixture(scope="module")
 def calib(source, tiny_hf_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     recipe = tiny_recipe(tiny_hf_dir)
     return build_calibration_set(recipe.quantization.calibration, load_tokenizer(tiny_hf_dir),

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from llmc.build import calib_text
-from llmc.build.calibrate import (build_calibration_set, build_loss_mask, check_calibration_spec, draw_offsets,
+from llmc.builder import calib_text
+from llmc.builder.calibrate import (build_calibration_set, build_loss_mask, check_calibration_spec, draw_offsets,
                                   find_special_token_ids)
 from llmc.errors import RecipeError
 from llmc.recipe import recipe_from_dict
@@ -20,7 +20,7 @@ SMOLLM2_SPECIAL = set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <re
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_hf_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     return load_tokenizer(tiny_hf_dir)
 
@@ -63,7 +63,7 @@ def test_special_token_ids_of_smollm2(tokenizer, template):
 
 
 def test_unflagged_chat_marker_in_template_counts_as_special(tiny_hf_dir):
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     tok = load_tokenizer(tiny_hf_dir)
     tok.add_tokens(["<|turn|>"], special_tokens=False)

@@ -11,7 +11,7 @@ import textwrap
 
 from click.testing import CliRunner
 
-from llmc.build.pipeline import build
+from llmc.builder.pipeline import build
 from llmc.cli import cli
 from llmc.recipe import load_recipe
 from llmc.runtime.api import Engine

@@ -20,8 +20,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from llmc.build import load, manifest as mf, sources
-from llmc.build.progress import BuildProgress
+from llmc.builder import load, manifest as mf, sources
+from llmc.builder.progress import BuildProgress
 from llmc.errors import BuildError, EngineError, SourceError
 
 log = logging.getLogger(__name__)
@@ -169,17 +169,17 @@ def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress
     reports: dict[str, Any] = {}
     if recipe.quantization.method == "none":
         with progress.step("export checkpoint"):
-            from llmc.build.export import export_checkpoint
+            from llmc.builder.export import export_checkpoint
 
             reports["export"] = export_checkpoint(source, recipe, ckpt)
         return reports
     with progress.step(f"quantize ({recipe.quantization.method})") as step:
-        from llmc.build.quantize import quantize_checkpoint
+        from llmc.builder.quantize import quantize_checkpoint
 
         reports["quantize"] = quantize_checkpoint(source, recipe, ckpt, progress=step)
     if recipe.quantization.gate.enabled:
         with progress.step("accuracy gate"):
-            from llmc.build.verify import accuracy_gate
+            from llmc.builder.verify import accuracy_gate
 
             reports["gate"] = accuracy_gate(source, recipe, ckpt, console=progress.console)
     return reports

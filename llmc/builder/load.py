@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.build import sources
-from llmc.build.eos import EosResolution, reconcile_eos, read_generation_eos
+from llmc.builder import sources
+from llmc.builder.eos import EosResolution, reconcile_eos, read_generation_eos
 from llmc.errors import SourceError
 
 log = logging.getLogger(__name__)

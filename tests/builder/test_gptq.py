@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.build import awq_lib
-from llmc.build.quantize import export_int4, load_float32_model, quantize_checkpoint
+from llmc.builder import awq_lib
+from llmc.builder.quantize import export_int4, load_float32_model, quantize_checkpoint
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
-from tests.build.test_quantize import GROUP, _spiked_models, calib, source, tiny_recipe  # noqa: F401 - fixtures
+from tests.builder.test_quantize import GROUP, _spiked_models, calib, source, tiny_recipe  # noqa: F401 - fixtures
 
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from llmc.build.calibrate import CalibrationSet
+from llmc.builder.calibrate import CalibrationSet
 
 GPTQ_ACTORDER = "static"  # GPTQ's column order (see int4_recipe); the IR format needs no g_idx with it
 ProgressFn = Callable[[str, int, int], None]  # (what is running, e.g. "calibrating 3/31", done, total)

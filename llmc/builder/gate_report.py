@@ -1,6 +1,6 @@
 """Accuracy-gate metrics and their presentation: per-token KL / perplexity / top-1 summaries, thresholds, tables.
 
-Pure functions over the scores :mod:`llmc.build.verify` computes, so they are tested without models.
+Pure functions over the scores :mod:`llmc.builder.verify` computes, so they are tested without models.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from llmc.build import load, sources
-from llmc.build.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
-from llmc.build.sources import read_source_config
+from llmc.builder import load, sources
+from llmc.builder.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
+from llmc.builder.sources import read_source_config
 from llmc.errors import SourceError
 from llmc.recipe import ModelSource, ModelSpec
 from tests import factories

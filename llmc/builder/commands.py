@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from llmc.build import manifest as mf, sources
+from llmc.builder import manifest as mf, sources
 from llmc.errors import EngineError, LlmcError
 
 GIB = 1024**3
@@ -48,7 +48,7 @@ def human_bytes(n: float) -> str:
 @click.option("--force", is_flag=True, help="Rebuild even when the build is up to date.")
 def build_cmd(recipe: Path, output: Path | None, force: bool) -> None:
     """Build RECIPE into a build folder: checkpoint IR, engine, tokenizer and manifest."""
-    from llmc.build.pipeline import build
+    from llmc.builder.pipeline import build
     from llmc.recipe import load_recipe
 
     err = Console(stderr=True)

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from llmc.build.commands import build_cmd, inspect_cmd
-from tests.build.test_pipeline import write_recipe
+from llmc.builder.commands import build_cmd, inspect_cmd
+from tests.builder.test_pipeline import write_recipe
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`llmc.build.pipeline.build`: layout, manifest, up-to-date skip, --force, and no partial folder on failure."""
+"""`llmc.builder.pipeline.build`: layout, manifest, up-to-date skip, --force, and no partial folder on failure."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llmc.build import load, manifest as mf, pipeline
-from llmc.build.pipeline import build
+from llmc.builder import load, manifest as mf, pipeline
+from llmc.builder.pipeline import build
 from llmc.errors import BuildError, RecipeError, SourceError
 from llmc.recipe import load_recipe, recipe_hash, recipe_to_dict
 from tests import factories

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
-from llmc.build import awq_lib
-from llmc.build.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
+from llmc.builder import awq_lib
+from llmc.builder.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
 from llmc.errors import BuildError
 
 AWQ_N_GRID = 16
@@ -56,7 +56,7 @@ TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32":
 
 
 class StepProgress(Protocol):
-    """What quantize reports progress to (``llmc.build.progress.StepHandle``)."""
+    """What quantize reports progress to (``llmc.builder.progress.StepHandle``)."""
 
     def update(self, completed: float, total: float | None = None) -> None: ...
 
@@ -115,7 +115,7 @@ def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None
     quant = recipe.quantization
     if quant.method not in ("awq", "rtn"):
         raise BuildError(f"quantize_checkpoint handles quantization.method awq or rtn, not {quant.method!r}; "
-                         "use llmc.build.export.export_checkpoint for method none")
+                         "use llmc.builder.export.export_checkpoint for method none")
     check_recipe_against_model(recipe, hf_config)
     if quant.method == "awq":
         check_calibration_spec(quant.calibration, recipe_file)
@@ -123,7 +123,7 @@ def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None
 
 def make_calibration_set(source: Any, recipe: Any, recipe_file: str | None) -> CalibrationSet:
     """The recipe's calibration windows, tokenized with the source's tokenizer and chat template."""
-    from llmc.build.load import load_tokenizer
+    from llmc.builder.load import load_tokenizer
 
     quant = recipe.quantization
     return build_calibration_set(
@@ -143,7 +143,7 @@ def load_float32_model(hf_dir: str | Path) -> torch.nn.Module:
 
 def export_int4(model: torch.nn.Module, source: Any, recipe: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
     """Write the library's int4 results (and the folded 16-bit tensors) as the W4A16_AWQ IR."""
-    from llmc.build.export import kv_cache_quant_algo, write_w4a16_checkpoint
+    from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
 
     group_size = recipe.quantization.group_size
     layers = awq_lib.extract_int4(model, group_size)

@@ -6,7 +6,7 @@ Both sides run through the same Hugging Face ``LlamaForCausalLM`` in float32 on 
 embedding -- so the gate scores exactly the weights that ship, and any difference comes from them alone (not
 from two attention implementations). The portable engine loads the same IR with the same dequantization.
 
-Text: held-out pydoc topics (:func:`llmc.build.calib_text.heldout_text`, disjoint from calibration), cut into
+Text: held-out pydoc topics (:func:`llmc.builder.calib_text.heldout_text`, disjoint from calibration), cut into
 ceil(n_tokens / GATE_WINDOW) windows. Metrics: perplexity of both models, per-position KL(p16 || pint4)
 mean / p99 / max, top-1 agreement. Chat check: for CHAT_PROMPTS held-out prompts in the chat template, greedy
 decoding must end the turn with an end token (``source.eos_token_ids``) within 2 x CHAT_BUDGET tokens for the
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from llmc.build import gate_report
-from llmc.build.calib_text import heldout_chat_prompts, heldout_text
+from llmc.builder import gate_report
+from llmc.builder.calib_text import heldout_chat_prompts, heldout_text
 from llmc.checkpoint import names
 from llmc.errors import AccuracyGateError, BuildError
 
@@ -42,8 +42,8 @@ def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console:
     ``max_ppl_ratio`` (when set), or the int4 model loses the chat end token; its message lists the worst
     positions.
     """
-    from llmc.build.load import load_tokenizer
-    from llmc.build.quantize import load_float32_model
+    from llmc.builder.load import load_tokenizer
+    from llmc.builder.quantize import load_float32_model
 
     gate = recipe.quantization.gate
     started = time.perf_counter()
