@@ -170,7 +170,7 @@ def paged_attention(
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.all_decode:  # pure decode step: no packing to undo
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN and cpu_ext.decode_attention_available(q, k_cache):
         # Every packed token is a one-token query over its own sequence's cache up to its position (this step's
         # k/v are in the cache already): one call for prefill chunks and decodes alike, no gather.
@@ -179,7 +179,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_seqs.numel() > 0:
         q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
-        out.index_copy_(0, meta.decode_tokens, _decode_attention(q_dec, k_cache, v_cache, meta, scale))
+        out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale))
     for i in meta.prefill_seqs:
         start, end = meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i]
         if meta.num_computed[i] == 0:
@@ -242,10 +242,11 @@ def _prefill_attention(
     return out.view(num_kv_heads, group, n, head_size).permute(2, 0, 1, 3).reshape(n, num_heads, head_size)
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]``.
+    """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]`` (this step's
+    keys and values must be in the cache already).
 
     One kernel reads the blocks in place: on CUDA with Triton (:mod:`llmc.engine.torch.triton_attention`), on
     CPU llmc's C++ kernel for float32 queries (:mod:`llmc.engine.torch.cpu_ext`). Otherwise the contexts are

@@ -11,6 +11,7 @@ matmuls on CPU are several times slower than float32 and less accurate.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -20,13 +21,14 @@ from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import merge_shards
 from llmc.checkpoint.int4 import dequantize_w4a16, unpack_int4
 from llmc.checkpoint.io import read_checkpoint
-from llmc.engine.torch import cpu_ext
+from llmc.engine.torch import cpu_ext, triton_support
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
 from llmc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+CUDA_KERNELS_ENV = "LLMC_CUDA_KERNELS"  # "0": dequantize int4 layers and skip the fused kernels on CUDA (A/B)
 
 
 def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype | str | None = None) -> torch.dtype:
@@ -40,9 +42,17 @@ def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype 
 
 def load_model(
     checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None,
-    cpu_kernels: bool = False,
+    cpu_kernels: bool = False, cuda_kernels: bool = True, fold_prequant: bool = True,
 ) -> LlamaForCausalLM:
     """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
+
+    ``cuda_kernels`` (default), on CUDA with Triton:
+
+    - W4A16_AWQ linears stay packed int4 and run llmc's W4A16 kernels (:mod:`llmc.engine.torch.int4_cuda`):
+      a quarter of the bf16 weight bytes on the device and per decode step. ``fold_prequant`` folds AWQ's input
+      scales into the preceding norm weights where every reader of that norm shares them;
+    - residual add + RMSNorm, RoPE + KV-cache write and SiLU x gate run as fused Triton kernels
+      (:meth:`LlamaForCausalLM.use_cuda_fused`). ``LLMC_CUDA_KERNELS=0`` turns both off (A/B measurements).
 
     ``cpu_kernels`` (the runner's default), on CPU:
 
@@ -66,6 +76,13 @@ def load_model(
             f"Fix: build with quantization.method none, awq or rtn"
         )
     target_dtype = compute_dtype(config.dtype, device, dtype)
+    # The Triton path runs on CUDA, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1: the tests).
+    on_cuda = (cuda_kernels and triton_support.modules() is not None and os.environ.get(CUDA_KERNELS_ENV, "1") != "0"
+               and (torch.device(device).type == "cuda" or triton_support.interpreting()))
+    if on_cuda and quant.get("quant_algo") == W4A16_AWQ:
+        model = _load_int4_cuda(raw_config, rank_weights, config, target_dtype, device, int(quant["group_size"]),
+                                fold_prequant)
+        return _finish_cuda(model)
     if quant.get("quant_algo") == W4A16_AWQ:
         rank_weights = [_dequantize_rank(w, int(quant["group_size"]), target_dtype) for w in rank_weights]
     weights = _merge(rank_weights, raw_config)
@@ -85,7 +102,64 @@ def load_model(
         model.use_16bit_logits(DTYPES[config.dtype])
         if quant.get("quant_algo") is None:
             _use_dense16_kernel(model, DTYPES[config.dtype])
+    if on_cuda:
+        return _finish_cuda(model)
     return model.eval().requires_grad_(False)
+
+
+def _load_int4_cuda(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]], config: ModelConfig,
+                    dtype: torch.dtype, device: torch.device | str, group_size: int, fold_prequant: bool
+                    ) -> LlamaForCausalLM:
+    """The model with its W4A16 linears as packed :class:`~llmc.engine.torch.int4_cuda.Int4CudaLinear` layers: the
+    float linears are removed while the model is still on the meta device, so no float copy is ever allocated."""
+    from llmc.engine.torch import int4_cuda
+
+    merged = rank_weights[0] if len(rank_weights) == 1 else merge_shards(rank_weights, raw_config)
+    quantized, rest = int4_cuda.split_quantized(merged)
+    rest = _select_model_weights(rest, config)
+    _check_shapes(rest, config, skip=set(quantized))
+    expected = _expected_shapes(config)
+    for prefix, (packed, scales, prequant) in quantized.items():
+        logical = (2 * packed.shape[0], packed.shape[1])
+        if expected.get(f"{prefix}.{names.WEIGHT}") != logical:
+            raise CheckpointError(f"packed weight {prefix}.{names.WEIGHT} holds a {logical} matrix, the config implies "
+                                  f"{expected.get(f'{prefix}.{names.WEIGHT}')}. Fix: re-export the checkpoint with "
+                                  f"`llmc build --force`")
+        _check_quantized_shapes(prefix, packed, scales, prequant, group_size)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, dtype=dtype)
+    int4_cuda.remove_linears(model, set(quantized))
+    model.to_empty(device=device)
+    model.load_state_dict(rest, strict=True)
+    model.reset_buffers()
+    counts = int4_cuda.install(model, quantized, group_size, fold_prequant)
+    logger.info("int4 CUDA layers: %s", counts)
+    return model
+
+
+def _finish_cuda(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """Fused CUDA kernels where the shape allows them; the allocator's cache of load-time temporaries is
+    returned to the device, so the KV cache planned next gets that memory."""
+    head_size = model.config.head_size
+    model.use_cuda_fused(head_size >= 16 and head_size & (head_size - 1) == 0)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights on its device by dtype name (parameters and persistent + packed buffers;
+    the RoPE table is not a weight)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    tensors = [p for p in model.parameters()] + [b for name, b in model.named_buffers() if name != "inv_freq"]
+    for t in tensors:
+        if t is None or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())  # fused fc/gate views share storage with their stacked weight
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
 
 
 def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], group_size: int,
@@ -220,8 +294,23 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    expected = _expected_shapes(config)
+def _check_quantized_shapes(prefix: str, packed: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None,
+                            group_size: int) -> None:
+    out2, k = packed.shape
+    expected = {"weights_scaling_factor": (tuple(scales.shape), (2 * out2, k // group_size))}
+    if prequant is not None:
+        expected["prequant_scaling_factor"] = (tuple(prequant.shape), (k,))
+    for suffix, (got, want) in expected.items():
+        if got != want:
+            raise CheckpointError(f"checkpoint tensor {prefix}.{suffix} has shape {got}, the packed weight "
+                                  f"{tuple(packed.shape)} and group size {group_size} imply {want}. "
+                                  f"Fix: re-export the checkpoint with `llmc build --force`")
+
+
+def _check_shapes(weights: dict[str, torch.Tensor], config: ModelConfig, skip: set[str] = frozenset()) -> None:
+    """CheckpointError for a missing tensor or a shape the config does not imply; ``skip``: module prefixes held
+    elsewhere (the packed int4 layers, checked by :func:`_check_quantized_shapes`)."""
+    expected = {k: v for k, v in _expected_shapes(config).items() if k.rsplit(".", 1)[0] not in skip}
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(

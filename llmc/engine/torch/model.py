@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.engine.torch import cpu_ext
-from llmc.engine.torch.attention import AttentionMetadata, paged_attention
+from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
 
@@ -125,11 +125,21 @@ class Attention(nn.Module):
         self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
+        fused: bool = False,
     ) -> torch.Tensor:
+        """``fused`` (CUDA with Triton, see :attr:`LlamaForCausalLM.cuda_fused`): a pure-decode step rotates q and
+        k and writes k, v to the cache in one kernel."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
+        if fused and attn.all_decode:
+            from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
+
+            q = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
+                                           self.num_heads, self.num_kv_heads, self.head_size)  # [T, nh, hd]
+            out = decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
+            return self.dense(out.reshape(t, q_size))
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
@@ -149,7 +159,8 @@ class MLP(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
         self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
         self.fc_gate: torch.Tensor | None = None  # [2I, H] once fused
-        self.fc_gate_kernel: nn.Module | None = None  # a CPU kernel's module over [fc; gate], see use_fc_gate_kernel
+        self.fc_gate_kernel: nn.Module | None = None  # a kernel's module over [fc; gate], see use_fc_gate_kernel
+        self.cuda_fused = False  # SiLU x gate as one Triton kernel (set by LlamaForCausalLM.use_cuda_fused)
 
     def fuse_fc_gate(self) -> bool:
         """Stack the fc and gate weights into one ``[2I, H]`` tensor; both Linear weights become views of it, so
@@ -167,15 +178,23 @@ class MLP(nn.Module):
         return True
 
     def use_fc_gate_kernel(self, fused: nn.Module) -> None:
-        """Run fc and gate as one CPU-kernel module whose outputs are ``[fc; gate]`` (an ``Int4Linear`` or
-        ``Dense16Linear`` built over :attr:`fc_gate`, which it uses as its float weight for larger steps); fc and
-        gate stay plain Linear views of that weight."""
-        assert self.fc_gate is not None, "fuse_fc_gate() first: the kernel's module shares the stacked float weight"
+        """Run fc and gate as one kernel module whose outputs are ``[fc; gate]``: on CPU an ``Int4Linear`` or
+        ``Dense16Linear`` built over :attr:`fc_gate` (its float weight for larger steps; fc and gate stay plain
+        Linear views of it); on CUDA an ``Int4CudaLinear`` over the stacked packed weights (fc and gate are then
+        removed by the loader: the model holds no float copy)."""
+        assert self.fc_gate is not None or (self.fc is None and self.gate is None), \
+            "fuse_fc_gate() first: a CPU kernel's module shares the stacked float weight"
         self.fc_gate_kernel = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fc_gate_kernel is not None or self.fc_gate is not None:
             both = self.fc_gate_kernel(x) if self.fc_gate_kernel is not None else F.linear(x, self.fc_gate)  # [T, 2I]
+            if getattr(self.proj, "silu_gate_input", False):
+                return self.proj(both)  # an int4 CUDA layer that reads silu(fc) * gate in its input load
+            if self.cuda_fused:
+                from llmc.engine.torch.int4_cuda import silu_mul  # optional dependency: Triton
+
+                return self.proj(silu_mul(both))
             if cpu_ext.fused_available(both):
                 return self.proj(cpu_ext.silu_mul(both))
             fc, gate = both.chunk(2, dim=-1)  # [T, I] each
@@ -235,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", torch.empty(config.head_size // 2, dtype=torch.float32), persistent=False)
         self.logits_tiles: torch.Tensor | None = None  # see use_16bit_logits
+        self.cuda_fused = False  # see use_cuda_fused
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -256,9 +276,36 @@ class LlamaForCausalLM(nn.Module):
         """
         h = self.transformer.vocab_embedding(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [T, 1, hd] each, shared by all layers
+        if self.cuda_fused:
+            return self._forward_fused(h, cos, sin, attn, kv_caches)
         for layer, kv_cache in zip(self.transformer.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, attn, kv_cache)
         return self.transformer.ln_f(h)
+
+    def use_cuda_fused(self, enabled: bool = True) -> None:
+        """CUDA with Triton: every residual add joins the next RMSNorm in one kernel, decode steps rotate q, k and
+        write the cache in one kernel, SiLU x gate is one kernel (:mod:`llmc.engine.torch.fused_triton`). Set by
+        the loader on CUDA (on CPU only under Triton's interpreter, by the tests)."""
+        self.cuda_fused = enabled
+        for layer in self.transformer.layers:
+            layer.mlp.cuda_fused = enabled
+
+    def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
+                       kv_caches: list[KVCache]) -> torch.Tensor:
+        """The decoder with the residual add of each sub-layer fused into the following norm (``h`` is this
+        step's own residual stream and is updated in place)."""
+        from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by use_cuda_fused's caller)
+
+        layers = self.transformer.layers
+        first = layers[0].input_layernorm
+        normed = fused_triton.rms_norm(h, first.weight, first.eps)  # [T, H]
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            a = layer.attention(normed, cos, sin, attn, kv_cache, fused=True)
+            post = layer.post_layernorm
+            normed = fused_triton.add_rms_norm_(h, a, post.weight, post.eps)
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.transformer.ln_f
+            normed = fused_triton.add_rms_norm_(h, layer.mlp(normed), after.weight, after.eps)
+        return normed
 
     def logits_weight(self) -> torch.Tensor:
         """``[V, H]``: the lm_head's weight, or the embedding's when they are tied."""

@@ -1,6 +1,6 @@
 """Paged decode attention as one Triton kernel (CUDA): reads K/V straight from the block-table cache.
 
-The reference decode path (:func:`llmc.engine.torch.attention._decode_attention`) copies every sequence's
+The reference decode path (:func:`llmc.engine.torch.attention.decode_attention`) copies every sequence's
 context out of the cache (padded to the longest one) before calling SDPA: a copy of the whole context per
 layer per step, and shapes that change every step. This kernel walks each sequence's block table instead, so
 a decode step reads each cached K/V row once and has fixed-shape inputs (``block_tables [D, max_blocks]``,
@@ -23,23 +23,15 @@ import functools
 
 import torch
 
+from llmc.engine.torch import triton_support
+
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a kv head's query heads are padded to this
 TARGET_PROGRAMS = 256  # splits are chosen so that a step launches about this many programs (H200: 132 SMs)
 
 
-@functools.cache
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-    return triton, tl
-
-
 def kernel_available(device: torch.device | str, block_size: int, head_size: int) -> bool:
     """True when the kernel can serve this cache: CUDA, Triton importable, power-of-two block and head sizes."""
-    if torch.device(device).type != "cuda" or _triton() is None:
+    if torch.device(device).type != "cuda" or triton_support.modules() is None:
         return False
     return _pow2(block_size) and _pow2(head_size) and head_size >= 16 and block_size >= 16
 
@@ -55,7 +47,7 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
 
 @functools.cache
 def _kernel():
-    triton, tl = _triton()
+    triton, tl = triton_support.modules()
 
     @triton.jit
     def paged_decode(

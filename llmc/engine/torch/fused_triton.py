@@ -1,0 +1,113 @@
+"""Fused elementwise ops of the CUDA decode step, as Triton kernels (one launch and one pass each).
+
+- :func:`add_rms_norm_`: ``h += a`` (the residual add, in place) then ``RMSNorm(h) * weight``;
+- :func:`rms_norm`: the same without the add (the first layer's input norm);
+- :func:`rope_write_kv`: RoPE on the q and k heads of a fused qkv output, k and v written to their paged-cache
+  slots, rotated q returned.
+
+Numerics follow the reference ops of :mod:`llmc.engine.torch.model` (transformers' order of roundings): the
+residual sum is rounded to the activations' dtype, the norm is computed in float32 from that rounded sum and
+rounded before the weight multiply. RoPE is computed in float32 from the 16-bit tables and rounded once (the
+reference rounds after each of its three ops), a difference within one rounding of the result.
+
+Imported only where Triton is installed (:mod:`llmc.engine.torch.model` asks :func:`available` first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmc.engine.torch.triton_support import pow2_at_least
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, stride_o, eps,
+                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """One row per program: (h += a); out = w * round(h * rsqrt(mean(h^2) + eps))."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0)
+    if HAS_ADD:
+        a = tl.load(a_ptr + row * stride_a + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the residual stream's rounding
+        tl.store(h_ptr + row * stride_h + cols, x, mask=ok)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / H + eps)
+    normed = (x32 * rstd).to(h_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    stride_qkv, stride_cs, stride_q, NH, NKV,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
+    """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot),
+    copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened blocks)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HD)
+    rot = (d + HD // 2) % HD  # NeoX halves: x_rot = cat(x2, x1); the table's sin has its first half negated
+    cos = tl.load(cos_ptr + t * stride_cs + d).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_cs + d).to(tl.float32)[None, :]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    row = qkv_ptr + t * stride_qkv
+
+    h = tl.arange(0, BLOCK_H)[:, None]  # q heads
+    ok = h < NH
+    x = tl.load(row + h * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xr = tl.load(row + h * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(q_ptr + t * stride_q + h * HD + d[None, :], (x * cos + xr * sin).to(q_ptr.dtype.element_ty), mask=ok)
+
+    g = tl.arange(0, BLOCK_KV)[:, None]  # kv heads
+    ok = g < NKV
+    k_row = row + NH * HD
+    x = tl.load(k_row + g * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xr = tl.load(k_row + g * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
+    # Round like the reference: k is rotated in the activations' dtype, then stored in the cache's dtype.
+    k = (x * cos + xr * sin).to(qkv_ptr.dtype.element_ty)
+    cache = slot * NKV * HD + g * HD + d[None, :]
+    tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    v = tl.load(k_row + NKV * HD + g * HD + d[None, :], mask=ok, other=0.0)
+    tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm_(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h += a`` in place, then the RMSNorm of ``h`` times ``weight``; ``h, a [T, H]`` -> normed ``[T, H]``."""
+    return _norm(h, a, weight, eps)
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``h [T, H]`` times ``weight`` (the reference :class:`RMSNorm`'s roundings)."""
+    return _norm(h, None, weight, eps)
+
+
+def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    assert h.dim() == 2 and h.stride(-1) == 1 and (a is None or (a.shape == h.shape and a.stride(-1) == 1))
+    out = torch.empty_like(h)
+    rows, width = h.shape
+    if rows:
+        _add_rms_norm_kernel[(rows,)](h, a if a is not None else h, weight, out, width, h.stride(0),
+                                     a.stride(0) if a is not None else 0, out.stride(0), eps,
+                                     HAS_ADD=a is not None, BLOCK=pow2_at_least(width), num_warps=4)
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_size: int) -> torch.Tensor:
+    """RoPE + KV-cache write of one step: ``qkv [T, (nh + 2 nkv) hd]``, tables ``cos, sin [T, 1, hd]`` (from
+    :func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``.
+    Returns the rotated queries ``[T, nh, hd]``."""
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+    if t:
+        assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+        cos2, sin2 = cos.reshape(t, head_size), sin.reshape(t, head_size)
+        _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos2.stride(0),
+                              q.stride(0), num_heads, num_kv_heads, HD=head_size,
+                              BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
+                              num_warps=4)
+    return q

@@ -1,0 +1,317 @@
+"""W4A16_AWQ linears that stay int4 on CUDA: packing at load, tuned kernel configs, the per-step kernel choice.
+
+A decode step multiplies few rows (M = the batch) by every weight: it is bound by reading the weights, so the
+int4 kernel (:mod:`llmc.engine.torch.int4_triton`) reads a quarter of the bf16 bytes. A prefill step multiplies
+thousands of rows: it is bound by tensor-core FLOPs, where cuBLAS is best; the layer's weight is then
+dequantized into a scratch buffer shared by all layers (one pass over the packed weight, ~0.1 ms for an 8B
+layer) and multiplied by cuBLAS. Which rows count as "few" is measured per shape (``int4_cuda_configs.json``).
+
+The kernel configs are tuned on the GPU (``scripts/tune_int4_cuda.py``) and shipped; a shape or GPU without a
+tuned entry gets :func:`heuristic_config`. Nothing is autotuned while serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llmc.checkpoint import names
+from llmc.checkpoint.int4 import unpack_int4
+from llmc.engine.torch import triton_support
+from llmc.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# The kernels' layout (see llmc/engine/torch/int4_triton.py): input features in tiles of 128 = 8 chunks of 16.
+TILE, CHUNK = 128, 16
+WORDS_PER_TILE = TILE // 8
+# (magic bits, offset) per activation dtype: ``u | magic`` read as that 16-bit float is ``q + offset`` exactly;
+# float32 activations convert the nibble directly (magic 0) and subtract 8.
+MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0), torch.float32: (0, 8.0)}
+
+CONFIG_FILE = Path(__file__).with_name("int4_cuda_configs.json")
+DENSE_FROM_M_DEFAULT = 512  # rows from which dequantize + cuBLAS is used when a shape has no tuned threshold
+GROUP_SIZES = (64, 128)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of :func:`int4_triton.kernels` ``w4a16_matmul`` for one (shape, rows) bucket."""
+
+    block_m: int
+    block_n: int
+    unroll: int
+    num_warps: int
+    num_stages: int
+
+    def to_list(self) -> list[int]:
+        return [self.block_m, self.block_n, self.unroll, self.num_warps, self.num_stages]
+
+
+def heuristic_config(m: int, n: int) -> KernelConfig:
+    """A reasonable config where nothing was tuned: rows padded to 16..64, narrow column blocks for few rows
+    (more programs to keep every multiprocessor reading)."""
+    block_m = min(64, triton_support.pow2_at_least(m, 16))
+    block_n = 32 if m <= 16 else 64
+    if n <= 2048:
+        block_n = min(block_n, 32)
+    return KernelConfig(block_m, block_n, 2 if m <= 16 else 1, 4, 3)
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    try:
+        return json.loads(CONFIG_FILE.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
+        return {}
+
+
+def shape_key(n: int, k: int, group_size: int) -> str:
+    """The tuned table's key of one linear shape: ``N x K g G``."""
+    return f"{n}x{k}g{group_size}"
+
+
+def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | None:
+    """The tuned entry ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` of a shape on a GPU, or None."""
+    return _tuned_table().get("devices", {}).get(device_name, {}).get(shape_key(n, k, group_size))
+
+
+def available(device: torch.device | str) -> bool:
+    """True when W4A16 linears can run as int4 on ``device``: CUDA with Triton (or the Triton interpreter)."""
+    if triton_support.modules() is None:
+        return False
+    return torch.device(device).type == "cuda" or triton_support.interpreting()
+
+
+def pack_for_cuda(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """IR tensors of one linear -> the kernels' ``(words int32 [Kp/8, N], scales [K/g, N])`` on packed's device.
+
+    ``packed`` int8 [N/2, K] (two's-complement nibble pairs along the output dim), ``scales`` [N, K/g]. See
+    :mod:`llmc.engine.torch.int4_triton` for the layout.
+    """
+    q = unpack_int4(packed)  # [N, K] int8 in [-8, 7]
+    n, k = q.shape
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise CheckpointError(f"W4A16 group size {group_size} with {k} input features is not supported on CUDA. "
+                              f"Fix: use group size 64 or 128 dividing the input features")
+    if tuple(scales.shape) != (n, k // group_size):
+        raise CheckpointError(f"weights_scaling_factor has shape {tuple(scales.shape)}, expected "
+                              f"{(n, k // group_size)}. Fix: re-run the quantization with `llmc build --force`")
+    tiles = -(-k // TILE)
+    u = torch.full((tiles * TILE, n), 8, dtype=torch.int64, device=q.device)  # pad inputs: q = 0
+    u[:k] = q.t().to(torch.int64) + 8  # [Kp, N] offset binary
+    chunks = u.view(tiles, 8, CHUNK, n)  # input 128 t + 16 j + i -> [t, j, i, N]
+    shifts = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 8, 1, 1)
+    words = (chunks << shifts).sum(dim=1)  # [t, i, N], nibble j of word (t, i); < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits, as int32
+    return words.reshape(tiles * WORDS_PER_TILE, n).contiguous(), scales.t().contiguous()
+
+
+class DenseScratch:
+    """One buffer shared by every int4 linear of a model for its dequantized weight in prefill steps.
+
+    Layers run one after another on one stream, so one buffer of the largest layer's size serves all of them.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+
+    def view(self, k: int, n: int) -> torch.Tensor:
+        return self.buffer[: k * n].view(k, n)
+
+
+class Int4CudaLinear(nn.Module):
+    """``y = x @ W^T`` of a W4A16_AWQ linear, its weight kept packed (see :func:`pack_for_cuda`).
+
+    ``prequant`` [K] (AWQ's input scale) is applied in the kernel's input load, None where the loader folded it
+    into the preceding norm's weight. ``silu_gate_input``: the input is the MLP's fused ``[fc | gate]`` output
+    ``[T, 2K]`` and the layer multiplies ``silu(fc) * gate`` (the down projection). Rows below the shape's
+    ``dense_from_m`` run the int4 kernel; larger steps dequantize into ``scratch`` and use cuBLAS.
+    """
+
+    def __init__(self, words: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None, in_features: int,
+                 group_size: int, scratch: DenseScratch, silu_gate_input: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, words.shape[1]
+        self.group_size, self.silu_gate_input, self.scratch = group_size, silu_gate_input, scratch
+        self.register_buffer("words", words, persistent=False)  # [Kp/8, N] int32
+        self.register_buffer("scales", scales, persistent=False)  # [K/g, N]
+        self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
+        name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
+        entry = tuned_entry(name, self.out_features, in_features, group_size) or {}
+        self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
+        self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"prequant={self.prequant is not None}, silu_gate_input={self.silu_gate_input}")
+
+    def config_for(self, m: int) -> KernelConfig:
+        """The tuned config of the smallest bucket holding ``m`` rows, else :func:`heuristic_config`."""
+        return next((c for m_max, c in self._buckets if m >= 1 and m <= m_max), None) or heuristic_config(
+            m, self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of this layer's packed weight, scales and input scale on the device."""
+        return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.prequant) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        if m >= self.dense_from_m:
+            return self._dense(x)
+        return self.matmul(x, self.config_for(m))
+
+    def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:
+        """The int4 kernel with an explicit config (the tuning script calls this)."""
+        assert x.stride(-1) == 1 and x.shape[-1] == self.in_features * (2 if self.silu_gate_input else 1)
+        m, n = x.shape[0], self.out_features
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0:
+            return y
+        magic, offset = MAGIC[x.dtype]
+        grid = (-(-n // config.block_n), -(-m // config.block_m))
+        num_tiles = -(-self.in_features // TILE)
+        _kernels().w4a16_matmul[grid](
+            x, self.words, self.scales, self.prequant if self.prequant is not None else self.scales, y,
+            m, n, self.in_features, num_tiles, x.stride(0), y.stride(0), self.in_features,
+            GROUP=self.group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNROLL=config.unroll,
+            CDTYPE=_TL_DTYPES()[x.dtype], MAGIC_BITS=magic, OFFSET=offset, HAS_PREQUANT=self.prequant is not None,
+            SILU_GATE=self.silu_gate_input, DOT_F32=triton_support.interpreting(),
+            EVEN_K=self.in_features % TILE == 0 and num_tiles % config.unroll == 0, EVEN_N=n % config.block_n == 0,
+            EVEN_TILES=num_tiles % config.unroll == 0,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        return y
+
+    def dequantize(self, out: torch.Tensor) -> torch.Tensor:
+        """The effective weight ``[K, N]`` (q * scale * prequant) written into ``out`` (dtype of ``out``)."""
+        k, n = self.in_features, self.out_features
+        block_n = 128
+        _kernels().w4a16_dequant[(-(-n // block_n), -(-k // TILE))](
+            self.words, self.scales, self.prequant if self.prequant is not None else self.scales, out, n, k,
+            GROUP=self.group_size, BLOCK_N=block_n, HAS_PREQUANT=self.prequant is not None, num_warps=4,
+        )
+        return out
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_gate_input:
+            x = silu_mul(x)
+        weight = self.dequantize(self.scratch.view(self.in_features, self.out_features))  # [K, N]
+        return torch.mm(x, weight)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :W]) * x[:, W:]`` for ``x [T, 2W]`` in one pass (Triton)."""
+    rows, width = x.shape[0], x.shape[1] // 2
+    y = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    if rows:
+        block = 1024
+        _kernels().silu_mul[(rows, -(-width // block))](x, y, width, x.stride(0), y.stride(0), BLOCK=block)
+    return y
+
+
+def _kernels():
+    """The Triton kernel module, imported on first use (Triton is optional)."""
+    from llmc.engine.torch import int4_triton  # optional dependency: Triton
+
+    return int4_triton
+
+
+@functools.cache
+def _TL_DTYPES() -> dict[torch.dtype, object]:  # noqa: N802 - a constant built on first use (Triton is lazy)
+    _, tl = triton_support.modules()
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+QuantizedLinear = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # packed [N/2, K], scales [N, K/g], prequant
+
+
+def split_quantized(weights: dict[str, torch.Tensor]) -> tuple[dict[str, QuantizedLinear], dict[str, torch.Tensor]]:
+    """Separate the W4A16 linears of merged IR tensors: ``({module prefix: (packed, scales, prequant)}, rest)``;
+    the prefix is the model's module name (``transformer.layers.3.mlp.fc``)."""
+    quantized: dict[str, QuantizedLinear] = {}
+    for name, tensor in weights.items():
+        parsed = names.parse_trt_layer_name(name)
+        if parsed and parsed[2] == names.WEIGHT and tensor.dtype == torch.int8:
+            prefix = name[: -len(names.WEIGHT) - 1]
+            scales = weights.get(f"{prefix}.{names.WEIGHTS_SCALING_FACTOR}")
+            if scales is None:
+                raise CheckpointError(f"W4A16_AWQ checkpoint lacks {prefix}.{names.WEIGHTS_SCALING_FACTOR} for the "
+                                      f"packed weight {name!r}. Fix: re-run the quantization step of "
+                                      f"`llmc build --force`")
+            quantized[prefix] = (tensor, scales, weights.get(f"{prefix}.{names.PREQUANT_SCALING_FACTOR}"))
+    consumed = {f"{p}.{s}" for p in quantized for s in
+                (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR)}
+    return quantized, {k: v for k, v in weights.items() if k not in consumed}
+
+
+def remove_linears(model: nn.Module, prefixes: set[str]) -> None:
+    """Drop the (meta) float Linear modules that int4 layers will replace, so the model never allocates them."""
+    for prefix in prefixes:
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent), child, None)
+
+
+def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size: int, fold_prequant: bool = True
+            ) -> dict[str, int]:
+    """Put :class:`Int4CudaLinear` layers into a loaded ``LlamaForCausalLM`` (its float weights on the device)
+    for every quantized linear; returns counts (``layers``, ``folded`` prequant vectors, ``fused_fc_gate``).
+
+    Per decoder layer: qkv's prequant is folded into ``input_layernorm`` (its only reader); fc and gate become one
+    layer over their stacked columns when their prequant vectors are equal (AWQ smooths them together), folded
+    into ``post_layernorm``; the down projection reads ``silu(fc) * gate`` from that fused output in its input
+    load. ``fold_prequant=False`` applies every prequant in the kernels instead (for tests: the two must agree).
+    """
+    device = next(p.device for p in model.parameters())
+    dtype = model.transformer.ln_f.weight.dtype
+    biggest = max(t[0].shape[0] * 2 * t[0].shape[1] for t in quantized.values())
+    scratch = DenseScratch(2 * biggest, dtype, device)  # fc + gate stacked is the largest layer
+    counts = {"layers": 0, "folded": 0, "fused_fc_gate": 0}
+
+    def build(prefix: str, norm: nn.Module | None = None, silu_gate: bool = False,
+              parts: tuple[str, ...] | None = None) -> Int4CudaLinear:
+        tensors = [quantized[p] for p in (parts or (prefix,))]
+        packed_scales = [pack_for_cuda(t[0].to(device), t[1].to(device, dtype), group_size) for t in tensors]
+        words = torch.cat([w for w, _ in packed_scales], dim=1)  # stacked output columns
+        scales = torch.cat([s for _, s in packed_scales], dim=1)
+        prequant = tensors[0][2]
+        in_features = tensors[0][0].shape[1]
+        if prequant is not None and norm is not None:
+            with torch.no_grad():
+                norm.weight.copy_((norm.weight.float() * prequant.to(device).float()).to(norm.weight.dtype))
+            counts["folded"] += 1
+            prequant = None
+        counts["layers"] += 1
+        return Int4CudaLinear(words, scales, None if prequant is None else prequant.to(device, dtype), in_features,
+                              group_size, scratch, silu_gate_input=silu_gate)
+
+    for i, layer in enumerate(model.transformer.layers):
+        base = f"transformer.layers.{i}"
+        fold_in, fold_post = (layer.input_layernorm, layer.post_layernorm) if fold_prequant else (None, None)
+        att, mlp = layer.attention, layer.mlp
+        if f"{base}.attention.qkv" in quantized:
+            att.qkv = build(f"{base}.attention.qkv", fold_in)
+        if f"{base}.attention.dense" in quantized:
+            att.dense = build(f"{base}.attention.dense")
+        fc, gate = quantized.get(f"{base}.mlp.fc"), quantized.get(f"{base}.mlp.gate")
+        same_prequant = fc is not None and gate is not None and (
+            (fc[2] is None and gate[2] is None)
+            or (fc[2] is not None and gate[2] is not None and torch.equal(fc[2], gate[2])))
+        fused = same_prequant and f"{base}.mlp.proj" in quantized
+        if fused:
+            mlp.use_fc_gate_kernel(build(f"{base}.mlp.fc", fold_post, parts=(f"{base}.mlp.fc", f"{base}.mlp.gate")))
+            counts["fused_fc_gate"] += 1
+        else:
+            for name in ("fc", "gate"):
+                if f"{base}.mlp.{name}" in quantized:
+                    setattr(mlp, name, build(f"{base}.mlp.{name}"))
+        if f"{base}.mlp.proj" in quantized:
+            mlp.proj = build(f"{base}.mlp.proj", silu_gate=fused)
+    return counts

@@ -1,0 +1,45 @@
+"""Where the torch engine's Triton kernels come from: the lazy import, and the interpreter switch of the tests.
+
+Triton is optional (CPU builds of PyTorch ship without it). Every kernel module asks :func:`modules` for
+``(triton, tl)`` and builds its kernels on first use, so importing llmc never imports Triton.
+
+``TRITON_INTERPRET=1`` makes ``triton.jit`` return interpreted kernels that run on CPU tensors with NumPy: the
+CPU tests use it to check the kernels' indexing, packing and masking in CI. The interpreter's ``tl.dot`` gives
+wrong results for bfloat16 operands (measured: Triton 3.6), so kernels widen their dot operands to float32 when
+:func:`interpreting` is true (``DOT_F32``); the arithmetic on the GPU is then checked by the ``gpu`` tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+@functools.cache
+def modules():
+    """``(triton, triton.language)``, or None when Triton is not installed."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+    return triton, tl
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
+    return os.environ.get(INTERPRET_ENV, "0") == "1"
+
+
+def version() -> str | None:
+    """The installed Triton version, or None."""
+    found = modules()
+    return None if found is None else found[0].__version__
+
+
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= max(n, floor)."""
+    n = max(n, floor)
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,204 @@
+"""The CUDA int4 path's Triton kernels, run on CPU by Triton's interpreter: packing, masking, group scales, input
+transforms, the dense (prefill) path, the fused norm/RoPE kernels and a whole W4A16 model against the dequantized
+reference. The same kernels on a GPU, at real shapes and speeds: tests/engine/torch/test_int4_cuda_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
+from llmc.engine.torch import triton_support
+from llmc.engine.torch.int4_cuda import (CHUNK, TILE, DenseScratch, Int4CudaLinear, KernelConfig, heuristic_config,
+                                         pack_for_cuda, silu_mul)
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Triton's CPU interpreter for every test here: kernels are (re)defined with TRITON_INTERPRET=1."""
+    monkeypatch.setenv(triton_support.INTERPRET_ENV, "1")
+    for name in ("llmc.engine.torch.int4_triton", "llmc.engine.torch.fused_triton"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+    yield
+    monkeypatch.delenv(triton_support.INTERPRET_ENV)
+    for name in ("llmc.engine.torch.int4_triton", "llmc.engine.torch.fused_triton"):
+        sys.modules.pop(name, None)  # the next user re-imports them with its own setting
+
+
+def random_linear(n: int, k: int, group: int, dtype: torch.dtype, prequant: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+    pq = (torch.rand(k, generator=gen) + 0.5).to(dtype) if prequant else None
+    return pack_int4(q), scales, pq
+
+
+def layer_of(packed, scales, pq, group, silu_gate=False):
+    words, scales_t = pack_for_cuda(packed, scales, group)
+    k = packed.shape[1]
+    scratch = DenseScratch(2 * packed.shape[0] * k, scales.dtype, torch.device("cpu"))
+    return Int4CudaLinear(words, scales_t, pq, k, group, scratch, silu_gate_input=silu_gate)
+
+
+def reference(x, packed, scales, pq, group, silu_gate):
+    """float64 product over the dequantized weight (q * scale * prequant)."""
+    k = packed.shape[1]
+    x = x.double()
+    if silu_gate:
+        x = F.silu(x[:, :k]) * x[:, k:]
+    weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k), group).double()
+    return x @ weight.T
+
+
+def test_pack_for_cuda_puts_input_128t_16j_i_in_nibble_j_of_word_16t_i():
+    packed, scales, _ = random_linear(40, 576, 64, torch.float16, False)
+    words, scales_t = pack_for_cuda(packed, scales, 64)
+    q = unpack_int4(packed)  # [N, K]
+    assert words.shape == (5 * TILE // 8, 40) and words.dtype == torch.int32  # K = 576 -> 5 tiles of 128
+    assert torch.equal(scales_t, scales.t())
+    for k in (0, 15, 16, 127, 128, 300, 575):
+        t, j, i = k // TILE, (k % TILE) // CHUNK, k % CHUNK
+        nibble = (words[16 * t + i] >> (4 * j)) & 0xF
+        assert torch.equal(nibble - 8, q[:, k].to(torch.int32)), k
+    pad = (words[16 * 4 + 3] >> (4 * 7)) & 0xF  # input 4*128 + 7*16 + 3 = 627 > K: q = 0
+    assert torch.equal(pad, torch.full_like(pad, 8))
+
+
+CASES = [  # n, k, group, rows, dtype, prequant, silu_gate, config
+    (96, 256, 128, 1, torch.bfloat16, False, False, KernelConfig(16, 32, 1, 4, 2)),
+    (80, 576, 64, 3, torch.float16, True, False, KernelConfig(16, 32, 2, 4, 3)),  # K and N not tile multiples
+    (64, 384, 64, 17, torch.bfloat16, False, True, KernelConfig(32, 16, 2, 4, 2)),
+    (48, 256, 128, 20, torch.float32, True, False, KernelConfig(16, 16, 1, 4, 2)),
+    (128, 256, 64, 64, torch.float16, False, False, KernelConfig(64, 64, 2, 4, 3)),
+    (128, 64, 64, 3, torch.float16, False, False, KernelConfig(16, 32, 1, 4, 3)),  # K < 128: half a tile is pad
+]
+
+
+@pytest.mark.parametrize("n,k,group,rows,dtype,prequant,silu_gate,config", CASES)
+def test_kernel_matches_the_dequantized_product(n, k, group, rows, dtype, prequant, silu_gate, config):
+    packed, scales, pq = random_linear(n, k, group, dtype, prequant)
+    layer = layer_of(packed, scales, pq, group, silu_gate)
+    x = torch.randn(rows, 2 * k if silu_gate else k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = reference(x, packed, scales, pq, group, silu_gate)
+    got = layer.matmul(x, config)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    rel = ((got.double() - expected).norm() / expected.norm()).item()
+    # The kernel's arithmetic is exact up to the input transform's rounding to the activations' dtype and the
+    # output rounding: a bf16 result's relative error is ~2^-9.
+    bound = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
+    assert rel < bound, rel
+
+
+def test_every_output_element_is_written():
+    packed, scales, _ = random_linear(80, 576, 64, torch.float16, False)
+    layer = layer_of(packed, scales, None, 64)
+    x = torch.randn(5, 576).half()
+    got = layer.matmul(x, KernelConfig(16, 32, 2, 4, 2))  # 80 = 2.5 blocks of 32: the last one is masked
+    assert torch.isfinite(got).all() and (got != 0).float().mean() > 0.99
+
+
+def test_dense_path_and_layer_dispatch():
+    packed, scales, pq = random_linear(96, 256, 64, torch.float16, True)
+    layer = layer_of(packed, scales, pq, 64)
+    weight = layer.dequantize(torch.empty(256, 96, dtype=torch.float16))
+    assert torch.allclose(weight.float(), dequantize_w4a16(packed, scales, pq, 64).T.float(), rtol=1e-3, atol=1e-6)
+    layer.dense_from_m = 4
+    x = torch.randn(6, 256).half()
+    expected = reference(x, packed, scales, pq, 64, False)
+    for rows in (3, 6):  # below: the int4 kernel; at or above: dequantize + matmul
+        got = layer(x[:rows])
+        assert ((got.double() - expected[:rows]).norm() / expected[:rows].norm()) < 2e-3
+
+
+def test_silu_mul_kernel():
+    x = torch.randn(5, 2 * 300)
+    assert torch.allclose(silu_mul(x), F.silu(x[:, :300]) * x[:, 300:], atol=1e-6)
+
+
+def test_heuristic_config_pads_rows_to_the_tensor_core_minimum():
+    assert heuristic_config(1, 4096).block_m == 16 and heuristic_config(40, 4096).block_m == 64
+    assert heuristic_config(200, 4096).block_m == 64 and heuristic_config(1, 576).block_n <= 32
+
+
+def test_fused_norm_and_rope_kernels_match_the_reference_ops():
+    from llmc.engine.torch import fused_triton
+    from llmc.engine.torch.model import RMSNorm
+    from llmc.engine.torch.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 64, generator=gen).bfloat16()
+    a = torch.randn(3, 64, generator=gen).bfloat16()
+    norm = RMSNorm(64, 1e-5, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    expected_h = h + a
+    expected = norm(expected_h)
+    h_fused = h.clone()
+    got = fused_triton.add_rms_norm_(h_fused, a, norm.weight, 1e-5)
+    # The residual stream is updated in place, rounded like h + a (within one bf16 step: the interpreter's
+    # float32 -> bfloat16 cast truncates, the GPU's rounds to nearest; the gpu test checks equality).
+    one_step = 2 ** -7 * expected_h.float().abs()
+    assert ((h_fused.float() - expected_h.float()).abs() <= one_step).all() and not torch.equal(h_fused, h)
+    assert (got.float() - expected.float()).abs().max() <= 2 ** -6 * expected.float().abs().max()
+    plain = fused_triton.rms_norm(h, norm.weight, 1e-5)
+    assert (plain.float() - norm(h).float()).abs().max() <= 2 ** -6 * norm(h).float().abs().max()
+
+    nh, nkv, hd, t = 4, 2, 16, 5
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen).bfloat16()
+    cos, sin = rope_cos_sin(rope_inv_freq(hd, 10000.0, None), torch.tensor([0, 3, 9, 10, 40]), torch.bfloat16)
+    k_cache = torch.zeros(4, 8, nkv, hd, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([0, 9, 17, 18, 31])
+    q = fused_triton.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv, hd)
+    qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
+    close = dict(atol=2e-2, rtol=1e-2)  # one rounding of bf16 results vs the reference's three
+    assert torch.allclose(q.float(), qk[:, :nh].float(), **close)
+    flat_k, flat_v = k_cache.view(-1, nkv, hd), v_cache.view(-1, nkv, hd)
+    assert torch.allclose(flat_k[slots].float(), qk[:, nh:].float(), **close)
+    assert torch.equal(flat_v[slots], qkv[:, (nh + nkv) * hd:].view(t, nkv, hd))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a16_ir(tiny_hf_dir, tmp_path_factory):
+    from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
+
+    quantized, _ = rtn_quantize_hf(tiny_hf_dir, group_size=64)
+    return write_ir(tiny_hf_dir, tmp_path_factory.mktemp("w4a16") / "ir", dtype="bfloat16", quantized=quantized,
+                    group_size=64)
+
+
+def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
+    """The Triton path (packed layers, folded prequant, fused kernels) vs the dequantized bf16 model on the same IR,
+    through prefill chunks and decode steps of the paged cache."""
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear as Layer
+    from llmc.engine.torch.loader import load_model
+    from tests.engine.torch.helpers import PagedSession
+
+    fast = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16)  # TRITON_INTERPRET=1: the Triton path on CPU
+    layers = [m for m in fast.modules() if isinstance(m, Layer)]
+    assert len(layers) == 2 * 4 and fast.cuda_fused  # qkv, dense, fc + gate stacked, proj with silu input
+    assert all(m.silu_gate_input for m in layers if m.out_features == 64 and m.in_features == 128)
+    assert not any(isinstance(m, torch.nn.Linear) for m in fast.transformer.layers.modules())
+    unfolded = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, fold_prequant=False)
+    reference_model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, cuda_kernels=False)
+    ids = list(range(300, 321))
+
+    def run(model):
+        session = PagedSession(model, block_size=16, num_blocks=16)
+        out = [session.step({"a": ids[:12]})["a"], session.step({"a": ids[12:18]})["a"]]
+        out += [session.step({"a": [t]})["a"] for t in ids[18:]]  # decode steps: fused RoPE + KV write
+        return torch.cat(out).float()
+
+    ref, got, got_unfolded = run(reference_model), run(fast), run(unfolded)
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() < 0.05 * scale
+    assert (got_unfolded - ref).abs().max() < 0.05 * scale
+    assert (got - got_unfolded).abs().max() < 0.05 * scale  # folding the prequant into the norms changes rounding only
