@@ -1,9 +1,11 @@
 """Time the torch engine's decode steps, CUDA graphs on vs off, at several batch sizes (one process, same build).
 
-    python scripts/decode_steps.py BUILD_DIR --batch 1,8,64 --context 2048 [--device cuda] [--steps 30]
+    python scripts/decode_steps.py BUILD_DIR --batch 1,8,64 --context 2048 [--device cuda] [--steps 30] [--profile]
 
 Each step decodes one token for every sequence of the batch at ``--context`` cached tokens (cache contents do
-not change the speed). Reports the median step time of each mode and their ratio; JSON on stdout.
+not change the speed). Reports the median step time of each mode and their ratio; JSON on stdout. ``--profile``
+adds where a graph-replayed step's GPU time goes: kernel time per kind (torch.profiler, CUDA activity), and the
+step's wall time not covered by kernels (host work, launch gaps, the sync that brings the tokens back).
 """
 
 from __future__ import annotations
@@ -45,6 +47,46 @@ def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> f
     return statistics.median(times)
 
 
+KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("int4 matmul (llmc)", ("w4a16_matmul",)),
+    ("int4 dequantize (llmc)", ("w4a16_dequant",)),
+    ("attention (llmc paged decode)", ("paged_decode",)),
+    ("add + RMSNorm (llmc)", ("add_rms_norm",)),
+    ("RoPE + KV write (llmc)", ("rope_kv",)),
+    ("SiLU x gate (llmc)", ("silu_mul",)),
+    ("cuBLAS GEMM (16-bit linears, lm_head)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")),
+    ("argmax / sampler", ("argmax", "reduce", "nan_to_num")),
+)
+
+
+def kind_of(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in lower for k in keys)), "other")
+
+
+def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 10) -> dict:
+    """GPU kernel time per kind per step (ms), from torch.profiler over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.execute(step)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(step)
+    per_kind: dict[str, float] = {}
+    top: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
+        if us <= 0 or evt.key.startswith("ProfilerStep"):
+            continue
+        per_kind[kind_of(evt.key)] = per_kind.get(kind_of(evt.key), 0.0) + us / steps / 1e3
+        top[evt.key[:90]] = us / steps / 1e3
+    kernels_ms = sum(per_kind.values())
+    return {"kernel_ms_by_kind": {k: round(v, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+            "kernel_ms_total": round(kernels_ms, 4),
+            "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("build")
@@ -52,6 +94,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="kernel time by kind for the graph-replayed steps")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     from llmc.builder.manifest import read_manifest
@@ -70,9 +113,15 @@ def main() -> None:
             row[f"{mode}_ms"] = round(time_steps(runner, decode_step(batch, args.context, runner.block_size),
                                                  args.steps) * 1e3, 3)
         row["eager_over_graphs"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+        if args.profile:
+            row["graphs_profile"] = profile_steps(runners["graphs"], decode_step(batch, args.context,
+                                                                                 runners["graphs"].block_size))
+            row["graphs_profile"]["not_kernels_ms"] = round(row["graphs_ms"] - row["graphs_profile"]["kernel_ms_total"],
+                                                            4)
         result["batches"][batch] = row
         print(json.dumps({batch: row}), file=sys.stderr, flush=True)
     result["graphs_used"] = runners["graphs"].graphs is not None
+    result["weight_bytes_on_device"] = runners["graphs"].weight_bytes
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(result, indent=2))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_SCRIPTS = sorted(ROOT.glob("scripts/*.sh")) + [ROOT / ".ci" / "run"]
@@ -30,3 +31,28 @@ def test_python_scripts_have_help(script):
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower()
+
+
+def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tmp_path):
+    from llmc.builder.manifest import read_manifest
+    from llmc.checkpoint.io import read_checkpoint
+    from llmc.engine.torch.loader import load_model
+
+    out = tmp_path / "twin"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_w4a16_twin.py"), str(tiny_build_dir),
+                             str(out), "--group-size", "64", "--device", "cpu"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    manifest = read_manifest(out)
+    assert manifest.quantization["method"] == "rtn" and manifest.quantization["group_size"] == 64
+    config, (weights,) = read_checkpoint(out / "checkpoint")
+    assert config["quantization"]["quant_algo"] == "W4A16_AWQ"
+    qkv = "transformer.layers.0.attention.qkv"
+    assert weights[f"{qkv}.weight"].dtype == torch.int8 and f"{qkv}.prequant_scaling_factor" in weights
+    _, (original,) = read_checkpoint(tiny_build_dir / "checkpoint")
+    twin = load_model(out / "checkpoint", "cpu", cuda_kernels=False)  # dequantized
+    w = twin.transformer.layers[0].attention.qkv.weight
+    ref = original[f"{qkv}.weight"]
+    assert 0 < (w - ref).norm() / ref.norm() < 0.3  # int4 rounding of the same weights (other weights: ~1.4)
+    rerun = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_w4a16_twin.py"), str(tiny_build_dir),
+                            str(out)], capture_output=True, text=True)
+    assert rerun.returncode != 0 and "exists" in rerun.stderr  # never overwrites

@@ -65,7 +65,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks or runner.num_blocks, runner.block_size,
                                           enable_prefix_caching=recipe.serving.enable_kv_cache_reuse)
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
-                                   limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock)
+                                   limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock,
+                                   max_mixed_tokens=recipe.serving.mixed_step_tokens)
         self._outputs: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
         self._step_lock = threading.Lock()  # one step at a time

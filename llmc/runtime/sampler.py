@@ -131,6 +131,12 @@ class Sampler:
         alive = torch.isfinite(logits).any(dim=-1)  # [S] False: the distribution collapsed
         return torch.where(alive, chosen, fallback)
 
+    def plain_greedy(self, seqs: Sequence[ScheduledSequence]) -> bool:
+        """True when every row's token is the argmax of its raw logits: greedy, no penalties, and no stop id
+        masked by ``min_tokens`` at this step (what :meth:`__call__` would return without computing anything else)."""
+        return all(s.params.greedy and not s.params.uses_penalties and len(s.output_token_ids) >= s.params.min_tokens
+                   for s in seqs)
+
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
         """-inf on the stop ids of rows that have not generated ``min_tokens`` tokens yet."""
         vocab = logits.shape[1]

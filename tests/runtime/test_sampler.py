@@ -230,3 +230,19 @@ def test_work_no_row_needs_is_skipped(monkeypatch, params, sorts, topks):
 def test_empty_batch():
     out = Sampler("cpu")(torch.empty(0, 10), [])
     assert out.shape == (0,) and out.dtype == torch.long
+
+
+def test_plain_greedy_steps_are_the_argmax_of_the_raw_logits():
+    """Where plain_greedy says so, the runner uses the argmax its CUDA graph computed instead of calling the sampler:
+    that must be exactly the sampler's answer, and it must refuse rows where the sampler does more."""
+    sampler = Sampler("cpu", eos_token_ids=(2,), seed=0)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = float("nan")
+    greedy = SamplingParams(temperature=0.0)
+    plain = [seq(greedy, output=(5,), rid=f"r{i}") for i in range(3)]
+    assert sampler.plain_greedy(plain)
+    assert torch.equal(sampler(logits, plain), torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1))
+    assert not sampler.plain_greedy([seq(SamplingParams(temperature=0.7))])
+    assert not sampler.plain_greedy([seq(SamplingParams(temperature=0.0, repetition_penalty=1.3), prompt=(1,))])
+    assert not sampler.plain_greedy([seq(SamplingParams(temperature=0.0, min_tokens=2), output=(5,))])
+    assert sampler.plain_greedy([seq(SamplingParams(temperature=0.0, min_tokens=2), output=(5, 6))])

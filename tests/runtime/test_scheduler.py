@@ -64,10 +64,10 @@ def make_request(rid: str, prompt, max_new: int = 4, priority: int = 0) -> Reque
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_tokens=32, max_model_len=256,
-                   max_queue_size=16, max_wait_s=None, clock=None, prefix=True) -> Scheduler:
+                   max_queue_size=16, max_wait_s=None, clock=None, prefix=True, max_mixed_tokens=None) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
     return Scheduler(bm, max_num_seqs, max_num_tokens, max_model_len, max_queue_size, max_wait_s,
-                     clock or FakeClock())
+                     clock or FakeClock(), max_mixed_tokens=max_mixed_tokens)
 
 
 def reference(prompt: tuple[int, ...], max_new: int) -> list[int]:
@@ -163,6 +163,21 @@ def test_token_budget_and_chunked_prefill_keeps_decodes_running():
             chunks.append((by_id["long"].num_computed, len(by_id["long"].token_ids), by_id["long"].sample))
         sched.update(runner.execute(out))
     assert chunks == [(0, 7, False), (7, 7, False), (14, 7, False), (21, 7, False), (28, 2, True)]
+
+
+def test_steps_with_decodes_take_the_mixed_budget_and_prefill_alone_the_full_one():
+    sched = make_scheduler(max_num_tokens=32, max_mixed_tokens=8)
+    runner = SlotRunner(4)
+    sched.add(make_request("long", 40, max_new=2))
+    out = sched.schedule()  # nothing decodes yet: the whole budget goes to the prompt
+    assert [(s.request_id, len(s.token_ids)) for s in out.sequences] == [("long", 32)]
+    sched.update(runner.execute(out))
+    out = sched.schedule()
+    sched.update(runner.execute(out))  # "long" finishes its prompt and samples
+    sched.add(make_request("next", range(100, 140), max_new=2))  # no prefix shared with "long"
+    out = sched.schedule()  # "long" decodes: the step holds 8 tokens in all, "next" prefills 7 of them
+    by_id = {s.request_id: len(s.token_ids) for s in out.sequences}
+    assert by_id == {"long": 1, "next": 7} and out.num_tokens == 8
 
 
 def test_requests_join_and_leave_every_step():

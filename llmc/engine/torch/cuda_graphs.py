@@ -64,6 +64,7 @@ class DecodeGraphs:
         self._lens = torch.ones(n, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._argmax: dict[int, torch.Tensor] = {}  # greedy token of each row, computed inside the graph
         self._pad_all()
 
     @property
@@ -95,9 +96,12 @@ class DecodeGraphs:
             max_decode_context_len=self.max_blocks * self.block_size, block_size=self.block_size,
         )
 
-    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, b: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self._dev[:b, 0], meta.positions, meta, self.kv_caches)  # [b, H]
-        return self.model.compute_logits(hidden)  # [b, V] float32
+        logits = self.model.compute_logits(hidden)  # [b, V] float32
+        # The sampler's greedy answer (NaN -> -inf first, as Sampler sanitizes), so an all-greedy step needs no
+        # sampler kernels after the replay.
+        return logits, torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)  # [b] int64
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -112,7 +116,7 @@ class DecodeGraphs:
                     self._forward(b, meta)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[b] = self._forward(b, meta)
+                    self._logits[b], self._argmax[b] = self._forward(b, meta)
                 self._graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -123,14 +127,14 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.sample for s in seqs)
                 and all(-(-(s.num_computed + 1) // self.block_size) <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: tuple[ScheduledSequence, ...]) -> torch.Tensor:
-        """Replay the smallest graph that fits; returns the logits ``[len(seqs), V]`` (a view, valid until the
-        next replay)."""
+    def run(self, seqs: tuple[ScheduledSequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest graph that fits; returns the logits ``[len(seqs), V]`` and each row's argmax
+        ``[len(seqs)]`` (views, valid until the next replay)."""
         d = len(seqs)
         b = next(size for size in self.sizes if size >= d)
         rows = decode_rows(seqs, b, self.block_size, self.max_blocks, self.scratch_block)
         self._host[:b] = torch.tensor(rows, dtype=torch.int64)
         self._upload(b)
         self._graphs[b].replay()
-        return self._logits[b][:d]
+        return self._logits[b][:d], self._argmax[b][:d]
 

@@ -53,7 +53,7 @@ def _input_chunk(x_rows, pq_ptr, k, K, gate_off,
     return x.to(CDTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a bucket
 def w4a16_matmul(
     x_ptr, w_ptr, s_ptr, pq_ptr, y_ptr, M, N, K, num_tiles, stride_xm, stride_ym, gate_off,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,

@@ -17,7 +17,7 @@ from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
-from llmc.engine.torch.loader import DTYPES, load_model
+from llmc.engine.torch.loader import DTYPES, load_model, weight_bytes
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.errors import EngineError
 from llmc.runtime.params import SamplingParams
@@ -37,7 +37,8 @@ def resolve_device(device: torch.device | str) -> torch.device:
 class TorchModelRunner:
     """Loads a build folder's torch engine and executes scheduler steps over a paged KV cache.
 
-    Attributes: ``device``, ``block_size`` (recipe ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
+    Attributes: ``device``, ``weight_bytes`` (by dtype, as held on the device), ``block_size`` (recipe
+    ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
     decode steps on CUDA, else None).
@@ -61,6 +62,7 @@ class TorchModelRunner:
         # On CPU: W4A16 layers stay packed int4 (8x fewer weight bytes per token) and llmc's CPU kernels run.
         self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device, cpu_kernels=True)
         config = self.model.config
+        self.weight_bytes = weight_bytes(self.model)  # {dtype: bytes} of the weights as held on the device
         # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
         # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, DTYPES[config.dtype])
@@ -98,7 +100,9 @@ class TorchModelRunner:
         self._check_blocks(seqs)
         if self.graphs is not None and self.graphs.can_run(seqs):
             with torch.inference_mode():
-                token_ids = self.sampler(self.graphs.run(seqs), list(seqs))
+                logits, greedy = self.graphs.run(seqs)
+                # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
+                token_ids = greedy if self.sampler.plain_greedy(seqs) else self.sampler(logits, list(seqs))
             return ModelRunnerOutput(
                 sampled_token_ids={s.request_id: t for s, t in zip(seqs, token_ids.tolist(), strict=True)})
         meta = build_attention_metadata(seqs, self.block_size, self.device)

@@ -4,7 +4,10 @@ Each :meth:`Scheduler.schedule` call builds one :class:`SchedulerOutput` under a
 (``max_num_tokens``) and a sequence cap (``max_num_seqs``):
 
 1. running sequences first, most important first: decodes (1 token each) before unfinished prefills, so a
-   long prompt never stalls decodes; a prefill continues in a chunk of whatever budget is left;
+   long prompt never stalls decodes; a prefill continues in a chunk of whatever budget is left. A step that has
+   decodes takes at most ``max_mixed_tokens`` tokens in all (when set): a long prefill then joins many decode
+   steps in chunks instead of making one decode step as slow as a whole prompt (inter-token latency stays even
+   while prompts arrive); a step without decodes takes the full budget (time to first token);
 2. then waiting requests are admitted (queue order, see :class:`WaitingQueue`) while the budget, the
    sequence cap and the free blocks allow; prompt tokens found in the prefix cache count as computed and
    the rest is prefilled in chunks of the remaining budget.
@@ -43,12 +46,14 @@ class Scheduler:
         max_queue_size: int,
         max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_mixed_tokens: int | None = None,
     ):
         if max_num_seqs <= 0 or max_num_tokens <= 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs, max_num_tokens and max_model_len must be positive")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
+        self.max_mixed_tokens = max_mixed_tokens or None  # 0 / None: steps with decodes take max_num_tokens too
         self.max_model_len = max_model_len
         self.clock = clock
         self.waiting = WaitingQueue(max_queue_size, max_wait_s, clock)
@@ -136,6 +141,8 @@ class Scheduler:
         order = sorted(self.running, key=lambda r: r.rank)
         decodes = [r for r in order if r.num_remaining == 1]
         prefills = [r for r in order if r.num_remaining > 1]
+        if decodes and self.max_mixed_tokens:
+            budget = min(budget, max(self.max_mixed_tokens, len(decodes)))
         for request in decodes + prefills:
             if budget == 0:
                 break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -69,10 +70,24 @@ def rtn_quantize_hf(hf_dir: Path, group_size: int, seed: int = 0) -> tuple[dict,
 def make_build_dir(hf_dir: Path, build_dir: Path, dtype: str = "float32", tokens_per_block: int = 8) -> Path:
     """A minimal torch-backend build folder: checkpoint/, engine/ (compile_engine) and manifest.json."""
     write_ir(hf_dir, build_dir / "checkpoint", dtype=dtype)
+    return build_dir_around(build_dir / "checkpoint", build_dir, tokens_per_block, source=hf_dir)
+
+
+def build_dir_around(ir_dir: Path, build_dir: Path, tokens_per_block: int = 16, source: Path | None = None) -> Path:
+    """A minimal torch-backend build folder around an existing IR (copied to ``build_dir/checkpoint`` unless it is
+    there already): engine/ (compile_engine) and manifest.json, with the IR's dtype and quantization."""
+    ir_dir, build_dir = Path(ir_dir), Path(build_dir)
+    if ir_dir != build_dir / "checkpoint":
+        shutil.copytree(ir_dir, build_dir / "checkpoint")
+    config = json.loads((build_dir / "checkpoint" / "config.json").read_text())
+    dtype, quant = config["dtype"], config.get("quantization") or {}
+    quantization = ({"method": "rtn", "group_size": quant["group_size"]} if quant.get("quant_algo")
+                    else {"method": "none"})
     recipe = recipe_from_dict(
         {
             "name": "tiny",
-            "model": {"source": str(hf_dir), "dtype": dtype},
+            "model": {"source": str(source or ir_dir), "dtype": dtype},
+            "quantization": quantization,
             "kv_cache": {"tokens_per_block": tokens_per_block, "cpu_budget_mb": 4},
             "backend": "torch",
         },
@@ -81,8 +96,8 @@ def make_build_dir(hf_dir: Path, build_dir: Path, dtype: str = "float32", tokens
     compile_engine(recipe, build_dir / "checkpoint", build_dir / "engine")
     manifest = Manifest(
         name="tiny", recipe=recipe_to_dict(recipe), recipe_sha256="0" * 64, backend="torch", dtype=dtype,
-        quantization={"method": "none"}, eos_token_ids=(2,), special_token_ids=(0, 1, 2),
-        source={"kind": "hf", "origin": str(hf_dir), "sha256": "0" * 64}, model={}, tools={}, timings={},
+        quantization=quantization, eos_token_ids=(2,), special_token_ids=(0, 1, 2),
+        source={"kind": "hf", "origin": str(source or ir_dir), "sha256": "0" * 64}, model={}, tools={}, timings={},
     )
     write_manifest(build_dir, manifest)
     return build_dir

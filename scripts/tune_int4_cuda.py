@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Check and tune llmc's W4A16 CUDA kernels on this GPU; write the shipped config table and a timing report.
+
+For each linear shape of a model (default: Llama-3.1-8B's qkv, o, fc + gate, down projection at group 128, and
+SmolLM2-135M's at group 64 for correctness) and each row bucket (1, 2-16, 17-32, 33-64, 65-128, 129-256):
+
+1. every candidate config is compiled (in parallel worker processes that fill Triton's cache) and checked against
+   a float32 product over the dequantized weight (fresh random inputs; relative error bound per dtype);
+2. timed as 32 launches over 32 distinct weight copies (one per layer, as in a decode step, so nothing is served
+   from the 60 MB L2) captured in one CUDA graph, median of 20 replays;
+3. the fastest config is kept; from the larger row counts on, dequantize + cuBLAS is timed too and
+   ``dense_from_m`` is the smallest measured row count where it wins.
+
+The same launches with the 16-bit weight through cuBLAS (``F.linear``) are the baseline. Writes
+``--configs`` (merged into an existing table, the file ``llmc/engine/torch/int4_cuda_configs.json`` ships) and
+``--report`` (every timing). Prints the decode-step table: the 32-layer sum over the four shapes per row count.
+
+    python scripts/tune_int4_cuda.py --configs llmc/engine/torch/int4_cuda_configs.json --report out/tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
+from llmc.engine.torch.int4_cuda import (DenseScratch, Int4CudaLinear, KernelConfig, pack_for_cuda,  # noqa: E402
+                                         shape_key)
+
+# (name, N, K, group, silu_gate_input, prequant in kernel): how the loader builds each layer (qkv and fc + gate have
+# their prequant folded into the norms; o and down apply it in the input load; down reads silu(fc) * gate).
+LLAMA8B = [("qkv", 6144, 4096, 128, False, False), ("o", 4096, 4096, 128, False, True),
+           ("fc_gate", 28672, 4096, 128, False, False), ("down", 4096, 14336, 128, True, True)]
+SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True),
+           ("fc_gate", 3072, 576, 64, False, False), ("down", 576, 1536, 64, True, True)]
+BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
+DENSE_MS = (128, 256, 512, 1024, 2048)
+LAYERS = 32
+
+
+def candidates(m: int, quick: bool = False) -> list[KernelConfig]:
+    """The configs tried for row count ``m`` (``quick``: a few, for shapes that are only checked)."""
+    out = []
+    if m <= 16:
+        for bn, warps in ((32, 2), (32, 4), (64, 2), (64, 4), (128, 4), (128, 8)):
+            for unroll in (1, 2):
+                for stages in (3, 4):
+                    out.append(KernelConfig(16, bn, unroll, warps, stages))
+    elif m <= 64:
+        bm = 32 if m <= 32 else 64
+        for bn in (64, 128):
+            for warps in (4, 8):
+                for stages in (3, 4):
+                    out.append(KernelConfig(bm, bn, 1, warps, stages))
+    else:
+        for bm in (64, 128):
+            for bn in (128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        out.append(KernelConfig(bm, bn, 1, warps, stages))
+    return out[::6] if quick else out
+
+
+def make_layer(n: int, k: int, group: int, silu: bool, prequant: bool, device: str, seed: int,
+               scratch: DenseScratch | None = None):
+    """A random int4 layer and its IR tensors (packed, scales, prequant) on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
+    pq = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16) if prequant else None
+    packed = pack_int4(q)
+    words, scales_t = pack_for_cuda(packed.to(device), scales.to(device), group)
+    scratch = scratch or DenseScratch(n * k, torch.bfloat16, torch.device(device))
+    layer = Int4CudaLinear(words, scales_t, None if pq is None else pq.to(device), k, group, scratch,
+                           silu_gate_input=silu)
+    return layer, packed, scales, pq
+
+
+def _compile_worker(args) -> str:
+    """Fill Triton's on-disk cache with one config (a worker process: compiles do not share the parent's GIL)."""
+    (n, k, group, silu, prequant), config, rows = args
+    try:
+        layer, *_ = make_layer(n, k, group, silu, prequant, "cuda", 0)
+        x = torch.randn(rows, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
+        layer.matmul(x, config)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # noqa: BLE001 - reported by the parent, which skips the config
+        return f"{type(exc).__name__}: {exc}"
+
+
+def precompile(shapes, workers: int, quick: set[str]) -> dict:
+    """Compile every (shape, config) once in worker processes (the row count is not specialized)."""
+    jobs = []
+    for name, n, k, group, silu, prequant in shapes:
+        configs = {c: m for _, m in BUCKETS for c in candidates(m, shape_key(n, k, group) in quick)}
+        jobs += [((n, k, group, silu, prequant), config, m) for config, m in configs.items()]
+    start = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        errors = pool.map(_compile_worker, jobs, chunksize=1)
+    failed = {f"{j[0]}/{j[1]}": e for j, e in zip(jobs, errors) if e}
+    print(f"compiled {len(jobs)} (shape, config) pairs in {time.perf_counter() - start:.1f} s with {workers} "
+          f"workers; {len(failed)} failed", flush=True)
+    return failed
+
+
+def check(layer, weight, silu, config, m) -> float:
+    """Relative error of the kernel vs a float32 product over the dequantized ``weight`` [N, K] (fresh inputs)."""
+    k = layer.in_features
+    x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
+    xin = x.float()
+    if silu:
+        xin = torch.nn.functional.silu(xin[:, :k]) * xin[:, k:]
+    ref = xin @ weight.T
+    out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out.copy_(layer.matmul(x, config))
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def time_graph(fn, replays: int = 20) -> float:
+    """Median seconds of one replay of a CUDA graph that runs ``fn`` once (fn itself launches 32 layers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def tune_shape(spec, report: dict, quick: bool) -> dict:
+    name, n, k, group, silu, prequant = spec
+    scratch = DenseScratch(n * k, torch.bfloat16, torch.device("cuda"))
+    copies = [make_layer(n, k, group, silu, prequant, "cuda", seed, scratch) for seed in range(LAYERS)]
+    layers = [c[0] for c in copies]
+    _, packed, scales, pq = copies[0]
+    weight = dequantize_w4a16(packed.cuda(), scales.cuda(), (pq if pq is not None else torch.ones(k)).cuda(),
+                              group)  # [N, K] float32, the reference of every check
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    entry = {"buckets": [], "dense_from_m": None}
+    rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
+    for m_max, m in BUCKETS:
+        x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
+        xd = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas = time_graph(lambda: [torch.nn.functional.linear(xd, w) for w in dense])
+        best, best_t, tried = None, float("inf"), {}
+        for config in candidates(m, quick):
+            try:
+                err = check(layers[0], weight, silu, config, m)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile or launch is skipped
+                tried[str(config.to_list())] = f"failed: {type(exc).__name__}"
+                continue
+            if not err < 1e-2:
+                tried[str(config.to_list())] = f"wrong: rel err {err:.3g}"
+                continue
+            t = time_graph(lambda cfg=config: [layer.matmul(x, cfg) for layer in layers])
+            tried[str(config.to_list())] = round(t * 1e6, 1)
+            if t < best_t:
+                best, best_t = config, t
+        entry["buckets"].append([m_max, *best.to_list()])
+        rows_report[str(m)] = {"best": best.to_list(), "us_32_layers": round(best_t * 1e6, 1),
+                               "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
+        print(f"{name:8s} M={m:4d}: int4 {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
+              f"({cublas / best_t:.2f}x)  best {best.to_list()}", flush=True)
+    for m in DENSE_MS:
+        x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
+        xd = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        dense_t = time_graph(lambda: [layer._dense(x) for layer in layers])
+        kernel_cfg = KernelConfig(*entry["buckets"][-1][1:])
+        kernel_t = time_graph(lambda: [layer.matmul(x, kernel_cfg) for layer in layers])
+        cublas = time_graph(lambda: [torch.nn.functional.linear(xd, w) for w in dense])
+        rows_report[f"dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1), "kernel_us": round(kernel_t * 1e6, 1),
+                                     "cublas_bf16_us": round(cublas * 1e6, 1)}
+        print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  kernel {kernel_t * 1e3:7.3f} ms  "
+              f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
+        if entry["dense_from_m"] is None and dense_t <= kernel_t:
+            entry["dense_from_m"] = m
+    entry["dense_from_m"] = entry["dense_from_m"] or DENSE_MS[-1]
+    del copies, layers, dense
+    torch.cuda.empty_cache()
+    return entry
+
+
+def step_table(report: dict, shapes) -> list[dict]:
+    """Per row count: the 32-layer sum over the four shapes, int4 vs bf16 cuBLAS."""
+    rows = []
+    for _, m in BUCKETS:
+        keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
+        int4 = sum(report[key][str(m)]["us_32_layers"] for key in keys)
+        bf16 = sum(report[key][str(m)]["cublas_bf16_us_32_layers"] for key in keys)
+        rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
+                     "bf16_over_int4": round(bf16 / int4, 2)})
+    for m in DENSE_MS:
+        keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
+        best = sum(min(report[key][f"dense_{m}"]["dequant_cublas_us"], report[key][f"dense_{m}"]["kernel_us"])
+                   for key in keys)
+        bf16 = sum(report[key][f"dense_{m}"]["cublas_bf16_us"] for key in keys)
+        rows.append({"M": m, "int4_ms": round(best / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
+                     "bf16_over_int4": round(bf16 / best, 2)})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", type=Path, required=True, help="config table to merge the results into")
+    ap.add_argument("--report", type=Path, required=True)
+    ap.add_argument("--model", choices=["llama3.1-8b", "smollm2", "both"], default="both")
+    ap.add_argument("--workers", type=int, default=14)
+    args = ap.parse_args()
+    device_name = torch.cuda.get_device_name()
+    shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
+    report = {"device": device_name, "torch": torch.__version__, "shapes": {}}
+    quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
+    report["compile_failures"] = precompile(shapes, args.workers, quick)
+    table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
+    tuned = table["devices"].setdefault(device_name, {})
+    for spec in shapes:
+        key = shape_key(spec[1], spec[2], spec[3])
+        tuned[key] = tune_shape(spec, report["shapes"], key in quick)
+    args.configs.write_text(json.dumps(table, indent=1) + "\n")
+    for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
+        if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):
+            report[f"step_{label}"] = step_table(report["shapes"], model_shapes)
+            print(f"\n{label}: decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)")
+            for row in report[f"step_{label}"]:
+                print(f"  M={row['M']:5d}  int4 {row['int4_ms']:8.3f} ms  bf16 cuBLAS {row['bf16_ms']:8.3f} ms  "
+                      f"({row['bf16_over_int4']:.2f}x)")
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
