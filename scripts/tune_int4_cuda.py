@@ -33,15 +33,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
-from llmc.engine.torch.int4_cuda import (DenseScratch, Int4CudaLinear, KernelConfig, pack_for_cuda,  # noqa: E402
+from llmc.engine.torch.int4_cuda import (Scratch, Int4CudaLinear, KernelConfig, pack_for_cuda,  # noqa: E402
                                          shape_key)
 
-# (name, N, K, group, silu_gate_input, prequant in kernel): how the loader builds each layer (qkv and fc + gate have
-# their prequant folded into the norms; o and down apply it in the input load; down reads silu(fc) * gate).
+# (name, N columns, K, group, silu_output, prequant in kernel): how the loader builds each layer (qkv and fc + gate
+# have their prequant folded into the norms; o and down apply it in the input load; fc + gate, with interleaved
+# columns, returns silu(fc) * gate).
 LLAMA8B = [("qkv", 6144, 4096, 128, False, False), ("o", 4096, 4096, 128, False, True),
-           ("fc_gate", 28672, 4096, 128, False, False), ("down", 4096, 14336, 128, True, True)]
+           ("fc_gate", 28672, 4096, 128, True, False), ("down", 4096, 14336, 128, False, True)]
 SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True),
-           ("fc_gate", 3072, 576, 64, False, False), ("down", 576, 1536, 64, True, True)]
+           ("fc_gate", 3072, 576, 64, True, False), ("down", 576, 1536, 64, False, True)]
 BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
 DENSE_MS = (128, 256, 512, 1024, 2048)
 LAYERS = 32
@@ -51,37 +52,33 @@ def candidates(m: int, quick: bool = False) -> list[KernelConfig]:
     """The configs tried for row count ``m`` (``quick``: a few, for shapes that are only checked)."""
     out = []
     if m <= 16:
-        for bn, warps in ((32, 2), (32, 4), (64, 2), (64, 4), (128, 4), (128, 8)):
+        for bn, warps in ((32, 2), (64, 2), (64, 4), (128, 4)):
             for unroll in (1, 2):
-                for stages in (3, 4):
-                    out.append(KernelConfig(16, bn, unroll, warps, stages))
+                for split in (1, 2, 4, 8, 16):
+                    out.append(KernelConfig(16, bn, unroll, warps, 3, split))
     elif m <= 64:
         bm = 32 if m <= 32 else 64
         for bn in (64, 128):
-            for warps in (4, 8):
-                for stages in (3, 4):
-                    out.append(KernelConfig(bm, bn, 1, warps, stages))
+            for split in (1, 2, 4, 8):
+                out.append(KernelConfig(bm, bn, 1, 4, 3, split))
     else:
-        for bm in (64, 128):
-            for bn in (128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        out.append(KernelConfig(bm, bn, 1, warps, stages))
-    return out[::6] if quick else out
+        for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (64, 256, 8)):
+            for split in (1, 2, 4):
+                out.append(KernelConfig(bm, bn, 1, warps, 3, split))
+    return out[::5] if quick else out
 
 
 def make_layer(n: int, k: int, group: int, silu: bool, prequant: bool, device: str, seed: int,
-               scratch: DenseScratch | None = None):
-    """A random int4 layer and its IR tensors (packed, scales, prequant) on the host."""
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.002).to(torch.bfloat16)
-    pq = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16) if prequant else None
+               scratch: Scratch | None = None):
+    """A random int4 layer and its IR tensors (packed, scales, prequant), made on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device=device)
+    scales = (torch.rand(n, k // group, generator=gen, device=device) * 0.01 + 0.002).to(torch.bfloat16)
+    pq = (torch.rand(k, generator=gen, device=device) + 0.5).to(torch.bfloat16) if prequant else None
     packed = pack_int4(q)
-    words, scales_t = pack_for_cuda(packed.to(device), scales.to(device), group)
-    scratch = scratch or DenseScratch(n * k, torch.bfloat16, torch.device(device))
-    layer = Int4CudaLinear(words, scales_t, None if pq is None else pq.to(device), k, group, scratch,
-                           silu_gate_input=silu)
+    words, scales_t = pack_for_cuda(packed, scales, group)
+    scratch = scratch or Scratch(torch.bfloat16, torch.device(device))
+    layer = Int4CudaLinear(words, scales_t, pq, k, group, scratch, silu_output=silu)
     return layer, packed, scales, pq
 
 
@@ -90,7 +87,7 @@ def _compile_worker(args) -> str:
     (n, k, group, silu, prequant), config, rows = args
     try:
         layer, *_ = make_layer(n, k, group, silu, prequant, "cuda", 0)
-        x = torch.randn(rows, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         layer.matmul(x, config)
         torch.cuda.synchronize()
         return ""
@@ -114,13 +111,12 @@ def precompile(shapes, workers: int, quick: set[str]) -> dict:
 
 
 def check(layer, weight, silu, config, m) -> float:
-    """Relative error of the kernel vs a float32 product over the dequantized ``weight`` [N, K] (fresh inputs)."""
-    k = layer.in_features
-    x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
-    xin = x.float()
+    """Relative error of the kernel vs a float32 product over the dequantized ``weight`` [N, K] (fresh inputs);
+    with ``silu``, silu(even columns) * odd columns of that product."""
+    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ weight.T
     if silu:
-        xin = torch.nn.functional.silu(xin[:, :k]) * xin[:, k:]
-    ref = xin @ weight.T
+        ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
     out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
     out.copy_(layer.matmul(x, config))
     return ((out.float() - ref).norm() / ref.norm()).item()
@@ -152,19 +148,23 @@ def time_graph(fn, replays: int = 20) -> float:
 
 def tune_shape(spec, report: dict, quick: bool) -> dict:
     name, n, k, group, silu, prequant = spec
-    scratch = DenseScratch(n * k, torch.bfloat16, torch.device("cuda"))
+    scratch = Scratch(torch.bfloat16, torch.device("cuda"))
+    tried = [(m, c) for _, m in BUCKETS for c in candidates(m, quick)] + [
+        (m, c) for m in DENSE_MS for c in candidates(BUCKETS[-1][1], quick)]  # the dense comparison's kernel
+    scratch.reserve(partials=max(c.workspace(m, n) for m, c in tried),
+                    counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in tried))
     copies = [make_layer(n, k, group, silu, prequant, "cuda", seed, scratch) for seed in range(LAYERS)]
     layers = [c[0] for c in copies]
     _, packed, scales, pq = copies[0]
-    weight = dequantize_w4a16(packed.cuda(), scales.cuda(), (pq if pq is not None else torch.ones(k)).cuda(),
+    copies = copies[:1]  # only the first copy's IR tensors are kept (for the reference)
+    weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k, device="cuda"),
                               group)  # [N, K] float32, the reference of every check
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
     entry = {"buckets": [], "dense_from_m": None}
     rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
     for m_max, m in BUCKETS:
-        x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
-        xd = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cublas = time_graph(lambda: [torch.nn.functional.linear(xd, w) for w in dense])
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
         best, best_t, tried = None, float("inf"), {}
         for config in candidates(m, quick):
             try:
@@ -185,12 +185,11 @@ def tune_shape(spec, report: dict, quick: bool) -> dict:
         print(f"{name:8s} M={m:4d}: int4 {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
               f"({cublas / best_t:.2f}x)  best {best.to_list()}", flush=True)
     for m in DENSE_MS:
-        x = torch.randn(m, k * (2 if silu else 1), device="cuda", dtype=torch.bfloat16)
-        xd = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         dense_t = time_graph(lambda: [layer._dense(x) for layer in layers])
         kernel_cfg = KernelConfig(*entry["buckets"][-1][1:])
         kernel_t = time_graph(lambda: [layer.matmul(x, kernel_cfg) for layer in layers])
-        cublas = time_graph(lambda: [torch.nn.functional.linear(xd, w) for w in dense])
+        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
         rows_report[f"dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1), "kernel_us": round(kernel_t * 1e6, 1),
                                      "cublas_bf16_us": round(cublas * 1e6, 1)}
         print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  kernel {kernel_t * 1e3:7.3f} ms  "
@@ -198,8 +197,6 @@ def tune_shape(spec, report: dict, quick: bool) -> dict:
         if entry["dense_from_m"] is None and dense_t <= kernel_t:
             entry["dense_from_m"] = m
     entry["dense_from_m"] = entry["dense_from_m"] or DENSE_MS[-1]
-    del copies, layers, dense
-    torch.cuda.empty_cache()
     return entry
 
 
@@ -239,6 +236,7 @@ def main() -> None:
     for spec in shapes:
         key = shape_key(spec[1], spec[2], spec[3])
         tuned[key] = tune_shape(spec, report["shapes"], key in quick)
+        torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
     args.configs.write_text(json.dumps(table, indent=1) + "\n")
     for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
         if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):

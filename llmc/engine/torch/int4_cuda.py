@@ -13,6 +13,7 @@ tuned entry gets :func:`heuristic_config`. Nothing is autotuned while serving.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 from dataclasses import dataclass
@@ -42,26 +43,40 @@ GROUP_SIZES = (64, 128)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of :func:`int4_triton.kernels` ``w4a16_matmul`` for one (shape, rows) bucket."""
+    """Launch parameters of ``int4_triton.w4a16_matmul`` for one (shape, rows) bucket."""
 
     block_m: int
     block_n: int
     unroll: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
     def to_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.unroll, self.num_warps, self.num_stages]
+        return [self.block_m, self.block_n, self.unroll, self.num_warps, self.num_stages, self.split_k]
+
+    def grid(self, m: int, n: int) -> tuple[int, int, int]:
+        return (-(-n // self.block_n), -(-m // self.block_m), self.split_k)
+
+    def workspace(self, m: int, n: int) -> int:
+        """float32 elements of split-K partials this config needs for ``m`` rows (0 without split-K)."""
+        return 0 if self.split_k == 1 else self.split_k * -(-m // self.block_m) * self.block_m * n
 
 
-def heuristic_config(m: int, n: int) -> KernelConfig:
-    """A reasonable config where nothing was tuned: rows padded to 16..64, narrow column blocks for few rows
-    (more programs to keep every multiprocessor reading)."""
+TARGET_PROGRAMS = 4 * 132  # a few programs per multiprocessor of an H100/H200 keep enough loads in flight
+
+
+def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
+    """A reasonable config where nothing was tuned: rows padded to 16..64, narrow column blocks for few rows, and
+    split-K up to about TARGET_PROGRAMS programs (one program per column block leaves multiprocessors idle)."""
     block_m = min(64, triton_support.pow2_at_least(m, 16))
-    block_n = 32 if m <= 16 else 64
-    if n <= 2048:
-        block_n = min(block_n, 32)
-    return KernelConfig(block_m, block_n, 2 if m <= 16 else 1, 4, 3)
+    block_n = 32 if m <= 16 or n <= 2048 else 64
+    blocks = -(-n // block_n) * -(-m // block_m)
+    tiles = -(-k // TILE)
+    split = 1
+    while split < 16 and blocks * split * 2 <= TARGET_PROGRAMS and tiles // (split * 2) >= 2:
+        split *= 2
+    return KernelConfig(block_m, block_n, 1, 4, 3, split)
 
 
 @functools.cache
@@ -114,49 +129,81 @@ def pack_for_cuda(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -
     return words.reshape(tiles * WORDS_PER_TILE, n).contiguous(), scales.t().contiguous()
 
 
-class DenseScratch:
-    """One buffer shared by every int4 linear of a model for its dequantized weight in prefill steps.
+class Scratch:
+    """Buffers shared by every int4 linear of a model: the dequantized weight of prefill steps, the split-K partials
+    and arrival counters of decode steps.
 
-    Layers run one after another on one stream, so one buffer of the largest layer's size serves all of them.
+    Layers run one after another on one stream, so one buffer of the largest need serves all of them. Each layer
+    reserves its need when built; :meth:`allocate` (the loader calls it before the KV cache is planned and the
+    decode steps are captured in CUDA graphs) makes the buffers once, at the largest sizes reserved.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        self.buffer = torch.empty(numel, dtype=dtype, device=device)
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.sizes = {"dense": 0, "partials": 0, "counters": 0}
+        self._buffers: dict[str, torch.Tensor] | None = None
 
-    def view(self, k: int, n: int) -> torch.Tensor:
-        return self.buffer[: k * n].view(k, n)
+    def reserve(self, dense: int = 0, partials: int = 0, counters: int = 0) -> None:
+        assert self._buffers is None, "reserve before allocate: the buffers are made once"
+        for key, numel in (("dense", dense), ("partials", partials), ("counters", counters)):
+            self.sizes[key] = max(self.sizes[key], numel)
+
+    def allocate(self) -> None:
+        if self._buffers is None:
+            self._buffers = {
+                "dense": torch.empty(self.sizes["dense"], dtype=self.dtype, device=self.device),
+                "partials": torch.empty(self.sizes["partials"], dtype=torch.float32, device=self.device),
+                "counters": torch.zeros(max(1, self.sizes["counters"]), dtype=torch.int32, device=self.device),
+            }
+
+    def buffer(self, key: str, numel: int) -> torch.Tensor:
+        self.allocate()
+        assert numel <= self.sizes[key], (key, numel, self.sizes[key])
+        return self._buffers[key]
+
+    def dense_view(self, k: int, n: int) -> torch.Tensor:
+        return self.buffer("dense", k * n)[: k * n].view(k, n)
 
 
 class Int4CudaLinear(nn.Module):
     """``y = x @ W^T`` of a W4A16_AWQ linear, its weight kept packed (see :func:`pack_for_cuda`).
 
     ``prequant`` [K] (AWQ's input scale) is applied in the kernel's input load, None where the loader folded it
-    into the preceding norm's weight. ``silu_gate_input``: the input is the MLP's fused ``[fc | gate]`` output
-    ``[T, 2K]`` and the layer multiplies ``silu(fc) * gate`` (the down projection). Rows below the shape's
-    ``dense_from_m`` run the int4 kernel; larger steps dequantize into ``scratch`` and use cuBLAS.
+    into the preceding norm's weight. ``silu_output``: the weight's columns are the MLP's fc and gate rows
+    interleaved (``2n`` = fc ``n``, ``2n + 1`` = gate ``n``) and the layer returns ``silu(fc) * gate``
+    ``[T, N / 2]``. Rows below the shape's ``dense_from_m`` run the int4 kernel; larger steps dequantize into
+    ``scratch`` and use cuBLAS.
     """
 
     def __init__(self, words: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None, in_features: int,
-                 group_size: int, scratch: DenseScratch, silu_gate_input: bool = False):
+                 group_size: int, scratch: Scratch, silu_output: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, words.shape[1]
-        self.group_size, self.silu_gate_input, self.scratch = group_size, silu_gate_input, scratch
+        self.in_features, self.columns = in_features, words.shape[1]  # the weight's columns (2I with silu_output)
+        self.out_features = self.columns // 2 if silu_output else self.columns
+        self.group_size, self.silu_output, self.scratch = group_size, silu_output, scratch
         self.register_buffer("words", words, persistent=False)  # [Kp/8, N] int32
         self.register_buffer("scales", scales, persistent=False)  # [K/g, N]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
         name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
-        entry = tuned_entry(name, self.out_features, in_features, group_size) or {}
+        entry = tuned_entry(name, self.columns, in_features, group_size) or {}
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
+        # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes.
+        rows = [m for m, _ in self._buckets] + [self.dense_from_m - 1]
+        configs = [(m, self.config_for(m)) for m in rows] + [(m, heuristic_config(m, self.columns, in_features))
+                                                            for m in rows]
+        n = self.columns
+        scratch.reserve(dense=in_features * n, partials=max(c.workspace(m, n) for m, c in configs),
+                        counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in configs))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"prequant={self.prequant is not None}, silu_gate_input={self.silu_gate_input}")
+                f"prequant={self.prequant is not None}, silu_output={self.silu_output}")
 
     def config_for(self, m: int) -> KernelConfig:
         """The tuned config of the smallest bucket holding ``m`` rows, else :func:`heuristic_config`."""
         return next((c for m_max, c in self._buckets if m >= 1 and m <= m_max), None) or heuristic_config(
-            m, self.out_features)
+            m, self.columns, self.in_features)
 
     def weight_bytes(self) -> int:
         """Bytes of this layer's packed weight, scales and input scale on the device."""
@@ -170,29 +217,35 @@ class Int4CudaLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:
         """The int4 kernel with an explicit config (the tuning script calls this)."""
-        assert x.stride(-1) == 1 and x.shape[-1] == self.in_features * (2 if self.silu_gate_input else 1)
-        m, n = x.shape[0], self.out_features
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        assert x.stride(-1) == 1 and x.shape[-1] == self.in_features
+        m, n = x.shape[0], self.columns
+        y = torch.empty(m, self.out_features, dtype=x.dtype, device=x.device)
         if m == 0:
             return y
         magic, offset = MAGIC[x.dtype]
-        grid = (-(-n // config.block_n), -(-m // config.block_m))
+        grid = config.grid(m, n)
         num_tiles = -(-self.in_features // TILE)
+        per_split = -(-num_tiles // config.split_k)
+        partials = self.scratch.buffer("partials", config.workspace(m, n))
+        counters = self.scratch.buffer("counters", grid[0] * grid[1] if config.split_k > 1 else 0)
+        even_tiles = num_tiles % config.split_k == 0 and per_split % config.unroll == 0
         _kernels().w4a16_matmul[grid](
-            x, self.words, self.scales, self.prequant if self.prequant is not None else self.scales, y,
-            m, n, self.in_features, num_tiles, x.stride(0), y.stride(0), self.in_features,
+            x, self.words, self.scales, self.prequant if self.prequant is not None else self.scales, y, partials,
+            counters, m, n, self.in_features, num_tiles, per_split, grid[1] * config.block_m, x.stride(0),
+            y.stride(0),
             GROUP=self.group_size, BLOCK_M=config.block_m, BLOCK_N=config.block_n, UNROLL=config.unroll,
+            SPLIT_K=config.split_k,
             CDTYPE=_TL_DTYPES()[x.dtype], MAGIC_BITS=magic, OFFSET=offset, HAS_PREQUANT=self.prequant is not None,
-            SILU_GATE=self.silu_gate_input, DOT_F32=triton_support.interpreting(),
-            EVEN_K=self.in_features % TILE == 0 and num_tiles % config.unroll == 0, EVEN_N=n % config.block_n == 0,
-            EVEN_TILES=num_tiles % config.unroll == 0,
+            SILU_OUT=self.silu_output, DOT_F32=triton_support.interpreting(),
+            EVEN_K=self.in_features % TILE == 0 and even_tiles, EVEN_N=n % config.block_n == 0,
+            EVEN_TILES=even_tiles,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         return y
 
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
-        """The effective weight ``[K, N]`` (q * scale * prequant) written into ``out`` (dtype of ``out``)."""
-        k, n = self.in_features, self.out_features
+        """The effective weight ``[K, N]`` (q * scale * prequant; N = the weight's columns) written into ``out``."""
+        k, n = self.in_features, self.columns
         block_n = 128
         _kernels().w4a16_dequant[(-(-n // block_n), -(-k // TILE))](
             self.words, self.scales, self.prequant if self.prequant is not None else self.scales, out, n, k,
@@ -201,27 +254,26 @@ class Int4CudaLinear(nn.Module):
         return out
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if self.silu_gate_input:
-            x = silu_mul(x)
-        weight = self.dequantize(self.scratch.view(self.in_features, self.out_features))  # [K, N]
-        return torch.mm(x, weight)
+        weight = self.dequantize(self.scratch.dense_view(self.in_features, self.columns))  # [K, N]
+        y = torch.mm(x, weight)
+        return silu_mul(y, interleaved=True) if self.silu_output else y
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :W]) * x[:, W:]`` for ``x [T, 2W]`` in one pass (Triton)."""
+def silu_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """``silu(fc) * gate`` for ``x [T, 2W]`` holding ``[fc | gate]`` (or fc and gate in the even and odd columns
+    when ``interleaved``) in one pass (Triton)."""
     rows, width = x.shape[0], x.shape[1] // 2
     y = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows:
         block = 1024
-        _kernels().silu_mul[(rows, -(-width // block))](x, y, width, x.stride(0), y.stride(0), BLOCK=block)
+        _kernels().silu_mul[(rows, -(-width // block))](x, y, width, x.stride(0), y.stride(0), BLOCK=block,
+                                                        INTERLEAVED=interleaved)
     return y
 
 
 def _kernels():
-    """The Triton kernel module, imported on first use (Triton is optional)."""
-    from llmc.engine.torch import int4_triton  # optional dependency: Triton
-
-    return int4_triton
+    """The Triton kernel module, imported on first use (Triton is an optional dependency)."""
+    return importlib.import_module("llmc.engine.torch.int4_triton")
 
 
 @functools.cache
@@ -265,22 +317,21 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
     for every quantized linear; returns counts (``layers``, ``folded`` prequant vectors, ``fused_fc_gate``).
 
     Per decoder layer: qkv's prequant is folded into ``input_layernorm`` (its only reader); fc and gate become one
-    layer over their stacked columns when their prequant vectors are equal (AWQ smooths them together), folded
-    into ``post_layernorm``; the down projection reads ``silu(fc) * gate`` from that fused output in its input
-    load. ``fold_prequant=False`` applies every prequant in the kernels instead (for tests: the two must agree).
+    layer over their interleaved columns that returns ``silu(fc) * gate`` when their prequant vectors are equal
+    (AWQ smooths them together), folded into ``post_layernorm``. ``fold_prequant=False`` applies every prequant
+    in the kernels instead (for tests: the two must agree).
     """
     device = next(p.device for p in model.parameters())
     dtype = model.transformer.ln_f.weight.dtype
-    biggest = max(t[0].shape[0] * 2 * t[0].shape[1] for t in quantized.values())
-    scratch = DenseScratch(2 * biggest, dtype, device)  # fc + gate stacked is the largest layer
+    scratch = Scratch(dtype, device)
     counts = {"layers": 0, "folded": 0, "fused_fc_gate": 0}
 
-    def build(prefix: str, norm: nn.Module | None = None, silu_gate: bool = False,
-              parts: tuple[str, ...] | None = None) -> Int4CudaLinear:
+    def build(prefix: str, norm: nn.Module | None = None, parts: tuple[str, ...] | None = None) -> Int4CudaLinear:
         tensors = [quantized[p] for p in (parts or (prefix,))]
         packed_scales = [pack_for_cuda(t[0].to(device), t[1].to(device, dtype), group_size) for t in tensors]
-        words = torch.cat([w for w, _ in packed_scales], dim=1)  # stacked output columns
-        scales = torch.cat([s for _, s in packed_scales], dim=1)
+        # One layer: its columns; fc + gate: their columns interleaved (2n = fc n, 2n + 1 = gate n).
+        words = torch.stack([w for w, _ in packed_scales], dim=2).flatten(1)
+        scales = torch.stack([s for _, s in packed_scales], dim=2).flatten(1)
         prequant = tensors[0][2]
         in_features = tensors[0][0].shape[1]
         if prequant is not None and norm is not None:
@@ -290,7 +341,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
             prequant = None
         counts["layers"] += 1
         return Int4CudaLinear(words, scales, None if prequant is None else prequant.to(device, dtype), in_features,
-                              group_size, scratch, silu_gate_input=silu_gate)
+                              group_size, scratch, silu_output=parts is not None)
 
     for i, layer in enumerate(model.transformer.layers):
         base = f"transformer.layers.{i}"
@@ -304,8 +355,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
         same_prequant = fc is not None and gate is not None and (
             (fc[2] is None and gate[2] is None)
             or (fc[2] is not None and gate[2] is not None and torch.equal(fc[2], gate[2])))
-        fused = same_prequant and f"{base}.mlp.proj" in quantized
-        if fused:
+        if same_prequant:
             mlp.use_fc_gate_kernel(build(f"{base}.mlp.fc", fold_post, parts=(f"{base}.mlp.fc", f"{base}.mlp.gate")))
             counts["fused_fc_gate"] += 1
         else:
@@ -313,5 +363,6 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
                 if f"{base}.mlp.{name}" in quantized:
                     setattr(mlp, name, build(f"{base}.mlp.{name}"))
         if f"{base}.mlp.proj" in quantized:
-            mlp.proj = build(f"{base}.mlp.proj", silu_gate=fused)
+            mlp.proj = build(f"{base}.mlp.proj")
+    scratch.allocate()
     return counts

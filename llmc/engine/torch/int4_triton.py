@@ -13,10 +13,11 @@ A nibble becomes a 16-bit float with two integer ops: ``u | 0x4300`` read as bfl
 ``x . (q + OFFSET)`` per group with fp32 accumulation and subtracts ``OFFSET * sum(x)``, then multiplies by the
 group's scale: ``y = sum_g s_g (x_g . q_g)``, the W4A16_AWQ product without rounding the dequantized weight.
 
-``x`` may be transformed in the kernel's input load (so it needs no separate pass over memory):
-- ``HAS_PREQUANT``: ``x * prequant`` (AWQ's per-input scale, where it could not be folded into a norm weight);
-- ``SILU_GATE``: ``x`` is ``[M, 2K]`` = ``[fc | gate]`` and the kernel reads ``silu(fc) * gate`` (the MLP's
-  down projection reads the fused fc + gate output directly).
+Fused into the kernel (so they need no pass over memory of their own):
+- ``HAS_PREQUANT``: the input load multiplies ``x * prequant`` (AWQ's per-input scale, where the loader could not
+  fold it into a norm weight);
+- ``SILU_OUT``: the MLP's fc and gate layers are one weight with interleaved columns (``2n`` = fc row ``n``,
+  ``2n + 1`` = gate row ``n``), and the epilogue writes ``silu(fc) * gate`` ``[M, N / 2]`` from the float32 sums.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _input_chunk(x_rows, pq_ptr, k, K, gate_off,
-                 HAS_PREQUANT: tl.constexpr, SILU_GATE: tl.constexpr, CDTYPE: tl.constexpr, EVEN_K: tl.constexpr):
+def _input_chunk(x_rows, pq_ptr, k, K, HAS_PREQUANT: tl.constexpr, CDTYPE: tl.constexpr, EVEN_K: tl.constexpr):
     """x[rows, k] for one chunk of 16 inputs -> [BLOCK_M, 16] in the compute dtype (zeros past K).
 
     Rows past M were clamped to the last row by the caller: they load real data (no mask needed) and are never
@@ -39,38 +39,56 @@ def _input_chunk(x_rows, pq_ptr, k, K, gate_off,
         x = tl.load(x_rows + k[None, :])
     else:
         x = tl.load(x_rows + k[None, :], mask=(k < K)[None, :], other=0.0)
-    if not SILU_GATE and not HAS_PREQUANT:
+    if not HAS_PREQUANT:
         return x
-    x = x.to(tl.float32)
-    if SILU_GATE:
-        if EVEN_K:
-            gate = tl.load(x_rows + gate_off + k[None, :]).to(tl.float32)
-        else:
-            gate = tl.load(x_rows + gate_off + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
-        x = x * tl.sigmoid(x) * gate
-    if HAS_PREQUANT:
-        x = x * tl.load(pq_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
-    return x.to(CDTYPE)
+    pq = tl.load(pq_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    return (x.to(tl.float32) * pq[None, :]).to(CDTYPE)
+
+
+@triton.jit
+def _store_output(y_ptr, acc, rm, pid_n, m_ok, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SILU_OUT: tl.constexpr):
+    """Store a [BLOCK_M, BLOCK_N] float32 block; with SILU_OUT, silu(even column) * odd column -> BLOCK_N / 2."""
+    if SILU_OUT:
+        fc, gate = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        h = fc * tl.sigmoid(fc) * gate  # [BLOCK_M, BLOCK_N / 2]
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+        tl.store(out, h.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a bucket
 def w4a16_matmul(
-    x_ptr, w_ptr, s_ptr, pq_ptr, y_ptr, M, N, K, num_tiles, stride_xm, stride_ym, gate_off,
+    x_ptr, w_ptr, s_ptr, pq_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, num_tiles, tiles_per_split, m_ws, stride_xm, stride_ym,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-    CDTYPE: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
-    HAS_PREQUANT: tl.constexpr, SILU_GATE: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr, CDTYPE: tl.constexpr, MAGIC_BITS: tl.constexpr, OFFSET: tl.constexpr,
+    HAS_PREQUANT: tl.constexpr, SILU_OUT: tl.constexpr, DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_TILES: tl.constexpr,
 ):
-    """y[M, N] = x'[M, K] @ W[K, N] (see the module docstring); ``num_tiles`` = cdiv(K, 128);
-    grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
+    """y[M, N] = x'[M, K] @ W[K, N] (y[M, N / 2] with SILU_OUT; see the module docstring); ``num_tiles`` =
+    cdiv(K, 128); grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K).
+
+    Split-K: program ``(n, m, s)`` sums the tiles ``[s * tiles_per_split, (s + 1) * tiles_per_split)`` and stores
+    its float32 partial in ``ws [SPLIT_K, m_ws, N]``; the last of the SPLIT_K programs of an output block to
+    arrive (a counter in ``cnt``, reset by that program for the next launch) adds the partials in split order (the
+    result does not depend on which program finished last) and writes y. Few output blocks then still keep
+    every multiprocessor reading: a decode step's narrow layers have too few for one program per block.
 
     CDTYPE is the activations' dtype; MAGIC_BITS 0 means float32 activations (nibbles converted directly).
-    EVEN_K: K % 128 == 0 and no overshooting tile (EVEN_TILES); EVEN_N: N % BLOCK_N == 0; EVEN_TILES: num_tiles % UNROLL == 0. Each drops a mask
-    from the loads of the hot loop (masks cost selects and compares per chunk).
+    EVEN_TILES: the splits cover whole UNROLL steps; EVEN_K: also K % 128 == 0; EVEN_N: N % BLOCK_N == 0. Each
+    drops a mask from the loads of the hot loop (masks cost selects and compares per chunk).
     """
     CHUNKS_PER_GROUP: tl.constexpr = GROUP // 16
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ri = tl.arange(0, 16)
@@ -80,20 +98,20 @@ def w4a16_matmul(
     num_groups = K // GROUP
     ones = tl.full((16, BLOCK_N), 1.0, CDTYPE)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t0 in range(0, num_tiles, UNROLL):
+    for t0 in range(t_begin, t_end, UNROLL):
         for u in tl.static_range(UNROLL):
             tile = t0 + u
             word = tile * 16 + ri  # [16] word rows of this tile (past the last tile when UNROLL overshoots)
             if EVEN_N and EVEN_TILES:
                 words = tl.load(w_ptr + word[:, None] * N + rn[None, :])  # [16, BLOCK_N] int32
-            else:
+            else:  # a tile past this split's end reads q = 0 (u = 8 in every nibble) and a zero scale
                 words = tl.load(w_ptr + word[:, None] * N + rn[None, :],
-                                mask=(word < num_tiles * 16)[:, None] & n_ok[None, :], other=0)
+                                mask=(word < t_end * 16)[:, None] & n_ok[None, :], other=-2004318072)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x . (q + OFFSET) over the group so far
             xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x . 1: each row's sum, in every column
             for j in tl.static_range(8):
                 k = tile * 128 + j * 16 + ri  # [16] input features of chunk j
-                x = _input_chunk(x_rows, pq_ptr, k, K, gate_off, HAS_PREQUANT, SILU_GATE, CDTYPE, EVEN_K)
+                x = _input_chunk(x_rows, pq_ptr, k, K, HAS_PREQUANT, CDTYPE, EVEN_K)
                 if MAGIC_BITS == 0:
                     w = ((words >> (4 * j)) & 0xF).to(tl.float32)
                 else:  # u | magic = q + OFFSET, exact
@@ -111,13 +129,25 @@ def w4a16_matmul(
                     if EVEN_N and EVEN_K:  # every group of every tile is real
                         s = tl.load(s_ptr + g * N + rn).to(tl.float32)
                     else:
-                        g_ok = (g + 0 * rn) < num_groups  # [BLOCK_N] (the interpreter's masks must be block-shaped)
+                        g_ok = (g + 0 * rn) < tl.minimum(num_groups, t_end * 128 // GROUP)  # [BLOCK_N] block-shaped
                         s = tl.load(s_ptr + g * N + rn, mask=n_ok & g_ok, other=0.0).to(tl.float32)
                     acc += (part - OFFSET * xsum) * s[None, :]
                     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    out = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT_K == 1:
+        _store_output(y_ptr, acc, rm, pid_n, m_ok, N, stride_ym, BLOCK_M, BLOCK_N, SILU_OUT)
+    else:
+        part_ptr = ws_ptr + (pid_k * m_ws + rm).to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(part_ptr, acc, mask=n_ok[None, :])
+        block = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")  # release: the partial is visible first
+        if arrived == SPLIT_K - 1:  # the last split of this output block: sum all partials, in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + (s * m_ws + rm).to(tl.int64)[:, None] * N + rn[None, :],
+                                 mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
+            _store_output(y_ptr, total, rm, pid_n, m_ok, N, stride_ym, BLOCK_M, BLOCK_N, SILU_OUT)
+            tl.atomic_xchg(cnt_ptr + block, 0)  # ready for the next launch (stream order: none is running)
 
 
 @triton.jit
@@ -143,12 +173,16 @@ def w4a16_dequant(
                  mask=k_ok[:, None] & n_ok[None, :])
 
 @triton.jit
-def silu_mul(x_ptr, y_ptr, width, stride_xm, stride_ym, BLOCK: tl.constexpr):
-    """y[m, :] = silu(x[m, :width]) * x[m, width:2 width]; grid (rows, cdiv(width, BLOCK))."""
+def silu_mul(x_ptr, y_ptr, width, stride_xm, stride_ym, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """y[m, :] = silu(fc) * gate with fc, gate = x[m, :width], x[m, width:] (or the even and odd columns of
+    x[m, :2 width] when INTERLEAVED); grid (rows, cdiv(width, BLOCK))."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
-    a = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * stride_xm + width + cols, mask=ok, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        a = tl.load(x_ptr + row * stride_xm + 2 * cols, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + row * stride_xm + 2 * cols + 1, mask=ok, other=0.0).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(x_ptr + row * stride_xm + width + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + cols, (a * tl.sigmoid(a) * b).to(y_ptr.dtype.element_ty), mask=ok)
-

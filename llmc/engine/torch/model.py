@@ -187,10 +187,10 @@ class MLP(nn.Module):
         self.fc_gate_kernel = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.fc_gate_kernel, "silu_output", False):
+            return self.proj(self.fc_gate_kernel(x))  # an int4 CUDA layer whose epilogue gives silu(fc) * gate
         if self.fc_gate_kernel is not None or self.fc_gate is not None:
             both = self.fc_gate_kernel(x) if self.fc_gate_kernel is not None else F.linear(x, self.fc_gate)  # [T, 2I]
-            if getattr(self.proj, "silu_gate_input", False):
-                return self.proj(both)  # an int4 CUDA layer that reads silu(fc) * gate in its input load
             if self.cuda_fused:
                 from llmc.engine.torch.int4_cuda import silu_mul  # optional dependency: Triton
 

@@ -8,7 +8,7 @@ import torch
 
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch import attention
-from llmc.engine.torch.attention import _decode_attention, build_attention_metadata, reference_decode_attention
+from llmc.engine.torch.attention import decode_attention, build_attention_metadata, reference_decode_attention
 from llmc.engine.torch.loader import load_model
 from llmc.runtime.params import SamplingParams
 from llmc.runtime.types import ScheduledSequence
@@ -65,7 +65,7 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
     q, k_cache, v_cache, meta = decode_batch((5, 70), 2, 3, 64, 16)
     scale = 0.125
     kernel = cpu_ext.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
-    assert torch.equal(_decode_attention(q, k_cache, v_cache, meta, scale), kernel)
+    assert torch.equal(decode_attention(q, k_cache, v_cache, meta, scale), kernel)
     # Not the kernel: bfloat16 queries, a head size it has no code for, or LLMC_CPU_KERNELS=torch.
     assert not cpu_ext.decode_attention_available(q.bfloat16(), k_cache)
     assert not cpu_ext.decode_attention_available(q[..., :48], k_cache[..., :48])
@@ -73,7 +73,7 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
     cpu_ext.load.cache_clear()
     try:
         assert not cpu_ext.decode_attention_available(q, k_cache)
-        ref = _decode_attention(q, k_cache, v_cache, meta, scale)
+        ref = decode_attention(q, k_cache, v_cache, meta, scale)
         assert torch.equal(ref, reference_decode_attention(q, k_cache, v_cache, meta, scale))
         assert not torch.equal(ref, kernel)  # the two paths really differ in summation order
     finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.engine.torch.attention import _decode_attention, build_attention_metadata, gather_blocks
+from llmc.engine.torch.attention import decode_attention, build_attention_metadata, gather_blocks
 from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes
 from llmc.engine.torch.triton_attention import kernel_available, num_splits
 from llmc.runtime.params import SamplingParams
@@ -90,7 +90,7 @@ def test_kernel_matches_the_reference_decode_attention(dtype, splits):
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.float() - ref).abs().max().item() < tol
     if splits is None:  # the engine's decode path picks the kernel on CUDA, with the default splits
-        assert torch.equal(_decode_attention(q, k_cache, v_cache, meta, scale), got)
+        assert torch.equal(decode_attention(q, k_cache, v_cache, meta, scale), got)
 
 
 def _run_schedule(runner, prompts: dict[str, list[int]], arrivals: dict[str, int], max_new: int, chunk: int):

@@ -13,21 +13,31 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
 from llmc.engine.torch import triton_support
-from llmc.engine.torch.int4_cuda import (CHUNK, TILE, DenseScratch, Int4CudaLinear, KernelConfig, heuristic_config,
+from llmc.engine.torch.int4_cuda import (CHUNK, TILE, Scratch, Int4CudaLinear, KernelConfig, heuristic_config,
                                          pack_for_cuda, silu_mul)
+
+
+KERNEL_MODULES = ("int4_triton", "fused_triton")
+
+
+def _forget_kernel_modules() -> None:
+    """Drop the kernel modules so the next import defines their kernels again (``triton.jit`` reads
+    TRITON_INTERPRET when a kernel is defined)."""
+    package = sys.modules["llmc.engine.torch"]
+    for name in KERNEL_MODULES:
+        sys.modules.pop(f"llmc.engine.torch.{name}", None)
+        package.__dict__.pop(name, None)
 
 
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
-    """Triton's CPU interpreter for every test here: kernels are (re)defined with TRITON_INTERPRET=1."""
+    """Triton's CPU interpreter for every test here: kernels are defined anew with TRITON_INTERPRET=1."""
     monkeypatch.setenv(triton_support.INTERPRET_ENV, "1")
-    for name in ("llmc.engine.torch.int4_triton", "llmc.engine.torch.fused_triton"):
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
+    _forget_kernel_modules()
+    for name in KERNEL_MODULES:
+        importlib.import_module(f"llmc.engine.torch.{name}")
     yield
-    monkeypatch.delenv(triton_support.INTERPRET_ENV)
-    for name in ("llmc.engine.torch.int4_triton", "llmc.engine.torch.fused_triton"):
-        sys.modules.pop(name, None)  # the next user re-imports them with its own setting
+    _forget_kernel_modules()  # the next user imports them with its own setting
 
 
 def random_linear(n: int, k: int, group: int, dtype: torch.dtype, prequant: bool, seed: int = 0):
@@ -38,21 +48,29 @@ def random_linear(n: int, k: int, group: int, dtype: torch.dtype, prequant: bool
     return pack_int4(q), scales, pq
 
 
-def layer_of(packed, scales, pq, group, silu_gate=False):
+def layer_of(packed, scales, pq, group, silu_output=False):
+    """An Int4CudaLinear of the IR tensors; ``silu_output``: rows [0, N/2) are fc, [N/2, N) gate, interleaved as
+    the loader does for an MLP."""
     words, scales_t = pack_for_cuda(packed, scales, group)
+    if silu_output:
+        half = words.shape[1] // 2
+        words = torch.stack([words[:, :half], words[:, half:]], dim=2).flatten(1)
+        scales_t = torch.stack([scales_t[:, :half], scales_t[:, half:]], dim=2).flatten(1)
     k = packed.shape[1]
-    scratch = DenseScratch(2 * packed.shape[0] * k, scales.dtype, torch.device("cpu"))
-    return Int4CudaLinear(words, scales_t, pq, k, group, scratch, silu_gate_input=silu_gate)
+    scratch = Scratch(scales.dtype, torch.device("cpu"))
+    scratch.reserve(partials=16 * 64 * packed.shape[0] * 2, counters=1024)  # room for the explicit configs below
+    return Int4CudaLinear(words, scales_t, pq, k, group, scratch, silu_output=silu_output)
 
 
-def reference(x, packed, scales, pq, group, silu_gate):
-    """float64 product over the dequantized weight (q * scale * prequant)."""
+def reference(x, packed, scales, pq, group, silu_output):
+    """float64 product over the dequantized weight (q * scale * prequant); silu(fc) * gate of its two halves."""
     k = packed.shape[1]
-    x = x.double()
-    if silu_gate:
-        x = F.silu(x[:, :k]) * x[:, k:]
     weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k), group).double()
-    return x @ weight.T
+    y = x.double() @ weight.T
+    if silu_output:
+        half = y.shape[1] // 2
+        y = F.silu(y[:, :half]) * y[:, half:]
+    return y
 
 
 def test_pack_for_cuda_puts_input_128t_16j_i_in_nibble_j_of_word_16t_i():
@@ -69,24 +87,27 @@ def test_pack_for_cuda_puts_input_128t_16j_i_in_nibble_j_of_word_16t_i():
     assert torch.equal(pad, torch.full_like(pad, 8))
 
 
-CASES = [  # n, k, group, rows, dtype, prequant, silu_gate, config
+CASES = [  # n, k, group, rows, dtype, prequant, silu_output, config
     (96, 256, 128, 1, torch.bfloat16, False, False, KernelConfig(16, 32, 1, 4, 2)),
     (80, 576, 64, 3, torch.float16, True, False, KernelConfig(16, 32, 2, 4, 3)),  # K and N not tile multiples
     (64, 384, 64, 17, torch.bfloat16, False, True, KernelConfig(32, 16, 2, 4, 2)),
     (48, 256, 128, 20, torch.float32, True, False, KernelConfig(16, 16, 1, 4, 2)),
     (128, 256, 64, 64, torch.float16, False, False, KernelConfig(64, 64, 2, 4, 3)),
     (128, 64, 64, 3, torch.float16, False, False, KernelConfig(16, 32, 1, 4, 3)),  # K < 128: half a tile is pad
+    # split-K: 5 tiles in splits of 2 (the last split has one tile: masked), partials summed by the last arrival
+    (80, 576, 64, 5, torch.float16, True, False, KernelConfig(16, 32, 1, 4, 3, 3)),
+    (64, 512, 128, 2, torch.bfloat16, False, True, KernelConfig(16, 32, 2, 4, 3, 2)),  # even split, unrolled
 ]
 
 
-@pytest.mark.parametrize("n,k,group,rows,dtype,prequant,silu_gate,config", CASES)
-def test_kernel_matches_the_dequantized_product(n, k, group, rows, dtype, prequant, silu_gate, config):
+@pytest.mark.parametrize("n,k,group,rows,dtype,prequant,silu_output,config", CASES)
+def test_kernel_matches_the_dequantized_product(n, k, group, rows, dtype, prequant, silu_output, config):
     packed, scales, pq = random_linear(n, k, group, dtype, prequant)
-    layer = layer_of(packed, scales, pq, group, silu_gate)
-    x = torch.randn(rows, 2 * k if silu_gate else k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    expected = reference(x, packed, scales, pq, group, silu_gate)
+    layer = layer_of(packed, scales, pq, group, silu_output)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = reference(x, packed, scales, pq, group, silu_output)
     got = layer.matmul(x, config)
-    assert got.dtype == dtype and got.shape == (rows, n)
+    assert got.dtype == dtype and got.shape == (rows, n // 2 if silu_output else n)
     rel = ((got.double() - expected).norm() / expected.norm()).item()
     # The kernel's arithmetic is exact up to the input transform's rounding to the activations' dtype and the
     # output rounding: a bf16 result's relative error is ~2^-9.
@@ -100,29 +121,40 @@ def test_every_output_element_is_written():
     x = torch.randn(5, 576).half()
     got = layer.matmul(x, KernelConfig(16, 32, 2, 4, 2))  # 80 = 2.5 blocks of 32: the last one is masked
     assert torch.isfinite(got).all() and (got != 0).float().mean() > 0.99
+    split = layer.matmul(x, KernelConfig(16, 32, 1, 4, 2, 4))
+    assert torch.isfinite(split).all() and (split != 0).float().mean() > 0.99
+    assert not layer.scratch.buffer("counters", 0).any()  # every last arrival reset its counter
 
 
-def test_dense_path_and_layer_dispatch():
+@pytest.mark.parametrize("silu_output", [False, True])
+def test_dense_path_and_layer_dispatch(silu_output):
     packed, scales, pq = random_linear(96, 256, 64, torch.float16, True)
-    layer = layer_of(packed, scales, pq, 64)
-    weight = layer.dequantize(torch.empty(256, 96, dtype=torch.float16))
-    assert torch.allclose(weight.float(), dequantize_w4a16(packed, scales, pq, 64).T.float(), rtol=1e-3, atol=1e-6)
+    layer = layer_of(packed, scales, pq, 64, silu_output)
+    if not silu_output:
+        weight = layer.dequantize(torch.empty(256, 96, dtype=torch.float16))
+        assert torch.allclose(weight.float(), dequantize_w4a16(packed, scales, pq, 64).T.float(), rtol=1e-3,
+                              atol=1e-6)
     layer.dense_from_m = 4
     x = torch.randn(6, 256).half()
-    expected = reference(x, packed, scales, pq, 64, False)
+    expected = reference(x, packed, scales, pq, 64, silu_output)
     for rows in (3, 6):  # below: the int4 kernel; at or above: dequantize + matmul
         got = layer(x[:rows])
         assert ((got.double() - expected[:rows]).norm() / expected[:rows].norm()) < 2e-3
 
 
-def test_silu_mul_kernel():
+def test_silu_mul_kernel_plain_and_interleaved():
     x = torch.randn(5, 2 * 300)
     assert torch.allclose(silu_mul(x), F.silu(x[:, :300]) * x[:, 300:], atol=1e-6)
+    assert torch.allclose(silu_mul(x, interleaved=True), F.silu(x[:, 0::2]) * x[:, 1::2], atol=1e-6)
 
 
-def test_heuristic_config_pads_rows_to_the_tensor_core_minimum():
+def test_heuristic_config_pads_rows_and_splits_narrow_layers():
     assert heuristic_config(1, 4096).block_m == 16 and heuristic_config(40, 4096).block_m == 64
     assert heuristic_config(200, 4096).block_m == 64 and heuristic_config(1, 576).block_n <= 32
+    narrow, wide = heuristic_config(1, 4096, 14336), heuristic_config(1, 28672, 4096)
+    assert narrow.split_k > 1 and narrow.grid(1, 4096)[0] * narrow.split_k <= 2 * 4 * 132
+    assert wide.split_k == 1  # 896 column blocks already fill the GPU
+    assert heuristic_config(1, 4096, 256).split_k == 1  # two tiles: nothing to split
 
 
 def test_fused_norm_and_rope_kernels_match_the_reference_ops():
@@ -184,8 +216,8 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
 
     fast = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16)  # TRITON_INTERPRET=1: the Triton path on CPU
     layers = [m for m in fast.modules() if isinstance(m, Layer)]
-    assert len(layers) == 2 * 4 and fast.cuda_fused  # qkv, dense, fc + gate stacked, proj with silu input
-    assert all(m.silu_gate_input for m in layers if m.out_features == 64 and m.in_features == 128)
+    assert len(layers) == 2 * 4 and fast.cuda_fused  # qkv, dense, fc + gate interleaved, proj
+    assert sum(m.silu_output for m in layers) == 2  # fc + gate return silu(fc) * gate [T, 128]
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.transformer.layers.modules())
     unfolded = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, fold_prequant=False)
     reference_model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, cuda_kernels=False)
