@@ -400,3 +400,13 @@ def test_prefix_caching_override_and_hit_counters(tiny_build_dir, prefix_caching
     stats = engine.stats()
     assert stats["prefix_cache_queried_tokens"] == 2 * len(prompt)
     assert stats["prefix_cache_hit_tokens"] == (32 if enabled else 0)  # never the block of the last token
+
+
+def test_prefix_caching_override_is_refused_for_a_tensorrt_llm_build(tiny_build_dir, tmp_path):
+    from llmc.runtime.api import Engine
+
+    manifest = json.loads((tiny_build_dir / "manifest.json").read_text())
+    manifest["backend"] = manifest["recipe"]["backend"] = "tensorrt_llm"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RequestError, match="serving.enable_kv_cache_reuse"):
+        Engine.from_dir(tmp_path, prefix_caching=False)
