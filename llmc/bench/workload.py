@@ -145,11 +145,12 @@ class TextCorpus:
         n = len(self.ids)
         if n < _MIN_CORPUS_TOKENS:
             return f"the corpus encodes to only {n} tokens"
+        counts = Counter(self.ids)
         unk = getattr(self.tokenizer, "unk_token_id", None)
-        if unk is not None and self.ids.count(unk) > _MAX_UNKNOWN_SHARE * n:
-            return (f"{self.ids.count(unk) / n:.0%} of the corpus tokens are the unknown token "
+        if unk is not None and counts[unk] > _MAX_UNKNOWN_SHARE * n:
+            return (f"{counts[unk] / n:.0%} of the corpus tokens are the unknown token "
                     f"{self.tokenizer.unk_token!r} (id {unk})")
-        top, count = Counter(self.ids).most_common(1)[0]
+        top, count = counts.most_common(1)[0]
         if count > _MAX_TOP_SHARE * n:
             return f"token id {top} is {count / n:.0%} of the corpus tokens"
         width = min(64, n // _PROBES)
@@ -236,16 +237,6 @@ def prompt_source(tokenizer: Any, add_special_tokens: bool = False, exclude_ids:
     if reason is None:
         return corpus
     return RandomTokenIds(tokenizer, add_special_tokens, reason, exclude_ids)
-
-
-def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading tokens ``a`` and ``b`` have in common."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _distinct_cut(source: PromptSource, rng: random.Random, length: int,

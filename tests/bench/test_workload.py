@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from llmc.bench.workload import (DISTINCT_HEAD, BenchPrompt, LengthDist, RandomTokenIds, TextCorpus, Workload,
                                  bench_params, file_workload, plan_levels, prompt_length_summary, prompt_source,
-                                 shared_prefix, synthetic_workload)
+                                 synthetic_workload)
 from llmc.errors import RequestError
 from llmc.runtime.params import SamplingParams
 from tests.bench.word_tokenizer import word_level_tokenizer
@@ -142,6 +142,10 @@ def test_bench_params_enforce_the_output_length():
 
 
 # ----------------------------------------------------------------------------- distinct synthetic prompts
+def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def assert_distinct_from_the_first_tokens(workload: Workload, num_special: int = 0) -> None:
     """Pairwise distinct prompts, no two sharing more than their special tokens plus DISTINCT_HEAD - 1 tokens
     (so none can reuse a cached KV block of another: blocks hold >= 8 tokens)."""
@@ -221,3 +225,11 @@ class _CharTokenizer:
 def test_corpus_problems_are_named(encode, decode, problem):
     found = TextCorpus(_CharTokenizer(encode, decode)).problem()
     assert found == problem if problem is None else problem in found
+
+
+def test_prompts_that_would_begin_alike_are_drawn_again():
+    """Character-level windows of English text often begin alike (" the ..."); the workload draws those again."""
+    chars = _CharTokenizer(ord, chr)
+    w = synthetic_workload(chars, LengthDist("fixed", 20), LengthDist("fixed", 2), 300, seed=0,
+                           corpus=TextCorpus(chars))
+    assert_distinct_from_the_first_tokens(w)
