@@ -77,12 +77,12 @@ $py -m llmc.cli build "$work/recipe.yaml" -o "$work/build"
 if [ "$device" = cuda ] && [ -z "${SKIP_GPU_TESTS:-}" ]; then
   step "gpu tests"
   # Only the folders with gpu tests: the serving tests import tritonclient, which GPU images may lack.
-  check "gpu tests" $py -m pytest -q -m gpu tests/engine tests/runtime -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
+  check "gpu tests" "$py" -m pytest -q -m gpu tests/engine tests/runtime -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
   tail -n 15 "$out/gpu_tests.txt"
 fi
 
 step "greedy check vs transformers (16 tokens, bfloat16)"
-check "greedy check (bfloat16)" $py scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 --device "$device" \
+check "greedy check (bfloat16)" "$py" scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 --device "$device" \
   >"$out/greedy.json"
 cat "$out/greedy.json"
 
@@ -94,7 +94,7 @@ if [ -z "${SKIP_FP32_TWIN:-}" ]; then
   sed -e 's/^name: .*/name: llama31-8b-random-fp32/' -e 's/dtype: bfloat16/dtype: float32/' \
     "$work/recipe.yaml" >"$work/recipe-fp32.yaml"
   $py -m llmc.cli build "$work/recipe-fp32.yaml" -o "$work/build-fp32"
-  check "greedy check (float32)" $py scripts/greedy_check.py "$work/build-fp32" "$work/hf" --tokens 16 \
+  check "greedy check (float32)" "$py" scripts/greedy_check.py "$work/build-fp32" "$work/hf" --tokens 16 \
     --device "$device" >"$out/greedy_fp32.json"
   cat "$out/greedy_fp32.json"
   rm -rf "$work/build-fp32"
@@ -103,11 +103,11 @@ fi
 if [ -n "${SKIP_BENCH:-}" ]; then finish; fi
 
 step "llmc bench (ISL ${ISL:-2048} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; baseline transformers; prefix reuse off)"
-check "llmc bench" $py -m llmc.cli bench "$work/build" --device "$device" --isl "${ISL:-2048}" --osl "${OSL:-128}" \
+check "llmc bench" "$py" -m llmc.cli bench "$work/build" --device "$device" --isl "${ISL:-2048}" --osl "${OSL:-128}" \
   --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 --warmup 2 --baseline hf \
   --prefix-caching off --json "$out/bench.json" --plots "$out/plots"
 # Distinct prompts and reuse off: not one prompt token may come from the prefix cache.
-check "bench: no prefix-cache hits" $py -c '
+check "bench: no prefix-cache hits" "$py" -c '
 import json, sys
 report = json.load(open(sys.argv[1]))
 hits = {lv["concurrency"]: lv["prefix_cache"]["hit_tokens"] for lv in report["levels"]}
@@ -116,7 +116,7 @@ sys.exit(1 if any(hits.values()) else 0)' "$out/bench.json"
 
 if [ "$device" = cuda ] && [ -z "${SKIP_DECODE_STEPS:-}" ]; then
   step "decode steps: CUDA graphs vs eager (batch 1, 8, 64 at 2,048 cached tokens)"
-  check "decode steps" $py scripts/decode_steps.py "$work/build" --batch 1,8,64 --context 2048 --device "$device" \
+  check "decode steps" "$py" scripts/decode_steps.py "$work/build" --batch 1,8,64 --context 2048 --device "$device" \
     >"$out/decode_steps.json"
   cat "$out/decode_steps.json"
 fi
