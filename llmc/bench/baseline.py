@@ -77,7 +77,8 @@ class HFBaseline:
         return {"name": "hf", "model_dir": str(self.hf_dir), "dtype": str(self.dtype).removeprefix("torch."),
                 "device": str(self.device), "transformers": transformers.__version__,
                 "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
-                "batching": "sequential at concurrency 1, static left-padded batches above"}
+                "batching": "sequential at concurrency 1, static left-padded batches above",
+                "prefix_caching": False}
 
     @torch.inference_mode()
     def generate_batch(self, prompts: Sequence[BenchPrompt], params: SamplingParams) -> list[RequestRecord]:
@@ -115,7 +116,8 @@ class HFBaseline:
                                   "weights_mb": round(self.weight_bytes / 2**20, 1)}
         if self.device.type == "cuda":
             memory["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
-        return LevelResult(concurrency, tuple(records), wall, memory)
+        # generate() keeps no KV cache between calls: every prompt token is computed again
+        return LevelResult(concurrency, tuple(records), wall, memory, prefix_cache={"hit_tokens": 0})
 
     def warm_up(self, prompts: Sequence[BenchPrompt], params: SamplingParams) -> None:
         """Run ``prompts`` one at a time, unmeasured (first-call costs, allocator growth)."""

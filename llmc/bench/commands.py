@@ -2,7 +2,9 @@
 
 Every request's output length is enforced (``ignore_eos=True`` + ``max_new_tokens``) so runs compare; warm-up
 requests run first and are not measured; ``--baseline hf`` measures transformers ``generate`` on the same
-model and prompts in the same run and reports llmc / baseline ratios.
+model and prompts in the same run and reports llmc / baseline ratios. transformers recomputes every prompt,
+so with a baseline llmc's prefix reuse is off unless ``--prefix-caching on`` asks for it (see
+:func:`prefix_caching_override`); every level reports the prompt tokens served from cached blocks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class BenchOptions:
     seed: int
     threads: int | None = None
     repeat: int = 1
+    prefix_caching: str = "auto"
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
@@ -58,9 +61,25 @@ def parse_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> tuple[Any, Any]:
-    """The workload the options describe (a prompts file, or synthetic ISL/OSL distributions) and its split
-    into warm-up prompts and one disjoint slice per concurrency level."""
+PREFIX_CACHING_MODES = ("auto", "on", "off")
+
+
+def prefix_caching_override(mode: str, baseline: str | None) -> tuple[bool | None, str]:
+    """``--prefix-caching MODE`` -> (the engine's override, None = the build's ``serving.enable_kv_cache_reuse``;
+    why, for the report). ``auto`` turns reuse off when a baseline that cannot reuse a prefix is measured."""
+    if mode not in PREFIX_CACHING_MODES:
+        raise RequestError("prefix_caching", f"unknown mode {mode!r}; use one of {', '.join(PREFIX_CACHING_MODES)}")
+    if mode != "auto":
+        return mode == "on", f"--prefix-caching {mode}"
+    if baseline is not None:
+        return False, f"auto: the {baseline} baseline cannot reuse a prefix; --prefix-caching on to measure reuse"
+    return None, "auto: the build's serving.enable_kv_cache_reuse"
+
+
+def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool,
+              eos_token_ids: tuple[int, ...] = ()) -> tuple[Any, Any]:
+    """The workload the options describe (a prompts file, or synthetic ISL/OSL distributions; random-id prompts
+    never contain ``eos_token_ids``) and its split into warm-up prompts and one disjoint slice per level."""
     from llmc.bench.workload import LengthDist, file_workload, level_sizes, plan_levels, synthetic_workload
 
     if opts.prompts is not None:
@@ -71,7 +90,7 @@ def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool) -> t
         total = opts.warmup + opts.repeat * sum(level_sizes(opts.concurrency, per_level))
         workload = synthetic_workload(tokenizer, LengthDist(opts.isl_dist, opts.isl, opts.spread),
                                       LengthDist(opts.osl_dist, opts.osl, opts.spread), total, opts.seed,
-                                      add_special_tokens)
+                                      add_special_tokens, exclude_ids=tuple(eos_token_ids))
     return workload, plan_levels(workload, opts.concurrency, per_level, opts.warmup, opts.repeat)
 
 
@@ -93,11 +112,13 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
     from llmc.runtime.api import Engine
 
     baseline = None
+    override, why = prefix_caching_override(opts.prefix_caching, opts.baseline)
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
-        engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log)
+        engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log, prefix_caching=override)
         try:
-            workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens)
+            workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens,
+                                       engine.eos_token_ids)
             if opts.baseline == "hf":
                 baseline = load_baseline(opts, str(engine.runner.device))
             levels, base_levels = run_offline(engine, plan, params, step_log, _progress(), baseline)
@@ -109,7 +130,9 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       "max_batch_size": engine.recipe.engine.max_batch_size,
                       "max_num_tokens": engine.recipe.engine.max_num_tokens,
                       "tokens_per_block": engine.runner.block_size, "kv_blocks": engine.runner.num_blocks,
-                      "prefix_caching": engine.recipe.serving.enable_kv_cache_reuse},
+                      "prefix_caching": engine.block_manager.enable_prefix_caching},
+           "prefix_caching": {"mode": opts.prefix_caching, "llmc": engine.block_manager.enable_prefix_caching,
+                              "baseline": False if baseline else None, "why": why},
            "order": "at each level llmc first, then the baseline, same prompts" if baseline else "llmc only",
            "rss_note": "process RSS; with --baseline both models are loaded in the one process"}
     if baseline is not None:
@@ -141,21 +164,22 @@ def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], l
     from llmc.bench.client import make_client, run_client
     from llmc.builder.load import load_tokenizer
 
-    add_special, model = False, opts.model
+    add_special, model, eos_ids = False, opts.model, ()
     if opts.tokenizer is not None:
         tokenizer = load_tokenizer(opts.tokenizer)
     elif opts.engine_dir is not None:
         from llmc.builder.manifest import read_manifest
 
-        recipe = read_manifest(opts.engine_dir).recipe_obj()
+        manifest = read_manifest(opts.engine_dir)
+        recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(opts.engine_dir / "tokenizer")
-        add_special = recipe.model.add_special_tokens
+        add_special, eos_ids = recipe.model.add_special_tokens, tuple(manifest.eos_token_ids)
         model = model or recipe.serving.model_name or recipe.name
     else:
         raise RequestError("tokenizer", "--url needs ENGINE_DIR or --tokenizer DIR to measure prompt lengths")
     if model is None:
         raise RequestError("model", "pass --model NAME (the served model's name)")
-    workload, plan = load_plan(opts, tokenizer, add_special)
+    workload, plan = load_plan(opts, tokenizer, add_special, eos_ids)
     client = make_client(opts.protocol, opts.url, model, params)
     try:
         levels = run_client(client, plan, on_level=lambda level: _progress()(f"{opts.protocol} client", level))
@@ -164,6 +188,9 @@ def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], l
     run = {"mode": "server", "url": opts.url, "protocol": opts.protocol, "model": model, "device": "server",
            "engine_dir": str(opts.engine_dir) if opts.engine_dir else None, "workload": workload.description,
            "ttft_from": "request send (connection already open)",
+           "prefix_caching": {"mode": "auto", "llmc": None, "baseline": None,
+                              "why": "the server's build decides (serving.enable_kv_cache_reuse); its hits are not "
+                                     "visible to the client"},
            "token_count": "server-reported usage when present, else one per streamed chunk with output"}
     return run, levels, plan
 
@@ -230,6 +257,12 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
 @click.option("--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots into this folder.")
 @click.option("--seed", default=0, show_default=True, help="Workload seed (prompt lengths and texts).")
 @click.option("--threads", type=click.IntRange(1), help="torch CPU threads for the engine and the baseline.")
+@click.option("--prefix-caching", type=click.Choice(PREFIX_CACHING_MODES), default="auto", show_default=True,
+              help="llmc's KV-cache prefix reuse while measuring (offline). auto: off with --baseline (transformers "
+                   "recomputes every prompt, so reuse would flatter the ratios), else the build's "
+                   "serving.enable_kv_cache_reuse; on / off: force it (on with --baseline is flagged in the report "
+                   "and the plots). Each level reports the prompt tokens served from cached blocks. Synthetic "
+                   "prompts never share a prefix, so reuse only matters for --prompts files.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
                    "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "
@@ -239,11 +272,14 @@ def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: st
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
               sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
               warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None,
-              repeat: int) -> None:
+              prefix_caching: str, repeat: int) -> None:
     """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
     if baseline and url:
         raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
+    if url and prefix_caching != "auto":
+        raise RequestError("prefix_caching", "a server reuses prefixes as its build's serving."
+                                             "enable_kv_cache_reuse says; drop --prefix-caching with --url")
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": sampling_seed}
     execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
                          num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
-                         max(0, warmup), json_out, plots, seed, threads, repeat))
+                         max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching))

@@ -40,14 +40,23 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
 
         torch.cuda.reset_peak_memory_stats(engine.runner.device)
     per_prompt = {p.max_new_tokens: bench_params(params, p.max_new_tokens) for p in prompts}
+    before = engine.stats()
     t0 = engine.clock()
     with PeakMonitor(lambda: _engine_load(engine)) as monitor:
         records, wall = closed_loop(list(prompts), concurrency,
                                     lambda p: run_request(engine, p, per_prompt[p.max_new_tokens]), engine.clock)
     t1 = engine.clock()
+    after = engine.stats()
     memory = _memory(engine, monitor.peaks, cuda)
     steps = summarize_steps(read_metrics_log(step_log), t0, t1) if step_log is not None and step_log.exists() else {}
-    return LevelResult(concurrency, tuple(records), wall, memory, steps)
+    return LevelResult(concurrency, tuple(records), wall, memory, steps, prefix_cache_delta(before, after))
+
+
+def prefix_cache_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Prompt tokens looked up in / served from the prefix cache between two ``Engine.stats()`` snapshots (the
+    engine is idle at both: every allocation in between belongs to the level)."""
+    return {key: after[f"prefix_cache_{key}"] - before[f"prefix_cache_{key}"]
+            for key in ("queried_tokens", "hit_tokens")}
 
 
 def run_offline(engine: Any, plan: BenchPlan, params: SamplingParams, step_log: Path | None = None,

@@ -2,13 +2,17 @@
 
 ``itl_by_token_index.png`` (mean ITL over the output token index, one line per concurrency level),
 ``ttft_vs_prompt_length.png`` (one point per request) and ``tgs_vs_concurrency.png``; the baseline, when
-present, is drawn next to llmc with dashed lines / cross markers.
+present, is drawn next to llmc with dashed lines / cross markers. Every plot carries the run's prefix-caching
+line (:func:`~llmc.bench.report.prefix_caching_caption`) under its title and in the PNG's ``Description``.
 """
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
+
+from llmc.bench.report import prefix_caching_caption
 
 PLOT_FILES = ("itl_by_token_index.png", "ttft_vs_prompt_length.png", "tgs_vs_concurrency.png")
 
@@ -31,14 +35,19 @@ def write_plots(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / name for name in PLOT_FILES]
+    caption = prefix_caching_caption(report)
+    reuse = bool((report.get("prefix_caching") or {}).get("llmc"))
     for path, draw in zip(paths, (_itl_by_index, _ttft_vs_length, _tgs_vs_concurrency)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         draw(ax, report)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        lines = textwrap.wrap(caption, 120)
+        fig.text(0.5, 0.01, "\n".join(lines), ha="center", va="bottom", fontsize=7,
+                 color="darkred" if reuse else "dimgray")
+        fig.tight_layout(rect=(0, 0.035 * len(lines), 1, 1))  # room for the caption
+        fig.savefig(path, dpi=100, metadata={"Description": caption})
         plt.close(fig)
     return paths
 

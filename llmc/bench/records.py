@@ -46,13 +46,17 @@ class LevelResult:
     """All requests measured at one concurrency level, the wall time of the level and what it used.
 
     ``memory`` holds the peaks seen during the level (``rss_mb``, ``cuda_max_allocated_mb``, ``kv_blocks_used``,
-    ``kv_bytes``...); ``steps`` summarises the engine's step metrics (offline only, else empty)."""
+    ``kv_bytes``...); ``steps`` summarises the engine's step metrics (offline only, else empty);
+    ``prefix_cache`` counts the prompt tokens looked up in the prefix cache during the level and those served
+    from cached blocks (``queried_tokens``, ``hit_tokens``; empty when the driver cannot see them: a server).
+    """
 
     concurrency: int
     records: tuple[RequestRecord, ...]
     wall_s: float
     memory: dict[str, Any] = field(default_factory=dict)
     steps: dict[str, Any] = field(default_factory=dict)
+    prefix_cache: dict[str, int] = field(default_factory=dict)
 
 
 def current_rss_mb() -> float:

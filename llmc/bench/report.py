@@ -5,6 +5,9 @@ P50/P95/P99 and its mean per token index, end-to-end latency, TGS (generated tok
 four conditions (prompt-length distribution, sampling parameters, concurrency, memory used) and requests/s.
 A baseline measured in the same run gets the same figures, and ``ratios`` divides llmc's by the baseline's.
 With ``--repeat N`` each level is measured N times: TGS is the median repetition's, latencies pool all requests.
+Every level also counts the prompt tokens served from llmc's prefix cache, and :func:`prefix_caching_caption`
+says in one line whether reuse was on (and, with a baseline that recomputes every prompt, that the ratios
+are then not like for like): the printout and every plot carry it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequenc
     generated = sum(r.generated_tokens for r in records)
     wall = sum(lv.wall_s for lv in reps)
     tgs = _tgs(median)
+    cache = prefix_cache_summary(reps)
     return {
         "concurrency": median.concurrency,
         "num_requests": len(records),
@@ -72,7 +76,9 @@ def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequenc
         "tgs_per_request": tgs / median.concurrency if tgs is not None else None,
         "requests_per_s": len(records) / wall if wall > 0 else None,
         "repetitions": [{"wall_s": lv.wall_s, "generated_tokens": sum(r.generated_tokens for r in lv.records),
-                         "tgs": _tgs(lv)} for lv in reps],
+                         "tgs": _tgs(lv), "prefix_cache_hit_tokens": lv.prefix_cache.get("hit_tokens")}
+                        for lv in reps],
+        "prefix_cache": cache,
         "ttft_s": _stats(ttfts),
         "ttft_by_bucket_s": by_bucket,
         "itl_s": _stats([gap for r in records for gap in r.itls]),
@@ -89,6 +95,33 @@ def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequenc
             "memory": median.memory,
         },
     }
+
+
+def prefix_cache_summary(reps: Sequence[LevelResult]) -> dict[str, Any] | None:
+    """Prompt tokens served from the prefix cache over all repetitions of a level: ``hit_tokens``,
+    ``queried_tokens`` (None for a driver that does no lookups) and ``hit_rate`` (hits / lookups); None when
+    the driver cannot see the cache (a server)."""
+    if not reps or any("hit_tokens" not in lv.prefix_cache for lv in reps):
+        return None
+    hits = sum(lv.prefix_cache["hit_tokens"] for lv in reps)
+    queried = sum(lv.prefix_cache.get("queried_tokens", 0) for lv in reps) if all(
+        "queried_tokens" in lv.prefix_cache for lv in reps) else None
+    return {"hit_tokens": hits, "queried_tokens": queried, "hit_rate": hits / queried if queried else None}
+
+
+def prefix_caching_caption(report: dict[str, Any]) -> str:
+    """One line on prefix reuse in this run: whether llmc reused cached prompt prefixes, why, how many prompt
+    tokens that served, and whether the baseline comparison is like for like."""
+    setting = report.get("prefix_caching") or {}
+    if setting.get("llmc") is None:
+        return f"prefix caching: {setting.get('why', 'unknown')}"
+    hits = sum((lv.get("prefix_cache") or {}).get("hit_tokens") or 0 for lv in report["levels"])
+    if not setting["llmc"]:
+        return f"prefix caching off ({setting.get('why')})"
+    text = f"prefix caching ON ({setting.get('why')}): {hits} prompt tokens served from cached blocks"
+    if report.get("baseline"):
+        text += "; the baseline recomputes every prompt, so the ratios are not like for like"
+    return text
 
 
 def _count(items: Any) -> dict[str, int]:
@@ -193,13 +226,21 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _hits(cache: dict[str, Any] | None) -> str:
+    """``hit tokens (hit rate)`` of a level, or "-" when the cache is not visible."""
+    if cache is None:
+        return "-"
+    rate = cache.get("hit_rate")
+    return f"{cache['hit_tokens']}" + ("" if rate is None else f" ({rate:.0%})")
+
+
 def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
     """A rich Table of the levels of one system (llmc or the baseline); times in milliseconds."""
     from rich.table import Table
 
     table = Table(title=title)
     for column in ("conc", "reqs", "TGS tok/s", "req/s", "TTFT p50/p95/p99 ms", "TTFT p50 by bucket ms",
-                   "ITL p50/p95/p99 ms", "e2e p50 ms", "memory"):
+                   "ITL p50/p95/p99 ms", "e2e p50 ms", "prefix hits", "memory"):
         table.add_column(column, justify="right" if column != "memory" else "left")
     for lv in levels:
         t, i = lv["ttft_s"], lv["itl_s"]
@@ -215,7 +256,8 @@ def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
             tgs += " (" + "/".join(_num(r["tgs"], "{:.0f}") for r in lv["repetitions"]) + ")"
         table.add_row(str(lv["concurrency"]), str(lv["num_requests"]), tgs, _num(lv["requests_per_s"], "{:.2f}"),
                       f"{_ms(t['p50'])}/{_ms(t['p95'])}/{_ms(t['p99'])}", buckets or "-",
-                      f"{_ms(i['p50'])}/{_ms(i['p95'])}/{_ms(i['p99'])}", _ms(lv["e2e_s"]["p50"]), mem_text)
+                      f"{_ms(i['p50'])}/{_ms(i['p95'])}/{_ms(i['p99'])}", _ms(lv["e2e_s"]["p50"]),
+                      _hits(lv.get("prefix_cache")), mem_text)
     return table
 
 
@@ -235,6 +277,12 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     console.print(f"prompts: {report['prompt_lengths']['count']} (tokens min {pl['min']} mean {_num(pl['mean'])} max "
                   f"{pl['max']}), sampling: temperature={report['sampling'].get('temperature')}, "
                   f"OSL enforced by {report['osl_enforcement']}")
+    caption = prefix_caching_caption(report)
+    reuse = (report.get("prefix_caching") or {}).get("llmc")
+    console.print(f"[bold yellow]{caption}[/bold yellow]" if reuse else caption, highlight=False)
+    why_random = (report.get("workload") or {}).get("why")
+    if why_random:
+        console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)
     if report.get("repeat", 1) > 1:
         console.print(f"every level measured {report['repeat']} times, interleaved: TGS is the median repetition's "
                       "(each repetition's in brackets); latencies pool all requests")

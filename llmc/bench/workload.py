@@ -2,16 +2,22 @@
 
 Synthetic prompts are real text (Python's ``pydoc_data`` topics, shipped with CPython) cut to a target token
 length such that ``encode(decode(ids)) == ids``: the same prompt has the same length whether it is sent as
-token ids (offline) or as text (through a server). Everything is seeded: one seed, one workload.
+token ids (offline) or as text (through a server). A tokenizer that cannot encode that text (a word-level
+vocabulary maps every pydoc word to its unknown token: every prompt would be one id repeated) gets prompts of
+random token ids instead, drawn from its non-special vocabulary and kept only when their text round-trips.
+Either way no two prompts of a synthetic workload begin with the same ``DISTINCT_HEAD`` tokens after their
+special tokens, so none can reuse another's cached KV blocks (a block holds at least 8 tokens).
+Everything is seeded: one seed, one workload.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from llmc.errors import RequestError
 from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
@@ -20,6 +26,13 @@ from llmc.runtime.params import SamplingParams
 DistKind = Literal["fixed", "uniform", "normal"]
 DIST_KINDS: tuple[str, ...] = ("fixed", "uniform", "normal")
 _MAX_CUT_TRIES = 32
+DISTINCT_HEAD = 4  # no two synthetic prompts share their first DISTINCT_HEAD tokens after the special tokens
+_MAX_DRAWS = 64  # prompts drawn before giving up on a distinct beginning / a round-tripping text
+# The corpus is unusable when more of its tokens than this are the unknown token, or one id is this common:
+_MAX_UNKNOWN_SHARE = 0.01
+_MAX_TOP_SHARE = 0.5
+_MIN_CORPUS_TOKENS = 1000
+_PROBES = 8  # corpus windows decoded and re-encoded to check that its text round-trips at all
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,17 @@ def prompt_length_summary(prompts: tuple[BenchPrompt, ...] | list[BenchPrompt]) 
     }
 
 
+class PromptSource(Protocol):
+    """Where synthetic prompts come from: ``cut(rng, length)`` -> ``(text, token_ids)`` with ``token_ids`` the
+    tokenization of ``text`` (special tokens included); ``num_special`` tokens of each prompt are special."""
+
+    num_special: int
+
+    def cut(self, rng: random.Random, length: int) -> tuple[str, tuple[int, ...]]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 class TextCorpus:
     """The pydoc topics tokenized once: cuts token windows that decode/re-encode to exactly themselves."""
 
@@ -115,6 +139,26 @@ class TextCorpus:
         text = "\n\n".join(topics[k] for k in sorted(topics))
         self.ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         self.num_special = len(tokenizer("", add_special_tokens=add_special_tokens)["input_ids"])
+
+    def problem(self) -> str | None:
+        """Why this tokenizer cannot encode the corpus into varied, round-tripping prompts (None: it can)."""
+        n = len(self.ids)
+        if n < _MIN_CORPUS_TOKENS:
+            return f"the corpus encodes to only {n} tokens"
+        counts = Counter(self.ids)
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is not None and counts[unk] > _MAX_UNKNOWN_SHARE * n:
+            return (f"{counts[unk] / n:.0%} of the corpus tokens are the unknown token "
+                    f"{self.tokenizer.unk_token!r} (id {unk})")
+        top, count = counts.most_common(1)[0]
+        if count > _MAX_TOP_SHARE * n:
+            return f"token id {top} is {count / n:.0%} of the corpus tokens"
+        width = min(64, n // _PROBES)
+        starts = range(0, n - width, (n - width) // _PROBES)
+        if not any(len(self.tokenizer(self.tokenizer.decode(self.ids[i:i + width]), add_special_tokens=False)
+                       ["input_ids"]) == width for i in starts):
+            return "no decoded window of the corpus re-encodes to as many tokens"
+        return None
 
     def cut(self, rng: random.Random, length: int) -> tuple[str, tuple[int, ...]]:
         """A text whose tokenization has exactly ``length`` tokens (special tokens included)."""
@@ -134,24 +178,102 @@ class TextCorpus:
         assert best is not None
         return best
 
+    def describe(self) -> dict[str, Any]:
+        return {"source": "synthetic:pydoc_data.topics"}
+
+
+class RandomTokenIds:
+    """Prompts of random token ids, for a tokenizer that cannot encode the corpus (``reason`` says why).
+
+    Ids are drawn from the vocabulary without special tokens and without ``exclude_ids`` (the model's eos
+    ids); a draw is kept only when its text round-trips (``encode(decode(ids)) == ids``), so the prompt has
+    the same tokens offline and as text over HTTP. A draw whose text re-encodes differently (merged tokens)
+    is repaired by keeping the re-encoded ids and drawing the missing tail again."""
+
+    def __init__(self, tokenizer: Any, add_special_tokens: bool = False, reason: str = "",
+                 exclude_ids: tuple[int, ...] = ()):
+        self.tokenizer = tokenizer
+        self.add_special_tokens = add_special_tokens
+        self.reason = reason
+        self.num_special = len(tokenizer("", add_special_tokens=add_special_tokens)["input_ids"])
+        special = set(tokenizer.all_special_ids) | set(exclude_ids)
+        special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+        self.pool = [i for i in range(len(tokenizer)) if i not in special]  # draws pick from these ids
+        self._allowed = set(self.pool)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=special)["input_ids"]
+
+    def cut(self, rng: random.Random, length: int) -> tuple[str, tuple[int, ...]]:
+        """A text of ``length`` tokens (special tokens included) whose body is random ids that round-trip."""
+        body = length - self.num_special
+        if body < 1:
+            raise RequestError("isl", f"prompt length {length} leaves no room after the tokenizer's "
+                                      f"{self.num_special} special tokens; choose a larger --isl")
+        ids: list[int] = []
+        for _ in range(_MAX_DRAWS):
+            ids = ids[:body] + [rng.choice(self.pool) for _ in range(body - len(ids[:body]))]
+            text = self.tokenizer.decode(ids)
+            back = self._encode(text, False)
+            if back == ids:
+                full = tuple(self._encode(text, self.add_special_tokens))
+                if len(full) == length:
+                    return text, full
+            ids = [i for i in back if i in self._allowed]
+        raise RequestError("prompts", f"this tokenizer cannot encode the benchmark corpus ({self.reason}) and no "
+                                      f"{body} random token ids of it round-trip through decode and encode; pass "
+                                      f"prompts written for it with --prompts FILE")
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": "synthetic:random-token-ids", "why": f"the tokenizer cannot encode pydoc_data.topics: "
+                                                                f"{self.reason}"}
+
+
+def prompt_source(tokenizer: Any, add_special_tokens: bool = False, exclude_ids: tuple[int, ...] = ()
+                  ) -> TextCorpus | RandomTokenIds:
+    """The pydoc corpus for a tokenizer that encodes it, else random token ids (see the module docstring)."""
+    corpus = TextCorpus(tokenizer, add_special_tokens)
+    reason = corpus.problem()
+    if reason is None:
+        return corpus
+    return RandomTokenIds(tokenizer, add_special_tokens, reason, exclude_ids)
+
+
+def _distinct_cut(source: PromptSource, rng: random.Random, length: int,
+                  heads: set[tuple[int, ...]]) -> tuple[str, tuple[int, ...]]:
+    """A prompt of ``source`` whose first ``num_special + DISTINCT_HEAD`` tokens are not in ``heads`` (added)."""
+    for _ in range(_MAX_DRAWS):
+        text, ids = source.cut(rng, length)
+        head = ids[:source.num_special + DISTINCT_HEAD]
+        if head not in heads:
+            heads.add(head)
+            return text, ids
+    raise RequestError("num_prompts", f"{len(heads) + 1} prompts of {length} tokens that all begin differently "
+                                      f"could not be drawn from this tokenizer's text; lower --num-prompts or "
+                                      f"raise --isl")
+
 
 def synthetic_workload(tokenizer: Any, isl: LengthDist, osl: LengthDist, num_prompts: int, seed: int = 0,
-                       add_special_tokens: bool = False, corpus: TextCorpus | None = None) -> Workload:
-    """``num_prompts`` prompts with lengths from ``isl`` and output lengths from ``osl`` (seeded).
+                       add_special_tokens: bool = False, corpus: PromptSource | None = None,
+                       exclude_ids: tuple[int, ...] = ()) -> Workload:
+    """``num_prompts`` prompts with lengths from ``isl`` and output lengths from ``osl`` (seeded), pairwise
+    distinct from their first tokens on (see the module docstring).
 
-    ``corpus`` (optional) reuses an already tokenized :class:`TextCorpus` of the same tokenizer and setting."""
+    ``corpus`` (optional) reuses an already built prompt source of the same tokenizer and setting;
+    ``exclude_ids`` (e.g. the model's eos ids) never appear in random-id prompts."""
     if num_prompts < 1:
         raise RequestError("num_prompts", f"must be >= 1, got {num_prompts}")
     rng = random.Random(seed)
-    corpus = corpus or TextCorpus(tokenizer, add_special_tokens)
+    source = corpus or prompt_source(tokenizer, add_special_tokens, exclude_ids)
     lengths = isl.sample(rng, num_prompts)
     outputs = osl.sample(rng, num_prompts)
-    prompts = []
+    prompts: list[BenchPrompt] = []
+    heads: set[tuple[int, ...]] = set()
     for n, m in zip(lengths, outputs):
-        text, ids = corpus.cut(rng, n)
+        text, ids = _distinct_cut(source, rng, n, heads)
         prompts.append(BenchPrompt(text, ids, m))
-    description = {"source": "synthetic:pydoc_data.topics", "isl": isl.to_dict(), "osl": osl.to_dict(),
-                   "num_prompts": num_prompts, "seed": seed}
+    description = {**source.describe(), "isl": isl.to_dict(), "osl": osl.to_dict(), "num_prompts": num_prompts,
+                   "seed": seed, "distinct_head_tokens": DISTINCT_HEAD}
     return Workload(tuple(prompts), description)
 
 

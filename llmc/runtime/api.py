@@ -46,12 +46,14 @@ class Engine:
     ``runner`` implements the runner contract (``block_size``, ``num_blocks``, ``vocab_size``,
     ``execute(SchedulerOutput) -> ModelRunnerOutput``). Default sampling parameters are the recipe's
     ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
-    with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first.
+    with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first;
+    ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it).
     """
 
     def __init__(self, runner: Any, tokenizer: Any, recipe: Any, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
-                 num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 prefix_caching: bool | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.recipe = recipe
@@ -63,7 +65,8 @@ class Engine:
         if num_blocks is not None and not 0 < num_blocks <= runner.num_blocks:
             raise ValueError(f"num_blocks must be in 1..{runner.num_blocks} (the runner's KV cache), got {num_blocks}")
         self.block_manager = BlockManager(num_blocks or runner.num_blocks, runner.block_size,
-                                          enable_prefix_caching=recipe.serving.enable_kv_cache_reuse)
+                                          enable_prefix_caching=recipe.serving.enable_kv_cache_reuse
+                                          if prefix_caching is None else prefix_caching)
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
                                    limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock,
                                    max_mixed_tokens=recipe.serving.mixed_step_tokens)
@@ -76,14 +79,15 @@ class Engine:
     @classmethod
     def from_dir(cls, path: str | Path, device: str = "auto", num_blocks: int | None = None,
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
-                 warmup: bool = True) -> Engine:
+                 warmup: bool = True, prefix_caching: bool | None = None) -> Engine:
         """Load a build folder (``llmc build`` output). ``device``: "auto" (CUDA if available), "cpu", "cuda".
 
         A ``backend: tensorrt_llm`` build returns a :class:`~llmc.engine.tensorrt_llm.engine.TrtllmEngine`
         (``generate``/``stream`` over TensorRT-LLM's ModelRunnerCpp; concurrency belongs to Triton there).
 
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
-        warm-up (when it has one) before any request, so the first request is not the slow one."""
+        warm-up (when it has one) before any request, so the first request is not the slow one.
+        ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (torch backend only)."""
         from llmc.builder.load import load_tokenizer
         from llmc.builder.manifest import read_manifest
         from llmc.engine.base import load_runner
@@ -93,6 +97,9 @@ class Engine:
         if manifest.backend == "tensorrt_llm":
             from llmc.engine.tensorrt_llm.engine import TrtllmEngine
 
+            if prefix_caching is not None:  # TensorRT-LLM fixes KV-cache reuse when its engine is built
+                raise RequestError("prefix_caching", "a tensorrt_llm build reuses KV blocks as its recipe's "
+                                   "serving.enable_kv_cache_reuse says; change it there and rebuild")
             return TrtllmEngine.from_build_dir(build_dir)  # type: ignore[return-value]
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
@@ -105,7 +112,8 @@ class Engine:
             return runner
 
         runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)
-        return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s)
+        return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s,
+                   prefix_caching=prefix_caching)
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -368,7 +376,8 @@ class Engine:
         self.shutdown()
 
     def stats(self) -> dict[str, int]:
-        """Current load: running / waiting requests, KV blocks used / free / total, preemptions so far."""
+        """Current load: running / waiting requests, KV blocks used / free / total, preemptions so far, and the
+        prompt tokens looked up in the prefix cache / served from cached blocks so far."""
         with self._lock:
             return {
                 "running": self.scheduler.num_running,
@@ -377,6 +386,8 @@ class Engine:
                 "kv_blocks_free": self.block_manager.num_free_blocks,
                 "kv_blocks_total": self.block_manager.num_blocks,
                 "preemptions": self.scheduler.num_preemptions_total,
+                "prefix_cache_queried_tokens": self.block_manager.queried_tokens,
+                "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
             }
 
 

@@ -12,6 +12,9 @@ first, and a sequence's blocks are freed tail first so a shared prompt head outl
 
 Blocks are registered only after their tokens are computed (:meth:`BlockManager.commit`), so a sequence
 never skips tokens whose KV entries do not exist yet.
+
+Two running totals say how much the prefix cache served: ``queried_tokens`` (tokens of every allocated sequence,
+re-admissions after a preemption included) and ``hit_tokens`` (those found in cached blocks, not computed).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
+        self.queried_tokens = 0  # tokens of every allocate() call, looked up in the prefix cache when enabled
+        self.hit_tokens = 0  # of those, tokens found in cached blocks (their KV entries were not computed again)
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -145,6 +150,8 @@ class BlockManager:
         assert self._new_blocks_needed(token_ids, hits) <= len(self._free), "allocate without can_allocate"
         for b in hits:
             self._take(b)
+        self.queried_tokens += len(token_ids)
+        self.hit_tokens += len(hits) * self.block_size
         fresh = [self._pop_free() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
         self._seqs[seq_id] = _SeqBlocks(
             block_ids=hits + fresh,

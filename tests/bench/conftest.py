@@ -1,4 +1,5 @@
-"""Fixtures for the benchmark tests: a tiny build made by the real pipeline, its tokenizer and corpus."""
+"""Fixtures for the benchmark tests: a tiny build made by the real pipeline, its tokenizer and corpus, and a
+word-level tokenizer like scripts/make_random_llama.py's (which cannot encode the corpus)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def corpus(tokenizer):
     from llmc.bench.workload import TextCorpus
 
     return TextCorpus(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    from tests.bench.word_tokenizer import word_level_tokenizer
+
+    return word_level_tokenizer(300, 299)

@@ -7,9 +7,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from llmc.bench.commands import bench_cmd, parse_levels
+from llmc.bench.commands import bench_cmd, parse_levels, prefix_caching_override
 from llmc.bench.plots import PLOT_FILES
 from llmc.errors import RequestError
+
+PROMPT = "The same long prompt, sent again and again, so every request after the first finds its prefix cached."
 
 
 def test_offline_cli_writes_json_and_plots(bench_build_dir, tmp_path):
@@ -25,7 +27,13 @@ def test_offline_cli_writes_json_and_plots(bench_build_dir, tmp_path):
     assert [lv["generated_tokens"] for lv in report["levels"]] == [15, 15]
     assert [lv["generated_tokens"] for lv in report["baseline"]["levels"]] == [15, 15]
     assert report["workload"]["isl"]["dist"] == "normal" and report["sampling"]["ignore_eos"] is True
-    assert report["engine"]["prefix_caching"] in (True, False)
+    # transformers recomputes every prompt, so llmc's reuse is off by default next to it
+    assert report["engine"]["prefix_caching"] is False
+    assert report["prefix_caching"]["mode"] == "auto" and report["prefix_caching"]["llmc"] is False
+    assert [lv["prefix_cache"]["hit_tokens"] for lv in report["levels"]] == [0, 0]
+    assert [lv["prefix_cache"]["queried_tokens"] for lv in report["levels"]] == [
+        lv["prompt_tokens"] for lv in report["levels"]]
+    assert "prefix caching off (auto: the hf baseline cannot reuse a prefix" in result.output
     assert [r["concurrency"] for r in report["ratios"]] == [1, 2]
     assert all((plots / name).stat().st_size > 0 for name in PLOT_FILES)
     assert "llmc / baseline" in result.output
@@ -59,3 +67,45 @@ def test_url_needs_a_tokenizer():
 def test_baseline_is_offline_only(tmp_path):
     with pytest.raises(RequestError, match="in-process"):
         CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--baseline", "hf"], catch_exceptions=False)
+
+
+@pytest.mark.parametrize("mode, hits", [("auto", False), ("on", True)])
+def test_identical_prompts_hit_the_cache_only_when_reuse_is_asked_for(bench_build_dir, tmp_path, tokenizer, mode,
+                                                                      hits):
+    from PIL import Image
+
+    prompts = tmp_path / "same.txt"
+    prompts.write_text((PROMPT + "\n") * 3)
+    out, plots = tmp_path / "r.json", tmp_path / "plots"
+    result = CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--prompts", str(prompts), "--osl", "3",
+                                            "--concurrency", "1,2", "--baseline", "hf", "--prefix-caching", mode,
+                                            "--json", str(out), "--plots", str(plots), "--device", "cpu"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    length = len(tokenizer(PROMPT, add_special_tokens=False)["input_ids"])
+    cached = (length - 1) // 8 * 8 if hits else 0  # full 8-token blocks, never the one of the last token
+    # the warm-up request computed the prompt, so every measured request (3 per level) finds it cached
+    assert [lv["prefix_cache"]["hit_tokens"] for lv in report["levels"]] == [3 * cached, 3 * cached]
+    assert all(lv["prefix_cache"]["hit_tokens"] == 0 for lv in report["baseline"]["levels"])
+    assert report["prefix_caching"]["llmc"] is hits and report["engine"]["prefix_caching"] is hits
+    flagged = "prefix caching ON (--prefix-caching on)" if hits else "prefix caching off"
+    assert flagged in " ".join(result.output.split())
+    for name in PLOT_FILES:
+        caption = Image.open(plots / name).text["Description"]
+        assert caption.startswith(flagged) and ("not like for like" in caption) is hits
+
+
+def test_prefix_caching_modes():
+    assert prefix_caching_override("auto", "hf")[0] is False
+    assert prefix_caching_override("auto", None)[0] is None  # the build's setting
+    assert prefix_caching_override("on", "hf") == (True, "--prefix-caching on")
+    assert prefix_caching_override("off", None) == (False, "--prefix-caching off")
+    with pytest.raises(RequestError, match="auto, on, off"):
+        prefix_caching_override("maybe", None)
+
+
+def test_prefix_caching_is_offline_only():
+    with pytest.raises(RequestError, match="drop --prefix-caching"):
+        CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--prefix-caching", "off"],
+                           catch_exceptions=False)

@@ -42,6 +42,9 @@ def test_offline_levels_count_every_token(bench_build_dir, plan, tmp_path):
         assert lv.wall_s >= max(r.e2e for r in lv.records) * 0.99
         assert lv.memory["kv_blocks_used_peak"] >= 1 and lv.memory["rss_peak_mb"] > 0
         assert lv.steps["count"] >= OSL and lv.steps["decode_tokens"] == len(prompts) * (OSL - 1)
+        # reuse is on in this build, but distinct synthetic prompts have no cached prefix to reuse
+        assert engine.block_manager.enable_prefix_caching
+        assert lv.prefix_cache == {"queried_tokens": sum(p.prompt_tokens for p in prompts), "hit_tokens": 0}
     assert levels[0].memory["max_running"] <= 1 and levels[1].steps["max_running"] > 1
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0  # every block returned
 
@@ -60,4 +63,5 @@ def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
     # Concurrency 4 runs static batches: the four requests of one batch share their start and token times.
     batch = levels[1].records[:4]
     assert len({r.start for r in batch}) == 1 and len({r.token_times for r in batch}) == 1
-    assert baseline.describe()["dtype"] == "float32"
+    assert baseline.describe()["dtype"] == "float32" and baseline.describe()["prefix_caching"] is False
+    assert all(lv.prefix_cache == {"hit_tokens": 0} for lv in levels)

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from llmc.bench.records import LevelResult, RequestRecord, closed_loop
-from llmc.bench.report import build_report, itl_by_token_index, print_report, summarize_level
+from llmc.bench.report import (build_report, itl_by_token_index, prefix_cache_summary, prefix_caching_caption,
+                               print_report, summarize_level)
 from llmc.bench.workload import BenchPlan, BenchPrompt
 
 LEVEL_KEYS = {"concurrency", "num_requests", "wall_s", "prompt_tokens", "generated_tokens", "tgs", "tgs_per_request",
               "requests_per_s", "ttft_s", "ttft_by_bucket_s", "itl_s", "itl_by_token_index_s", "e2e_s",
-              "finish_reasons", "ttft_vs_prompt_tokens", "memory", "steps", "conditions"}
+              "finish_reasons", "ttft_vs_prompt_tokens", "memory", "steps", "conditions", "prefix_cache"}
 
 
 def record(prompt_tokens: int, ttft: float, gaps: list[float], start: float = 10.0) -> RequestRecord:
@@ -138,3 +139,34 @@ def test_closed_loop_keeps_order_reaches_concurrency_and_reraises():
 
     with pytest.raises(ValueError, match="boom"):
         closed_loop([1, 2], 2, fail, time.perf_counter)
+
+
+def test_prefix_cache_hits_per_level_and_the_caption():
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    cached = [replace(level(1, 1.0), prefix_cache={"queried_tokens": 957, "hit_tokens": 640}),
+              replace(level(1, 1.0), prefix_cache={"queried_tokens": 957, "hit_tokens": 320})]
+    assert prefix_cache_summary(cached) == {"hit_tokens": 960, "queried_tokens": 1914, "hit_rate": 960 / 1914}
+    assert prefix_cache_summary([level(1, 1.0)]) is None  # a server: not visible
+    assert prefix_cache_summary([replace(level(1, 1.0), prefix_cache={"hit_tokens": 0})])["hit_rate"] is None
+    plan = BenchPlan(warmup=(), levels=((1, PROMPTS), (1, PROMPTS)))
+    on = {"mode": "offline", "engine_dir": "x", "device": "cpu",
+          "prefix_caching": {"mode": "on", "llmc": True, "baseline": False, "why": "--prefix-caching on"}}
+    report = build_report(on, cached, plan, {}, [level(1, 2.0), level(1, 2.0)], {"name": "hf"})
+    assert report["levels"][0]["prefix_cache"]["hit_tokens"] == 960
+    assert [r["prefix_cache_hit_tokens"] for r in report["levels"][0]["repetitions"]] == [640, 320]
+    caption = prefix_caching_caption(report)
+    assert caption.startswith("prefix caching ON (--prefix-caching on): 960 prompt tokens served")
+    assert caption.endswith("not like for like")
+    assert "not like for like" not in prefix_caching_caption({**report, "baseline": None})
+    console = Console(width=220, record=True)
+    print_report(report, console)
+    text = console.export_text()
+    assert "prefix hits" in text and "960 (50%)" in text and "not like for like" in text
+    off = {**on, "prefix_caching": {"mode": "off", "llmc": False, "baseline": False, "why": "--prefix-caching off"}}
+    assert prefix_caching_caption(build_report(off, cached, plan, {})) == "prefix caching off (--prefix-caching off)"
+    server = {"mode": "server", "url": "u", "prefix_caching": {"llmc": None, "why": "the server's build decides"}}
+    assert prefix_caching_caption(build_report(server, [level(1, 1.0)], BenchPlan((), ((1, PROMPTS),)), {})) == (
+        "prefix caching: the server's build decides")

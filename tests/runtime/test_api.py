@@ -384,3 +384,29 @@ def test_request_and_step_metrics(tiny_build_dir, tmp_path):
     assert all(r["kv_blocks_used"] + r["kv_blocks_free"] == engine.block_manager.num_blocks for r in steps)
     (request,) = [r for r in lines if r["type"] == "request"]
     assert request["request_id"] == completion.request_id and request["ttft"] == pytest.approx(m.ttft)
+
+
+@pytest.mark.parametrize("prefix_caching", [None, True, False])
+def test_prefix_caching_override_and_hit_counters(tiny_build_dir, prefix_caching):
+    from llmc.runtime.api import Engine
+
+    base = make_engine(tiny_build_dir)
+    engine = Engine(base.runner, base.tokenizer, base.recipe, base.eos_token_ids, prefix_caching=prefix_caching)
+    enabled = base.recipe.serving.enable_kv_cache_reuse if prefix_caching is None else prefix_caching
+    assert engine.block_manager.enable_prefix_caching is enabled
+    (prompt,) = random_prompts(4, [40])  # five full blocks of 8 tokens
+    engine.generate([prompt], GREEDY)
+    engine.generate([prompt], GREEDY)
+    stats = engine.stats()
+    assert stats["prefix_cache_queried_tokens"] == 2 * len(prompt)
+    assert stats["prefix_cache_hit_tokens"] == (32 if enabled else 0)  # never the block of the last token
+
+
+def test_prefix_caching_override_is_refused_for_a_tensorrt_llm_build(tiny_build_dir, tmp_path):
+    from llmc.runtime.api import Engine
+
+    manifest = json.loads((tiny_build_dir / "manifest.json").read_text())
+    manifest["backend"] = manifest["recipe"]["backend"] = "tensorrt_llm"
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RequestError, match="serving.enable_kv_cache_reuse"):
+        Engine.from_dir(tmp_path, prefix_caching=False)

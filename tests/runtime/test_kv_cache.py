@@ -153,3 +153,14 @@ def test_double_allocate_and_double_free_are_bugs():
     with pytest.raises(KeyError):
         bm.free("a")
     assert bm.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("prefix", [True, False])
+def test_queried_and_hit_tokens_count_what_the_prefix_cache_served(prefix):
+    bm = make_bm(block_size=4, prefix=prefix)
+    bm.allocate("a", list(range(10)))
+    bm.commit("a", 10)
+    bm.allocate("b", list(range(9)) + [99])  # shares the two full blocks of "a" when caching is on
+    bm.allocate("c", [50, 51, 52, 53, 54])  # nothing cached
+    assert bm.queried_tokens == 10 + 10 + 5
+    assert bm.hit_tokens == (8 if prefix else 0) == bm.num_cached_tokens("b")
