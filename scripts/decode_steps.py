@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind for the graph-replayed steps")
+    ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma-separated)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     from llmc.builder.manifest import read_manifest
@@ -103,7 +104,8 @@ def main() -> None:
     blocks_needed = max(batches) * -(-(args.context + 1) // block_size) + 8
     result = {"context": args.context, "device": args.device, "steps": args.steps, "batches": {}}
     runners = {}
-    for mode, graphs in (("graphs", True), ("eager", False)):
+    modes = [m for m in ("graphs", "eager") if m in args.modes.split(",")]
+    for mode, graphs in ((m, m == "graphs") for m in modes):
         start = time.perf_counter()
         runners[mode] = TorchModelRunner(args.build, device=args.device, num_blocks=blocks_needed, cuda_graphs=graphs)
         result[f"{mode}_load_s"] = round(time.perf_counter() - start, 2)
@@ -112,16 +114,18 @@ def main() -> None:
         for mode, runner in runners.items():
             row[f"{mode}_ms"] = round(time_steps(runner, decode_step(batch, args.context, runner.block_size),
                                                  args.steps) * 1e3, 3)
-        row["eager_over_graphs"] = round(row["eager_ms"] / row["graphs_ms"], 2)
-        if args.profile:
+        if len(runners) == 2:
+            row["eager_over_graphs"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+        if args.profile and "graphs" in runners:
             row["graphs_profile"] = profile_steps(runners["graphs"], decode_step(batch, args.context,
                                                                                  runners["graphs"].block_size))
             row["graphs_profile"]["not_kernels_ms"] = round(row["graphs_ms"] - row["graphs_profile"]["kernel_ms_total"],
                                                             4)
         result["batches"][batch] = row
         print(json.dumps({batch: row}), file=sys.stderr, flush=True)
-    result["graphs_used"] = runners["graphs"].graphs is not None
-    result["weight_bytes_on_device"] = runners["graphs"].weight_bytes
+    first = next(iter(runners.values()))
+    result["graphs_used"] = "graphs" in runners and runners["graphs"].graphs is not None
+    result["weight_bytes_on_device"] = first.weight_bytes
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(result, indent=2))

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # GPU acceptance for the torch engine (run on an NVIDIA GPU box, e.g. through the device tool's H200):
+#   0. (TUNE=1) tune the W4A16 kernels on this GPU (scripts/tune_int4_cuda.py) into this checkout's config table,
 #   1. a Llama-3.1-8B-shaped model with random bf16 weights (speed does not depend on weight values),
-#   2. `llmc build` with the torch backend,
+#   2. `llmc build` with the torch backend (16-bit), and its W4A16 g128 twin (scripts/make_w4a16_twin.py: the
+#      same model with every linear rounded to int4 after a random AWQ pre-quant scale),
 #   3. the `gpu`-marked tests,
-#   4. greedy tokens of llmc vs transformers on the same random model (16 tokens),
-#   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) with transformers generate as the baseline:
-#      prefix reuse off (transformers recomputes every prompt) and pairwise distinct prompts (random token ids:
-#      the random model's word-level tokenizer cannot encode text), checked by the report's zero cache hits,
-#   6. decode-step times with and without CUDA graphs (scripts/decode_steps.py; skip with SKIP_DECODE_STEPS).
-# A failing check (gpu tests, a greedy check, the bench, zero cache hits, decode steps) does not stop the later
+#   4. greedy tokens of llmc vs transformers on the same random model (16 tokens), and of the int4 twin's kernels
+#      vs the same IR dequantized to bf16 (equal except at reported near-ties),
+#   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) of the bf16 build (with transformers generate as
+#      the baseline unless SKIP_HF) and of the int4 twin, same workload, in one run: prefix reuse off
+#      (transformers recomputes every prompt) and pairwise distinct prompts (random token ids: the random model's
+#      word-level tokenizer cannot encode text), checked by the reports' zero cache hits; int4 / bf16 ratios,
+#   6. decode-step times of both builds (scripts/decode_steps.py --profile: where a step's time goes).
+# A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
 # Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
-#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency), SKIP_GPU_TESTS,
-#        SKIP_FP32_TWIN (no float32 greedy check), SKIP_BENCH. Needs torch + transformers.
+#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency), TUNE, SKIP_GPU_TESTS,
+#        SKIP_GREEDY, FP32_TWIN (also the float32 greedy check: 32 GB more disk), SKIP_BENCH, SKIP_HF,
+#        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), LLMC_GPU_WORK (where the models go).
+#        Needs torch + transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-/tmp/llmc-gpu-out}}"
@@ -47,6 +53,20 @@ finish() {  # exit 1 when any check failed, naming them all
 step "environment"
 $py -m llmc.cli doctor
 
+if [ -n "${TUNE:-}" ] && [ "$device" = cuda ]; then
+  step "tune the W4A16 kernels on this GPU"
+  check "tune int4 kernels" "$py" scripts/tune_int4_cuda.py --configs llmc/engine/torch/int4_cuda_configs.json \
+    --report "$out/tune.json"
+  cp llmc/engine/torch/int4_cuda_configs.json "$out/"
+fi
+
+if [ "$device" = cuda ] && [ -z "${SKIP_GPU_TESTS:-}" ]; then
+  step "gpu tests"
+  # Only the folders with gpu tests: the serving tests import tritonclient, which GPU images may lack.
+  check "gpu tests" "$py" -m pytest -q -m gpu tests/engine tests/runtime -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
+  tail -n 15 "$out/gpu_tests.txt"
+fi
+
 step "random Llama-3.1-8B-shaped model"
 if [ ! -f "$work/hf/config.json" ]; then
   $py scripts/make_random_llama.py --shape "$shape" --out "$work/hf" --device "$device"
@@ -74,23 +94,27 @@ YAML
 step "llmc build"
 $py -m llmc.cli build "$work/recipe.yaml" -o "$work/build"
 
-if [ "$device" = cuda ] && [ -z "${SKIP_GPU_TESTS:-}" ]; then
-  step "gpu tests"
-  # Only the folders with gpu tests: the serving tests import tritonclient, which GPU images may lack.
-  check "gpu tests" "$py" -m pytest -q -m gpu tests/engine tests/runtime -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
-  tail -n 15 "$out/gpu_tests.txt"
+step "W4A16 g128 twin of the build"
+if [ ! -f "$work/build-int4/manifest.json" ]; then
+  $py scripts/make_w4a16_twin.py "$work/build" "$work/build-int4" --group-size 128 --device "$device"
 fi
 
-step "greedy check vs transformers (16 tokens, bfloat16)"
-check "greedy check (bfloat16)" "$py" scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 --device "$device" \
-  >"$out/greedy.json"
-cat "$out/greedy.json"
+
+if [ -z "${SKIP_GREEDY:-}" ]; then
+  step "greedy check vs transformers (16 tokens, bfloat16)"
+  check "greedy check (bfloat16)" "$py" scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 \
+    --device "$device" >"$out/greedy.json"
+  cat "$out/greedy.json"
+  step "greedy check: int4 kernels vs the same IR dequantized (16 tokens)"
+  check "greedy check (int4 vs dequantized)" "$py" scripts/greedy_check.py "$work/build-int4" \
+    --reference dequantized --tokens 16 --device "$device" >"$out/greedy_int4.json"
+  cat "$out/greedy_int4.json"
+fi
 
 # bf16 logits are spaced ~0.25 apart near the top of a random model's distribution, so exact ties decide
 # many bf16 argmaxes; the same weights in float32 give a tie-free token-by-token comparison.
-if [ -z "${SKIP_FP32_TWIN:-}" ]; then
+if [ -n "${FP32_TWIN:-}" ]; then
   step "greedy check vs transformers (16 tokens, float32 twin of the same weights)"
-  if [ -n "${SKIP_BENCH:-}" ]; then rm -rf "$work/build"; fi  # disk: the float32 IR alone is 32 GB
   sed -e 's/^name: .*/name: llama31-8b-random-fp32/' -e 's/dtype: bfloat16/dtype: float32/' \
     "$work/recipe.yaml" >"$work/recipe-fp32.yaml"
   $py -m llmc.cli build "$work/recipe-fp32.yaml" -o "$work/build-fp32"
@@ -100,24 +124,38 @@ if [ -z "${SKIP_FP32_TWIN:-}" ]; then
   rm -rf "$work/build-fp32"
 fi
 
-if [ -n "${SKIP_BENCH:-}" ]; then finish; fi
 
-step "llmc bench (ISL ${ISL:-2048} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; baseline transformers; prefix reuse off)"
-check "llmc bench" "$py" -m llmc.cli bench "$work/build" --device "$device" --isl "${ISL:-2048}" --osl "${OSL:-128}" \
-  --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 --warmup 2 --baseline hf \
-  --prefix-caching off --json "$out/bench.json" --plots "$out/plots"
-# Distinct prompts and reuse off: not one prompt token may come from the prefix cache.
-check "bench: no prefix-cache hits" "$py" -c '
+bench() {  # bench NAME BUILD [EXTRA ARGS]: one llmc bench with the run's settings, then its cache-hit check
+  local name="$1" build="$2"
+  shift 2
+  step "llmc bench $name (ISL ${ISL:-2048} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; prefix reuse off)"
+  check "llmc bench $name" "$py" -m llmc.cli bench "$build" --device "$device" --isl "${ISL:-2048}" \
+    --osl "${OSL:-128}" --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 \
+    --warmup 2 --prefix-caching off --json "$out/bench_$name.json" --plots "$out/plots_$name" "$@"
+  # Distinct prompts and reuse off: not one prompt token may come from the prefix cache.
+  check "bench $name: no prefix-cache hits" "$py" -c '
 import json, sys
 report = json.load(open(sys.argv[1]))
 hits = {lv["concurrency"]: lv["prefix_cache"]["hit_tokens"] for lv in report["levels"]}
 print("workload:", report["workload"]["source"], "| prefix-cache hit tokens per level:", hits)
-sys.exit(1 if any(hits.values()) else 0)' "$out/bench.json"
+sys.exit(1 if any(hits.values()) else 0)' "$out/bench_$name.json"
+}
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+  if [ -n "${SKIP_HF:-}" ]; then bench bf16 "$work/build"; else bench bf16 "$work/build" --baseline hf; fi
+  bench int4 "$work/build-int4"
+  step "int4 / bf16 (same run, same workload)"
+  "$py" scripts/bench_compare.py "$out/bench_int4.json" "$out/bench_bf16.json" | tee "$out/bench_compare.json"
+fi
 
 if [ "$device" = cuda ] && [ -z "${SKIP_DECODE_STEPS:-}" ]; then
-  step "decode steps: CUDA graphs vs eager (batch 1, 8, 64 at 2,048 cached tokens)"
-  check "decode steps" "$py" scripts/decode_steps.py "$work/build" --batch 1,8,64 --context 2048 --device "$device" \
-    >"$out/decode_steps.json"
-  cat "$out/decode_steps.json"
+  for name in bf16 int4; do
+    build="$work/build"
+    if [ "$name" = int4 ]; then build="$work/build-int4"; fi
+    step "decode steps $name (batch 1, 8, 64 at 2,048 cached tokens; profile)"
+    check "decode steps $name" "$py" scripts/decode_steps.py "$build" --batch 1,8,64 --context 2048 \
+      --device "$device" --modes "${DECODE_MODES:-graphs,eager}" --profile >"$out/decode_steps_$name.json"
+    cat "$out/decode_steps_$name.json"
+  done
 fi
 finish

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Greedy tokens of llmc's engine vs transformers on the same model (e.g. a random Llama-3.1-8B on a GPU).
+"""Greedy tokens of llmc's engine vs transformers on the same model (e.g. a random Llama-3.1-8B on a GPU), or, with
+``--reference dequantized``, of an int4 build's CUDA kernels vs the same IR dequantized to 16-bit weights.
 
 Runs every prompt alone through transformers ``generate(do_sample=False)`` and all prompts together through
 llmc's continuous-batching engine (different lengths, one batch), then compares the token ids. Prints one
@@ -7,6 +8,11 @@ JSON object; exit status 1 when a prompt differs in its first ``--tokens`` token
 transformers' own logits did not tie between the two choices.
 
     python scripts/greedy_check.py BUILD_DIR HF_DIR --tokens 16 --device cuda
+    python scripts/greedy_check.py INT4_BUILD_DIR --reference dequantized --tokens 16
+
+With ``--reference dequantized`` a difference is accepted where the dequantized run's logit of llmc's token is
+within ``--tie-margin`` of its best logit at the first differing step (the two compute the same weights with other
+roundings); every result reports that gap.
 """
 
 from __future__ import annotations
@@ -24,12 +30,19 @@ import torch
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("build_dir", type=Path)
-    parser.add_argument("hf_dir", type=Path)
+    parser.add_argument("hf_dir", type=Path, nargs="?", help="the HF folder (reference transformers)")
+    parser.add_argument("--reference", choices=["transformers", "dequantized"], default="transformers")
+    parser.add_argument("--tie-margin", type=float, default=0.25,
+                        help="--reference dequantized: largest logit gap still called a near-tie")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
+    if args.reference == "dequantized":
+        return against_dequantized(args)
+    if args.hf_dir is None:
+        parser.error("HF_DIR is needed with --reference transformers")
     from transformers import AutoModelForCausalLM
 
     from llmc.runtime.api import Engine
@@ -37,8 +50,7 @@ def main() -> int:
 
     engine = Engine.from_dir(args.build_dir, device=args.device)
     vocab = engine.runner.vocab_size
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (7, 33, 130, 517)[: args.prompts]]
+    prompts = prompts_for(vocab, args.prompts)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
     start = time.perf_counter()
     ours = [c.token_ids for c in engine.generate(prompts, params)]
@@ -70,6 +82,78 @@ def main() -> int:
     ok = all(r["match"] or r["tie_at_first_difference"] for r in results)
     print(json.dumps({"device": args.device, "dtype": str(dtype), "tokens": args.tokens, "all_match": ok,
                       "llmc_batch_seconds": round(llmc_s, 3), "results": results}, indent=1))
+    return 0 if ok else 1
+
+
+def prompts_for(vocab: int, count: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (7, 33, 130, 517)[:count]]
+
+
+def last_logits(model, ids: list[int], device: str) -> torch.Tensor:
+    """The model's logits [V] after ``ids`` (one packed prefill through a fresh paged cache)."""
+    from llmc.engine.torch.attention import build_attention_metadata
+    from llmc.engine.torch.kv_alloc import allocate_kv_cache
+    from llmc.runtime.params import SamplingParams
+    from llmc.runtime.types import ScheduledSequence
+
+    block = 32
+    blocks = -(-len(ids) // block)
+    dtype = model.transformer.ln_f.weight.dtype
+    kv = allocate_kv_cache(model.config, blocks, block, dtype, torch.device(device))
+    seq = ScheduledSequence("r", tuple(ids), 0, tuple(range(blocks)), True, SamplingParams(temperature=0.0))
+    meta = build_attention_metadata([seq], block, device)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids, device=device), meta.positions, meta, kv)
+        return model.compute_logits(hidden[-1:])[0].float()
+
+
+def greedy_tokens(build_dir: Path, device: str, prompts, tokens: int):
+    from llmc.runtime.api import Engine
+    from llmc.runtime.params import SamplingParams
+
+    engine = Engine.from_dir(build_dir, device=device)
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    out = [list(c.token_ids) for c in engine.generate(prompts, params)]
+    engine.shutdown()
+    return out, engine
+
+
+def against_dequantized(args) -> int:
+    """The int4 build's tokens (CUDA kernels) vs the same IR dequantized (LLMC_CUDA_KERNELS=0), near-ties judged
+    on the dequantized model's own logits at the first differing step."""
+    import os
+
+    from llmc.engine.torch.loader import CUDA_KERNELS_ENV
+
+    from llmc.checkpoint.io import read_config
+
+    os.environ.pop(CUDA_KERNELS_ENV, None)
+    prompts = prompts_for(read_config(args.build_dir / "checkpoint")["vocab_size"], args.prompts)
+    ours, engine = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
+    int4_layers = sum(type(m).__name__ == "Int4CudaLinear" for m in engine.runner.model.modules())
+    del engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    os.environ[CUDA_KERNELS_ENV] = "0"
+    try:
+        theirs, engine = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
+        reference_model = engine.runner.model
+        results = []
+        for p, a, b in zip(prompts, ours, theirs):
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            gap = None
+            if first is not None:
+                logits = last_logits(reference_model, p + a[:first], args.device)
+                gap = round(float(logits.max() - logits[a[first]]), 4)
+            results.append({"prompt_len": len(p), "int4": a, "dequantized": b, "match": a == b,
+                            "first_difference": first, "reference_gap_at_first_difference": gap})
+    finally:
+        os.environ.pop(CUDA_KERNELS_ENV, None)
+    ok = int4_layers > 0 and all(r["match"] or r["reference_gap_at_first_difference"] <= args.tie_margin
+                                 for r in results)
+    print(json.dumps({"device": args.device, "reference": "dequantized", "int4_layers": int4_layers,
+                      "tokens": args.tokens, "tie_margin": args.tie_margin, "all_match_or_near_tie": ok,
+                      "results": results}, indent=1))
     return 0 if ok else 1
 
 

@@ -280,6 +280,11 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     caption = prefix_caching_caption(report)
     reuse = (report.get("prefix_caching") or {}).get("llmc")
     console.print(f"[bold yellow]{caption}[/bold yellow]" if reuse else caption, highlight=False)
+    weights = report.get("weight_bytes_on_device")
+    if weights:
+        parts = ", ".join(f"{dtype} {n / 1e9:.2f} GB" for dtype, n in sorted(weights.items()))
+        console.print(f"weights on the device: {sum(weights.values()) / 1e9:.2f} GB "
+                      f"({sum(weights.values()) / 2**30:.2f} GiB; {parts})", highlight=False)
     why_random = (report.get("workload") or {}).get("why")
     if why_random:
         console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)
