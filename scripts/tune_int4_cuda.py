@@ -86,7 +86,9 @@ def _compile_worker(args) -> str:
     """Fill Triton's on-disk cache with one config (a worker process: compiles do not share the parent's GIL)."""
     (n, k, group, silu, prequant), config, rows = args
     try:
-        layer, *_ = make_layer(n, k, group, silu, prequant, "cuda", 0)
+        scratch = Scratch(torch.bfloat16, torch.device("cuda"))
+        scratch.reserve(partials=config.workspace(rows, n), counters=config.grid(rows, n)[0] * config.grid(rows, n)[1])
+        layer, *_ = make_layer(n, k, group, silu, prequant, "cuda", 0, scratch)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         layer.matmul(x, config)
         torch.cuda.synchronize()

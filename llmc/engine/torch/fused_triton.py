@@ -43,7 +43,7 @@ def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, st
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                    stride_qkv, stride_cs, stride_q, NH, NKV,
+                    stride_qkv, stride_cs, stride_q, stride_slot, NH, NKV,
                     HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
     """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot),
     copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened blocks)."""
@@ -52,7 +52,7 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     rot = (d + HD // 2) % HD  # NeoX halves: x_rot = cat(x2, x1); the table's sin has its first half negated
     cos = tl.load(cos_ptr + t * stride_cs + d).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + t * stride_cs + d).to(tl.float32)[None, :]
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)  # a column of the CUDA graphs' static rows: strided
     row = qkv_ptr + t * stride_qkv
 
     h = tl.arange(0, BLOCK_H)[:, None]  # q heads
@@ -107,7 +107,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
         cos2, sin2 = cos.reshape(t, head_size), sin.reshape(t, head_size)
         _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos2.stride(0),
-                              q.stride(0), num_heads, num_kv_heads, HD=head_size,
+                              q.stride(0), slot_mapping.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
                               num_warps=4)
     return q

@@ -186,7 +186,9 @@ def test_fused_norm_and_rope_kernels_match_the_reference_ops():
     k_cache = torch.zeros(4, 8, nkv, hd, dtype=torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([0, 9, 17, 18, 31])
-    q = fused_triton.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, nh, nkv, hd)
+    rows = torch.zeros(t, 4, dtype=torch.int64)
+    rows[:, 2] = slots  # as in the CUDA graphs' static rows: the slots are a strided column
+    q = fused_triton.rope_write_kv(qkv, cos, sin, k_cache, v_cache, rows[:, 2], nh, nkv, hd)
     qk = apply_rope(qkv[:, : (nh + nkv) * hd].view(t, nh + nkv, hd), cos, sin)
     close = dict(atol=2e-2, rtol=1e-2)  # one rounding of bf16 results vs the reference's three
     assert torch.allclose(q.float(), qk[:, :nh].float(), **close)

@@ -97,10 +97,11 @@ def test_folded_prequant_gives_the_unfolded_logits(smollm2_w4a16_ir):
     assert kl.mean().item() < 1e-3 and (folded.argmax(-1) == unfolded.argmax(-1)).float().mean() > 0.9
 
 
-def test_int4_engine_on_cuda_matches_the_cpu_engine_on_the_same_ir(smollm2_w4a16_ir):
-    """Mean KL <= 0.01 between llmc's CUDA int4 engine (bf16 compute) and its CPU engine (float32) over 2048 tokens."""
+def test_int4_engine_on_cuda_matches_the_cpu_engine_on_the_same_ir(smollm2_w4a16_ir, monkeypatch):
+    """llmc's CUDA int4 engine (bf16 compute) vs its CPU engine (float32) on the same IR over 2048 tokens: the int4
+    kernels add no error beyond computing in bf16 (the same IR dequantized to bf16 on CUDA is the yardstick)."""
     from llmc.engine.torch.int4_cuda import Int4CudaLinear as Layer
-    from llmc.engine.torch.loader import load_model, weight_bytes
+    from llmc.engine.torch.loader import CUDA_KERNELS_ENV, load_model, weight_bytes
     from tests.engine.torch.helpers import PagedSession
 
     def logits(model, ids, chunks=4):
@@ -108,16 +109,21 @@ def test_int4_engine_on_cuda_matches_the_cpu_engine_on_the_same_ir(smollm2_w4a16
         bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
         return torch.cat([session.step({"a": ids[a:b]})["a"].float().cpu() for a, b in zip(bounds, bounds[1:])])
 
+    def kl(a, b):
+        return F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean().item()
+
     ids = torch.randint(100, 49000, (2048,), generator=torch.Generator().manual_seed(0)).tolist()
     cuda_model = load_model(smollm2_w4a16_ir, "cuda")
     assert sum(isinstance(m, Layer) for m in cuda_model.modules()) == 8 * 4
     assert "int8" not in weight_bytes(cuda_model) and weight_bytes(cuda_model)["int32"] > 0
     got = logits(cuda_model, ids)
     ref = logits(load_model(smollm2_w4a16_ir, "cpu"), ids)  # llmc's CPU engine: float32 over dequantized weights
-    kl = F.kl_div(got.float().log_softmax(-1), ref.float().log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    print(f"CUDA int4 vs CPU engine: mean KL {kl.mean().item():.2e}, max {kl.max().item():.2e}, top-1 agreement "
-          f"{(got.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
-    assert kl.mean().item() <= 0.01
+    monkeypatch.setenv(CUDA_KERNELS_ENV, "0")
+    bf16 = logits(load_model(smollm2_w4a16_ir, "cuda"), ids)  # dequantized to bf16, PyTorch's ops
+    kl_int4, kl_bf16 = kl(got, ref), kl(bf16, ref)
+    print(f"mean KL vs the CPU engine: CUDA int4 kernels {kl_int4:.2e}, CUDA dequantized bf16 {kl_bf16:.2e}; "
+          f"top-1 agreement {(got.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
+    assert kl_int4 <= 1.25 * kl_bf16 + 1e-3 and kl_int4 <= 0.02
 
 
 def test_int4_decode_steps_replayed_from_cuda_graphs_equal_eager(smollm2_w4a16_ir, tmp_path):
