@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llmc.errors import BuildError
-from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, render_inputs
+from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config, render_inputs
 from llmc.serve.protocol import ENSEMBLE_INPUTS
+from llmc.serve.trtllm_backend import check_trtllm_model
 
 log = logging.getLogger(__name__)
 TRTLLM_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -44,7 +45,8 @@ def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: A
     ``recipe`` / ``eos_token_ids`` default to the build's manifest. ``build_path`` is where the build folder
     is seen by tritonserver (default: its absolute path; the container's mount point otherwise) and
     ``engine_path`` overrides ``gpt_model_path`` (default ``<build_path>/engine``). Raises BuildError when a
-    generated file does not parse or the ensemble's wiring is broken, EngineError for a folder that is not
+    generated file does not parse, the ensemble's wiring is broken or the tensorrt_llm model lacks what the
+    tensorrtllm backend reads (``llmc.serve.trtllm_backend``), EngineError for a folder that is not
     an llmc build.
     """
     build_dir, out_dir = Path(build_dir), Path(out_dir)
@@ -66,6 +68,10 @@ def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: A
         problems = check_ensemble(out_dir)
         if problems:
             raise BuildError("the generated ensemble is mis-wired: " + "; ".join(problems))
+        problems = check_trtllm_model(read_config(out_dir / "tensorrt_llm"))
+        if problems:
+            raise BuildError("the generated tensorrt_llm model does not match Triton's tensorrtllm backend: "
+                             + "; ".join(problems))
     else:
         _render_model(root / TORCH_TEMPLATE, out_dir / recipe.served_model_name, values)
     return out_dir

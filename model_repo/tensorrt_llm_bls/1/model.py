@@ -16,7 +16,7 @@ from llmc.serve.triton_model import input_arrays, model_parameters
 PASSTHROUGH = {"max_tokens": "request_output_len", "temperature": "temperature", "top_k": "runtime_top_k",
                "top_p": "runtime_top_p", "repetition_penalty": "repetition_penalty",
                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-               "min_length": "min_length", "random_seed": "random_seed", "stream": "streaming"}
+               "min_length": "min_tokens", "random_seed": "seed", "stream": "streaming"}
 
 
 def trtllm_inputs(pre, arrays):
