@@ -10,6 +10,11 @@ Order (each step fails with a typed error before the next starts):
    ``tensorrt_llm.builder.build(model, build_config)`` -> ``engine.save(engine_dir)`` (reference line 69);
 6. write ``engine_manifest.json`` (versions, GPU, build time).
 
+``tensorrt_llm.builder.build`` saves TensorRT's timing cache to ``BuildConfig.output_timing_cache``, whose
+default is ``model.cache`` in the working directory (``BuildConfig.from_dict`` falls back to that default):
+llmc points it into a temporary folder beside the engine folder (inside ``llmc build``'s temp build folder),
+removed after the build, so a build leaves nothing in the user's directory.
+
 BuildConfig construction: ``BuildConfig.from_dict(build_config_json)`` when the class has it - the same
 path ``trtllm-build --build_config file.json`` (line 71) takes - else keyword construction with the
 plugin fields set by attribute on ``build_config.plugin_config``. Neither ran here (docs/TENSORRT_LLM.md).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -85,10 +91,12 @@ def build_engines(recipe: Any, checkpoint_dir: Path, engine_dir: Path,
     builder, models = importer("tensorrt_llm.builder"), importer("tensorrt_llm.models")
     world_size = int(ir_config.get("mapping", {}).get("world_size", 1))
     start = time.perf_counter()
-    for rank in range(world_size):
-        model = models.LLaMAForCausalLM.from_checkpoint(str(checkpoint_dir), rank=rank)
-        engine = builder.build(model, make_build_config(builder, build_config))
-        engine.save(str(engine_dir))
+    with tempfile.TemporaryDirectory(prefix=".timing-cache-", dir=engine_dir.parent) as cache_dir:
+        run_config = {**build_config, "output_timing_cache": str(Path(cache_dir) / "model.cache")}
+        for rank in range(world_size):
+            model = models.LLaMAForCausalLM.from_checkpoint(str(checkpoint_dir), rank=rank)
+            engine = builder.build(model, make_build_config(builder, run_config))
+            engine.save(str(engine_dir))
     gpu_name, capability = gpu_identity()
     manifest = EngineManifest(
         format_version=FORMAT_VERSION, backend="tensorrt_llm",

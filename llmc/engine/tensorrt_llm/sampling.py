@@ -1,20 +1,23 @@
-"""SamplingParams -> the keyword arguments of ``ModelRunnerCpp.generate`` (reference lines 87-91).
+"""SamplingParams -> the keyword arguments of ``ModelRunnerCpp.generate`` (TensorRT-LLM 1.0 - 1.2).
 
-Mapping (llmc field -> TensorRT-LLM kwarg):
-- ``max_new_tokens`` -> ``max_new_tokens``, ALWAYS passed (pitfall, line 90: its default is 1), clipped
-  so prompt + new tokens fit ``engine.max_seq_len``;
-- the first recorded eos id -> ``end_id`` and the pad id -> ``pad_id``, ALWAYS passed (line 90: both
-  default to None); TensorRT-LLM has one end id, so the other eos ids go to ``stop_words_list``
-  (triton.md line 39);
-- ``stop_token_ids`` and ``stop`` strings (encoded with add_special_tokens=False, triton.md line 34)
-  -> ``stop_words_list`` ([batch, 2, N] int32, :mod:`stop_words`);
+Mapping (llmc field -> TensorRT-LLM kwarg), checked against ``tensorrt_llm/runtime/model_runner_cpp.py``
+(docs/TENSORRT_LLM.md names the commit):
+- ``max_new_tokens`` -> ``max_new_tokens``, ALWAYS passed (its default is 1), clipped so prompt + new tokens
+  fit ``engine.max_seq_len``;
+- the first recorded eos id -> ``end_id`` and the pad id -> ``pad_id``, ALWAYS passed (both default to
+  None); TensorRT-LLM has one end id, so the other eos ids go to ``stop_words_list``;
+- ``stop_token_ids`` and ``stop`` strings (encoded with add_special_tokens=False) -> ``stop_words_list``:
+  ONE LIST PER REQUEST of token-id lists (``List[List[List[int]]]``), which ``generate`` zips per request
+  into ``Request(stop_words=...)``. The ``[batch, 2, N]`` tensor of :mod:`stop_words` is the Triton
+  backend's form only: given to ``generate`` its offset row would become a stop word (eos ids
+  [128001, 128009] -> row 1 ``[1]`` -> every request stops on token id 1);
 - ``temperature == 0`` (greedy) -> ``top_k=1, temperature=1.0`` (top-1 sampling is argmax; a
   temperature of 0 would divide by zero); otherwise ``temperature``, ``top_k`` (0 = off),
   ``top_p`` as given;
 - ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` -> same names;
-- ``seed`` -> ``random_seed`` (only when set);
-- ``min_p``, ``min_tokens``, ``ignore_eos`` have no kwarg in the reference and are refused with a
-  RequestError when set (rather than silently ignored).
+- ``seed`` -> ``random_seed`` (generate renames it to SamplingConfig's ``seed``), ``min_p`` -> ``min_p``,
+  ``min_tokens`` -> ``min_tokens``: each only when set (all three are in generate's accepted list);
+- ``ignore_eos`` has no generate kwarg and is refused with a RequestError when set (rather than ignored).
 """
 
 from __future__ import annotations
@@ -22,13 +25,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from llmc.engine.tensorrt_llm.stop_words import to_stop_words_list
 from llmc.errors import RequestError
 from llmc.runtime.params import SamplingParams
 
-UNSUPPORTED_DEFAULTS = {"min_p": 0.0, "min_tokens": 0, "ignore_eos": False}
+UNSUPPORTED_DEFAULTS = {"ignore_eos": False}
 
 
 def refuse_unsupported(params: SamplingParams) -> None:
@@ -57,13 +57,17 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.seed is not None:
         kwargs["random_seed"] = int(params.seed)
+    if params.min_p > 0:
+        kwargs["min_p"] = float(params.min_p)
+    if params.min_tokens > 0:
+        kwargs["min_tokens"] = int(params.min_tokens)
     return kwargs
 
 
 def stop_word_ids(tokenizer: Any, params: SamplingParams, eos_token_ids: Sequence[int]) -> list[list[int]]:
     """One request's stop words as token-id lists: extra eos ids, stop ids, then encoded stop strings.
 
-    Stop strings are encoded with ``add_special_tokens=False`` (triton.md line 34). TensorRT-LLM
+    Stop strings are encoded with ``add_special_tokens=False``. TensorRT-LLM
     matches these token sequences; llmc's StopStringMatcher on the decoded text stays the authority
     for strings (a string can tokenize differently inside the output).
     """
@@ -80,11 +84,11 @@ def generate_kwargs(tokenizer: Any, params: SamplingParams, eos_token_ids: Seque
                     batch_size: int, max_new_tokens: int) -> dict[str, Any]:
     """All keyword arguments of one ``ModelRunnerCpp.generate`` call (batch shares ``params``).
 
-    ``max_new_tokens`` is already clipped by the caller. ``stop_words_list`` is an int32
-    [batch, 2, N] array, or None when the request has no stop words.
+    ``max_new_tokens`` is already clipped by the caller. ``stop_words_list`` is one list of token-id lists
+    per request (``[[ids of word 1], [ids of word 2], ...]`` each), or None when there are no stop words.
     """
     words = stop_word_ids(tokenizer, params, eos_token_ids)
-    stop_words_list: np.ndarray | None = to_stop_words_list([words] * batch_size) if words else None
+    stop_words_list = [[list(w) for w in words] for _ in range(batch_size)] if words else None
     return {
         "max_new_tokens": int(max_new_tokens),
         "end_id": int(eos_token_ids[0]),

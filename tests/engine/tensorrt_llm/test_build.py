@@ -1,5 +1,6 @@
 """build_engines: refuses bad input before any TensorRT-LLM call, then calls the documented Python API once
-per rank (reference tensorrt-llm.md line 69) and writes build_config.json, trtllm-build.sh and the manifest.
+per rank (reference tensorrt-llm.md line 69) and writes build_config.json, trtllm-build.sh and the manifest,
+leaving nothing in the working directory.
 
 TensorRT-LLM is not installable here: the API is a recording test double passed in as ``importer``.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -105,8 +107,9 @@ def test_one_engine_per_rank_through_the_documented_api(tmp_path):
     for rank in (0, 1):
         load, from_dict, build, save = calls[4 * rank: 4 * rank + 4]
         assert load[1] == {"ckpt_dir": str(tmp_path / "ckpt"), "rank": rank}
-        assert from_dict[1]["config"] == expected_config
-        assert build[1]["model"].rank == rank and build[1]["build_config"].config == expected_config
+        timing_cache = from_dict[1]["config"]["output_timing_cache"]  # the only key beyond build_config.json's
+        assert {k: v for k, v in from_dict[1]["config"].items() if k != "output_timing_cache"} == expected_config
+        assert build[1]["model"].rank == rank and build[1]["build_config"].config == from_dict[1]["config"]
         assert save[1] == {"engine_dir": str(engine_dir), "rank": rank}
     assert json.loads((engine_dir / "build_config.json").read_text()) == expected_config
     script = engine_dir / "trtllm-build.sh"
@@ -116,6 +119,19 @@ def test_one_engine_per_rank_through_the_documented_api(tmp_path):
     assert manifest["world_size"] == 2 and manifest["backend"] == "tensorrt_llm"
     assert manifest["gpu_name"] is None and manifest["compute_capability"] is None  # no CUDA here
     assert report["tensorrt_llm_version"] == "1.2.0" and report["engine_dir"] == str(engine_dir)
+    assert Path(timing_cache).parent.parent == tmp_path and not Path(timing_cache).parent.exists()
+
+
+def test_timing_cache_is_not_left_in_the_working_directory(tmp_path, monkeypatch):
+    """Issue 16 item 7: BuildConfig's output_timing_cache defaults to model.cache in the working directory."""
+    write_tiny_ir(tmp_path / "ckpt")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    build_engines(recipe(tmp_path), tmp_path / "ckpt", tmp_path / "build" / "engine", importer=RecordingBuildApi().importer)
+    assert list(work.iterdir()) == []
+    assert sorted(p.name for p in (tmp_path / "build").iterdir()) == ["engine"]
+    assert "output_timing_cache" not in json.loads((tmp_path / "build" / "engine" / "build_config.json").read_text())
 
 
 def test_fp8_kv_cache_with_scales_reaches_the_quantization_block(tmp_path):

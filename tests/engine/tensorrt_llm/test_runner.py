@@ -1,9 +1,9 @@
-"""TrtllmRunner's calls into ModelRunnerCpp (reference tensorrt-llm.md lines 85-91), checked against a
-recording test double, and the text/stop layer llmc runs on top of TensorRT-LLM's token stream."""
+"""TrtllmRunner's calls into ModelRunnerCpp (TensorRT-LLM 1.0 - 1.2's model_runner_cpp.py), checked against a
+recording test double that behaves like upstream (per-request stop words, executor request ids, cancel), and
+the text/stop layer llmc runs on top of TensorRT-LLM's token stream."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -60,13 +60,31 @@ def test_stop_words_list_has_other_eos_ids_stop_ids_and_stop_strings(tokenizer):
     runner, cls = make_runner(tokenizer, [[5], [5]])
     runner.generate([[1, 9], [1, 9, 10]], SamplingParams(max_new_tokens=4, stop_token_ids=(7,), stop=("Hello",)))
     swl = cls.instances[0].generate_calls[0]["stop_words_list"]
-    hello = ids(tokenizer, "Hello")
-    n = 2 + len(hello)
-    assert isinstance(swl, np.ndarray) and swl.dtype == np.int32 and swl.shape == (2, 2, n)
-    expected_row0 = [0, 7] + hello  # eos id 0 (the second recorded eos), stop id 7, then "Hello"'s ids
-    expected_row1 = [1, 2, n] + [-1] * (n - 3)
-    for b in range(2):
-        assert swl[b, 0].tolist() == expected_row0 and swl[b, 1].tolist() == expected_row1
+    # One list of token-id lists per request (generate zips it per request into Request(stop_words=...)):
+    # eos id 0 (the second recorded eos), stop id 7, then "Hello"'s ids.
+    assert swl == [[[0], [7], ids(tokenizer, "Hello")]] * 2
+    assert [r.stop_words for _, r in cls.instances[0].recording.enqueued] == [[[0], [7], ids(tokenizer, "Hello")]] * 2
+
+
+def test_stop_words_reach_each_request_as_word_lists_llama3_style(tokenizer):
+    """Issue 16 item 3: two eos ids (Llama-3: 128001 then 128009) and two multi-token stop words. The
+    executor must receive the words themselves; the Triton [2, N] tensor form would make its offset row a
+    stop word (here [1, 3, 6]) and leave the real words unmatched."""
+    eos = (2, 0)
+    word_a, word_b = ids(tokenizer, " over there"), ids(tokenizer, " the end now")
+    assert len(word_a) == 2 and len(word_b) == 3
+    script = ids(tokenizer, " go") + [1, 3, 6] + ids(tokenizer, " and") + word_a + ids(tokenizer, " more text")
+    cls = RecordingModelRunnerCpp.with_script([script, script], chunk=3, max_seq_len=CONFIG.max_seq_len)
+    runner = TrtllmRunner(CONFIG, tokenizer, eos, model_runner_cls=cls)
+    params = SamplingParams(max_new_tokens=30, stop=(tokenizer.decode(word_a), tokenizer.decode(word_b)))
+    done = runner.generate([[1, 9], [1]], params)
+    executor = cls.instances[0].recording
+    assert [r.stop_words for _, r in executor.enqueued] == [[[0], word_a, word_b]] * 2
+    assert list(executor.finished.values()) == ["stop_words", "stop_words"]  # stopped at word_a, not at 1, 3, 6
+    for completion in done:
+        assert list(completion.token_ids[:-len(word_a)]) == ids(tokenizer, " go") + [1, 3, 6] + ids(tokenizer, " and")
+        assert completion.text == " go and"  # 1, 3, 6 are special tokens, skipped in the text
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", tokenizer.decode(word_a))
 
 
 def test_no_stop_words_passes_none(tokenizer):
@@ -135,14 +153,61 @@ def test_metrics_are_filled(tokenizer):
     assert m.first_token_time is not None and m.finished_time is not None
 
 
-@pytest.mark.parametrize("params, field", [(SamplingParams(min_p=0.1), "min_p"),
-                                           (SamplingParams(min_tokens=2), "min_tokens"),
-                                           (SamplingParams(ignore_eos=True), "ignore_eos")])
-def test_unsupported_sampling_options_are_refused(tokenizer, params, field):
+def test_ignore_eos_is_refused(tokenizer):
     runner, cls = make_runner(tokenizer, [[5]])
     with pytest.raises(RequestError) as exc:
-        runner.generate([[1]], params)
-    assert exc.value.field == field and cls.instances[0].generate_calls == []
+        runner.generate([[1]], SamplingParams(ignore_eos=True))
+    assert exc.value.field == "ignore_eos" and cls.instances[0].generate_calls == []
+
+
+def test_min_p_and_min_tokens_are_passed_when_set(tokenizer):
+    """Issue 16 item 6: ModelRunnerCpp.generate accepts min_p and min_tokens (its accepted_parameters)."""
+    runner, cls = make_runner(tokenizer, [[5]])
+    runner.generate([[1]], SamplingParams(temperature=0.5, min_p=0.1, min_tokens=3, max_new_tokens=4))
+    runner.generate([[1]], SamplingParams(max_new_tokens=4))
+    with_both, plain = cls.instances[0].generate_calls
+    assert (with_both["min_p"], with_both["min_tokens"]) == (0.1, 3)
+    assert type(with_both["min_tokens"]) is int and "min_p" not in plain and "min_tokens" not in plain
+
+
+def test_request_finished_early_by_llmc_is_cancelled_and_drained(tokenizer):
+    """Issue 16 item 5: llmc's stop string ends request 0 while the executor would go on; it is cancelled,
+    its remaining responses are consumed, and the next generate sees only its own responses."""
+    script = ids(tokenizer, " Hello world. Bye now and more words follow here")
+    runner, cls = make_runner(tokenizer, [script, script], chunk=1)
+    first = runner.generate([[1], [1, 9]], SamplingParams(max_new_tokens=30, stop=("world",)))
+    assert [c.finish_reason for c in first] == ["stop", "stop"]
+    executor = cls.instances[0].recording
+    assert sorted(executor.cancelled) == [100, 101] and executor.finished == {100: "cancelled", 101: "cancelled"}
+    assert executor.active == {} and executor.stray_cancels == []
+    (second,) = runner.generate([[1]], SamplingParams(max_new_tokens=3))  # would raise ValueError if stale
+    assert list(second.token_ids) == script[:3] and second.finish_reason == "length"
+    assert executor.finished[102] == "length" and 102 not in executor.cancelled  # finished ids are not cancelled
+
+
+def test_abandoned_stream_cancels_its_requests(tokenizer):
+    script = ids(tokenizer, " one two three four five six seven")
+    runner, cls = make_runner(tokenizer, [script], chunk=1)
+    events = runner.stream([1], SamplingParams(max_new_tokens=20))
+    next(events), next(events)
+    events.close()  # a client went away
+    executor = cls.instances[0].recording
+    assert executor.cancelled == [100] and executor.finished == {100: "cancelled"} and executor.active == {}
+    (done,) = runner.generate([[1]], SamplingParams(max_new_tokens=2))
+    assert list(done.token_ids) == script[:2]
+
+
+def test_executor_error_cancels_and_drains_the_rest_of_the_batch(tokenizer):
+    script = ids(tokenizer, " one two three four five six seven")
+    runner, cls = make_runner(tokenizer, [script, script], chunk=1)
+    executor = cls.instances[0].recording
+    executor.fail[0] = 2  # request 0 errors on its third response, request 1 is still running
+    with pytest.raises(RuntimeError, match="scripted executor error"):
+        runner.generate([[1], [1]], SamplingParams(max_new_tokens=20))
+    assert executor.finished == {100: "error", 101: "cancelled"} and executor.active == {}
+    assert executor.cancelled == [101]
+    (done,) = runner.generate([[1]], SamplingParams(max_new_tokens=2))
+    assert list(done.token_ids) == script[:2]
 
 
 def test_prompt_over_max_input_len_is_refused(tokenizer):
