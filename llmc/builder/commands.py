@@ -46,7 +46,10 @@ def human_bytes(n: float) -> str:
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), default=None,
               help="Build folder (default: build/<recipe name>).")
 @click.option("--force", is_flag=True, help="Rebuild even when the build is up to date.")
-def build_cmd(recipe: Path, output: Path | None, force: bool) -> None:
+@click.option("--from-ir", "from_ir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Compile RECIPE's engine from the checkpoint IR of this build folder instead of quantizing "
+                   "(the GPU-box half of the two-machine flow; the source model is not needed).")
+def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | None) -> None:
     """Build RECIPE into a build folder: checkpoint IR, engine, tokenizer and manifest."""
     from llmc.builder.pipeline import build
     from llmc.recipe import load_recipe
@@ -54,7 +57,12 @@ def build_cmd(recipe: Path, output: Path | None, force: bool) -> None:
     err = Console(stderr=True)
     try:
         loaded = load_recipe(recipe)
-        result = build(loaded, out_dir=output, force=force, console=err)
+        if from_ir is not None:
+            from llmc.builder.from_ir import build_from_ir
+
+            result = build_from_ir(loaded, from_ir, out_dir=output, console=err)
+        else:
+            result = build(loaded, out_dir=output, force=force, console=err)
     except LlmcError as exc:
         _fail(exc)
     out = Console()

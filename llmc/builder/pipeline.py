@@ -66,6 +66,12 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
     existing = _existing_manifest(out_dir)
     if not force and existing is not None and _is_current(existing, recipe_sha, source_sha):
         return _result(out_dir, existing, up_to_date=True)
+    if recipe.backend == "tensorrt_llm":  # say so before a long quantization, not at the engine step
+        from llmc.engine.tensorrt_llm.versions import require_tensorrt_llm_for_build
+
+        require_tensorrt_llm_for_build()
+    if recipe.quantization.method != "none":
+        require_quant_extra(recipe.quantization.method)
     check_against_model(recipe)
     _make_parent(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -79,6 +85,29 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return _result(out_dir, manifest, up_to_date=False)
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_quant_extra(method: str) -> None:
+    """BuildError unless the ``quant`` extra is installed: llm-compressor with transformers 5.15+ (llmc's core
+    also runs on transformers 4, e.g. inside TensorRT-LLM's environment, where quantization cannot)."""
+    compressor, transformers = _package_version("llmcompressor"), _package_version("transformers") or "none"
+    if compressor is not None and int(transformers.split(".")[0]) >= 5:
+        return
+    raise BuildError(
+        f"quantization.method {method} needs the quant extra (llm-compressor 0.14 with transformers 5.15 - 5.17); "
+        f"this environment has llm-compressor {compressor or 'none'} and transformers {transformers}. Fix: "
+        f"pip install 'llmc[quant]', in another venv or machine if this one holds TensorRT-LLM (it pins "
+        f"transformers 4); README, \"Two machines\""
+    )
 
 
 def check_output_location(out_dir: Path) -> None:
@@ -153,11 +182,11 @@ def _build_into(tmp: Path, out_dir: Path, recipe: Any, recipe_sha: str, source_s
 
         reports["engine"] = compile_engine(recipe, tmp / "checkpoint", tmp / "engine")
     with progress.step("model repository"):
-        reports["model_repo"] = _model_repo(tmp, out_dir, recipe, source)
+        reports["model_repo"] = write_model_repo(tmp, out_dir, recipe, source.eos_token_ids)
     timings = dict(progress.timings)
     timings["total"] = round(time.perf_counter() - started, 3)
     (tmp / "build_report.json").write_text(json.dumps(_jsonable(reports), indent=2, sort_keys=True) + "\n")
-    _write_recipe_copy(recipe, tmp / "recipe.yaml")
+    write_recipe_copy(recipe, tmp / "recipe.yaml")
     manifest = make_manifest(recipe, recipe_sha, source, timings)
     mf.write_manifest(tmp, manifest)
     return manifest
@@ -185,7 +214,7 @@ def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress
     return reports
 
 
-def _model_repo(tmp: Path, out_dir: Path, recipe: Any, source: load.SourceModel) -> str:
+def write_model_repo(tmp: Path, out_dir: Path, recipe: Any, eos_token_ids: tuple[int, ...]) -> str:
     """Generate the Triton model repository; its configs are validated with tritonclient's protos, so
     without the ``serve`` extra the step is skipped (and said so) rather than written unchecked."""
     import importlib.util
@@ -196,7 +225,7 @@ def _model_repo(tmp: Path, out_dir: Path, recipe: Any, source: load.SourceModel)
         return "skipped: tritonclient is not installed (pip install 'llmc[serve]'; then llmc repo)"
     from llmc.serve.repo import generate_model_repo
 
-    return str(generate_model_repo(tmp, tmp / "model_repo", recipe=recipe, eos_token_ids=source.eos_token_ids,
+    return str(generate_model_repo(tmp, tmp / "model_repo", recipe=recipe, eos_token_ids=eos_token_ids,
                                    build_path=out_dir))
 
 
@@ -276,7 +305,7 @@ def make_manifest(recipe: Any, recipe_sha: str, source: load.SourceModel, timing
     )
 
 
-def _write_recipe_copy(recipe: Any, path: Path) -> None:
+def write_recipe_copy(recipe: Any, path: Path) -> None:
     """Copy the recipe file; a recipe built from a dict is written as its resolved YAML."""
     if recipe.path is not None and Path(recipe.path).is_file():
         shutil.copy2(recipe.path, path)

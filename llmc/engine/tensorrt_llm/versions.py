@@ -82,6 +82,25 @@ def require_tensorrt_llm(importer: Importer = importlib.import_module) -> Module
     return module
 
 
+TWO_MACHINE_HINT = (
+    "To quantize on this machine and compile the engines on a GPU box: build the same recipe with "
+    "`backend: torch` here (its checkpoint/ folder is the IR TensorRT-LLM compiles), copy that build folder to "
+    "the GPU box and run `llmc build RECIPE --from-ir BUILD_DIR` there (README, \"Two machines\")"
+)
+
+
+def require_tensorrt_llm_for_build(importer: Importer = importlib.import_module) -> ModuleType:
+    """:func:`require_tensorrt_llm` for ``llmc build``, called before any build work (source conversion,
+    quantization): its error says that nothing was built and how to split the build across two machines."""
+    try:
+        return require_tensorrt_llm(importer)
+    except BackendUnavailableError as exc:
+        raise BackendUnavailableError(
+            f"backend: tensorrt_llm: {exc}. llmc build stopped before any work, nothing was written. "
+            f"{TWO_MACHINE_HINT}"
+        ) from exc
+
+
 @dataclass(frozen=True)
 class ModuleProbe:
     """What importing a module found: its ``__version__``, or the error that stopped the import."""
