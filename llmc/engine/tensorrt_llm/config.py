@@ -48,11 +48,13 @@ def resolve_plugin_dtype(value: str | None, model_dtype: str) -> str | None:
 
 
 def use_fused_mlp_allowed(quant_algo: str | None) -> bool:
-    """False for W4A16_AWQ: trtllm-build forces use_fused_mlp off for AWQ (line 78).
+    """False for W4A16_AWQ: llmc's own conservative choice.
 
-    Why (llmc's reading, not stated in the reference): the fused MLP merges the fc and gate GEMMs
-    into one, and the groupwise int4 GEMM plugin that W4A16_AWQ switches on (line 79) has no fused
-    gate-up variant. llmc writes False itself so build_config.json shows what is actually built.
+    trtllm-build does NOT force it off: its ``main`` sets ``kwargs['use_fused_mlp'] = False`` for quantized
+    checkpoints, but ``build_model`` never reads that kwarg; the engine follows
+    ``plugin_config.use_fused_mlp`` (``optimize_model_with_config``; docs/TENSORRT_LLM.md names the commits).
+    Whether the fused gate-up GEMM takes the groupwise int4 weights of W4A16_AWQ is unverified here, so llmc
+    keeps the unfused MLP for AWQ and writes False, so build_config.json shows what is actually built.
     """
     return quant_algo != AWQ_ALGO
 
