@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
+import torch
 
 from tests import factories
+
+# Without a GPU, llmc's Triton kernels are tested in Triton's CPU interpreter (tests/engine/torch/test_int4_cuda.py).
+# The switch must be on before anything imports Triton: torch._dynamo does, and an interpreter turned on after
+# that cannot run Triton's own library functions (tl.sum, tl.sigmoid, ...). Nothing else runs Triton on a CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -98,13 +98,6 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | Non
     return _tuned_table().get("devices", {}).get(device_name, {}).get(shape_key(n, k, group_size))
 
 
-def available(device: torch.device | str) -> bool:
-    """True when W4A16 linears can run as int4 on ``device``: CUDA with Triton (or the Triton interpreter)."""
-    if triton_support.modules() is None:
-        return False
-    return torch.device(device).type == "cuda" or triton_support.interpreting()
-
-
 def pack_for_cuda(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """IR tensors of one linear -> the kernels' ``(words int32 [Kp/8, N], scales [K/g, N])`` on packed's device.
 

@@ -97,7 +97,9 @@ def w4a16_matmul(
     x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1], rows past M clamped
     num_groups = K // GROUP
     ones = tl.full((16, BLOCK_N), 1.0, CDTYPE)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # tl.full, not tl.zeros: in a process where torch loaded Triton first, the interpreter (CPU tests) runs
+    # tl.zeros as an uncompiled @jit function and fails; the compiled code is the same.
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for t0 in range(t_begin, t_end, UNROLL):
         for u in tl.static_range(UNROLL):
             tile = t0 + u
@@ -107,8 +109,8 @@ def w4a16_matmul(
             else:  # a tile past this split's end reads q = 0 (u = 8 in every nibble) and a zero scale
                 words = tl.load(w_ptr + word[:, None] * N + rn[None, :],
                                 mask=(word < t_end * 16)[:, None] & n_ok[None, :], other=-2004318072)
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x . (q + OFFSET) over the group so far
-            xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # x . 1: each row's sum, in every column
+            part = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # x . (q + OFFSET) over the group so far
+            xsum = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)  # x . 1: each row's sum, in every column
             for j in tl.static_range(8):
                 k = tile * 128 + j * 16 + ri  # [16] input features of chunk j
                 x = _input_chunk(x_rows, pq_ptr, k, K, HAS_PREQUANT, CDTYPE, EVEN_K)
@@ -132,8 +134,8 @@ def w4a16_matmul(
                         g_ok = (g + 0 * rn) < tl.minimum(num_groups, t_end * 128 // GROUP)  # [BLOCK_N] block-shaped
                         s = tl.load(s_ptr + g * N + rn, mask=n_ok & g_ok, other=0.0).to(tl.float32)
                     acc += (part - OFFSET * xsum) * s[None, :]
-                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    xsum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    part = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+                    xsum = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     if SPLIT_K == 1:
         _store_output(y_ptr, acc, rm, pid_n, m_ok, N, stride_ym, BLOCK_M, BLOCK_N, SILU_OUT)
     else:
@@ -142,7 +144,7 @@ def w4a16_matmul(
         block = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")  # release: the partial is visible first
         if arrived == SPLIT_K - 1:  # the last split of this output block: sum all partials, in split order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(ws_ptr + (s * m_ws + rm).to(tl.int64)[:, None] * N + rn[None, :],
                                  mask=n_ok[None, :], other=0.0, cache_modifier=".cg")

@@ -42,7 +42,7 @@ def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype 
 
 def load_model(
     checkpoint_dir: str | Path, device: torch.device | str, dtype: torch.dtype | str | None = None,
-    cpu_kernels: bool = False, cuda_kernels: bool = True, fold_prequant: bool = True,
+    cpu_kernels: bool = False, cuda_kernels: bool = True, fold_prequant: bool = True, triton_on_cpu: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model from the IR in ``checkpoint_dir`` on ``device`` (eval mode, no grad).
 
@@ -53,6 +53,9 @@ def load_model(
       scales into the preceding norm weights where every reader of that norm shares them;
     - residual add + RMSNorm, RoPE + KV-cache write and SiLU x gate run as fused Triton kernels
       (:meth:`LlamaForCausalLM.use_cuda_fused`). ``LLMC_CUDA_KERNELS=0`` turns both off (A/B measurements).
+
+    ``triton_on_cpu`` (tests): take that CUDA path on CPU tensors, through Triton's interpreter
+    (``TRITON_INTERPRET=1``, set before Triton is first imported).
 
     ``cpu_kernels`` (the runner's default), on CPU:
 
@@ -76,9 +79,8 @@ def load_model(
             f"Fix: build with quantization.method none, awq or rtn"
         )
     target_dtype = compute_dtype(config.dtype, device, dtype)
-    # The Triton path runs on CUDA, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1: the tests).
     on_cuda = (cuda_kernels and triton_support.modules() is not None and os.environ.get(CUDA_KERNELS_ENV, "1") != "0"
-               and (torch.device(device).type == "cuda" or triton_support.interpreting()))
+               and (torch.device(device).type == "cuda" or (triton_on_cpu and triton_support.interpreting())))
     if on_cuda and quant.get("quant_algo") == W4A16_AWQ:
         model = _load_int4_cuda(raw_config, rank_weights, config, target_dtype, device, int(quant["group_size"]),
                                 fold_prequant)

@@ -4,9 +4,6 @@ reference. The same kernels on a GPU, at real shapes and speeds: tests/engine/to
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,27 +14,10 @@ from llmc.engine.torch.int4_cuda import (CHUNK, TILE, Scratch, Int4CudaLinear, K
                                          pack_for_cuda, silu_mul)
 
 
-KERNEL_MODULES = ("int4_triton", "fused_triton")
-
-
-def _forget_kernel_modules() -> None:
-    """Drop the kernel modules so the next import defines their kernels again (``triton.jit`` reads
-    TRITON_INTERPRET when a kernel is defined)."""
-    package = sys.modules["llmc.engine.torch"]
-    for name in KERNEL_MODULES:
-        sys.modules.pop(f"llmc.engine.torch.{name}", None)
-        package.__dict__.pop(name, None)
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Triton's CPU interpreter for every test here: kernels are defined anew with TRITON_INTERPRET=1."""
-    monkeypatch.setenv(triton_support.INTERPRET_ENV, "1")
-    _forget_kernel_modules()
-    for name in KERNEL_MODULES:
-        importlib.import_module(f"llmc.engine.torch.{name}")
-    yield
-    _forget_kernel_modules()  # the next user imports them with its own setting
+# tests/conftest.py turns the interpreter on for the whole session where there is no GPU (it must be on before
+# Triton is first imported); on a GPU machine the same checks run on CUDA (test_int4_cuda_gpu.py) instead.
+pytestmark = pytest.mark.skipif(not triton_support.interpreting(),
+                                reason="a GPU machine: the kernels are tested on CUDA by test_int4_cuda_gpu.py")
 
 
 def random_linear(n: int, k: int, group: int, dtype: torch.dtype, prequant: bool, seed: int = 0):
@@ -216,12 +196,12 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     from llmc.engine.torch.loader import load_model
     from tests.engine.torch.helpers import PagedSession
 
-    fast = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16)  # TRITON_INTERPRET=1: the Triton path on CPU
+    fast = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)  # Triton's interpreter
     layers = [m for m in fast.modules() if isinstance(m, Layer)]
     assert len(layers) == 2 * 4 and fast.cuda_fused  # qkv, dense, fc + gate interleaved, proj
     assert sum(m.silu_output for m in layers) == 2  # fc + gate return silu(fc) * gate [T, 128]
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.transformer.layers.modules())
-    unfolded = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, fold_prequant=False)
+    unfolded = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, fold_prequant=False, triton_on_cpu=True)
     reference_model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, cuda_kernels=False)
     ids = list(range(300, 321))
 
