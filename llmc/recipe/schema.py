@@ -196,7 +196,7 @@ class ServingSpec:
     batch_scheduler_policy: SchedulerPolicy = "max_utilization"
     enable_kv_cache_reuse: bool = True
     enable_chunked_context: bool = True
-    mixed_step_tokens: int = spec(1024, bounds=Range(ge=0),
+    mixed_step_tokens: int = spec(0, bounds=Range(ge=0),
                                   hint="0 lets a step with decodes take engine.max_num_tokens tokens")
     model_name: str | None = spec(None, pattern=MODEL_NAME_PATTERN, hint="null means the recipe name")
 
