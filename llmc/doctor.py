@@ -107,14 +107,24 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
     return versions, notes
 
 
+def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
+    """The GPUs found here that llmc's int4 kernel config table has tuned entries for."""
+    from llmc.engine.torch.int4_cuda import tuned_device_names
+
+    return sorted({g.name for g in gpus} & set(tuned_device_names()))
+
+
 def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None,
                      triton_version: str | None = None) -> tuple[BackendStatus, ...]:
     """Which backends are usable, from what was found (pure: tests pass the findings in)."""
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
-    if gpus:  # the CUDA decode path: Triton paged attention + CUDA graphs, or the eager reference path
-        torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention in CUDA graphs"
-                         if triton_version else "; CUDA decode steps: eager reference attention (no triton; "
-                         "Fix: pip install triton for paged attention in CUDA graphs)")
+    if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
+        torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
+                         f"kernels in CUDA graphs; AWQ int4 (W4A16): llmc's Triton W4A16 kernels, weights kept packed "
+                         f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
+                         if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
+                         "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "
+                         "llmc's int4 kernels and paged attention in CUDA graphs)")
     statuses = [BackendStatus("torch", True, torch_detail)]
     problems = []
     if trtllm_version is None:

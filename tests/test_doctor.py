@@ -38,11 +38,19 @@ def test_tensorrt_llm_usable_on_hopper_with_1_2():
     assert trt.usable and trt.detail == "TensorRT-LLM 1.2.0 on NVIDIA H100 80GB HBM3 (SM90)"
 
 
-def test_cuda_decode_path_named_by_triton_presence():
+def test_cuda_decode_and_int4_paths_named_by_triton_presence():
     with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
-    assert with_triton.detail.endswith("CUDA decode steps: Triton 3.6.0 paged attention in CUDA graphs")
+    assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
+        in with_triton.detail
+    # The shipped int4 configs were tuned on an H200, not an H100: the H100 gets the heuristic configs.
+    assert with_triton.detail.endswith("AWQ int4 (W4A16): llmc's Triton W4A16 kernels, weights kept packed "
+                                       "(tuned for no GPU here: heuristic configs)")
+    h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
+    tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0")
+    assert tuned.detail.endswith("(tuned for NVIDIA H200)")
     without, _ = backend_statuses((H100,), None, "missing")
-    assert "eager reference attention (no triton; Fix: pip install triton" in without.detail
+    assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
+    assert "Fix: pip install triton" in without.detail
     cpu_only, _ = backend_statuses((), None, "missing", triton_version="3.6.0")
     assert cpu_only.detail == "CPU; no CUDA GPU found"
 

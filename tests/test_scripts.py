@@ -53,6 +53,15 @@ def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tm
     w = twin.transformer.layers[0].attention.qkv.weight
     ref = original[f"{qkv}.weight"]
     assert 0 < (w - ref).norm() / ref.norm() < 0.3  # int4 rounding of the same weights (other weights: ~1.4)
+    # llmc inspect's estimate of the weights held on a CUDA GPU is what the int4 path really holds (run here on CPU
+    # through Triton's interpreter, which tests/conftest.py turns on where there is no GPU).
+    from llmc.builder.commands import inspect_build
+    from llmc.engine.torch.loader import weight_bytes
+
+    held = load_model(out / "checkpoint", "cpu", triton_on_cpu=True)
+    assert any(type(m).__name__ == "Int4CudaLinear" for m in held.modules())
+    estimate = inspect_build(out)["weights"]["on_device_bytes"]["cuda"]
+    assert estimate == sum(weight_bytes(held).values())
     rerun = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_w4a16_twin.py"), str(tiny_build_dir),
                             str(out)], capture_output=True, text=True)
     assert rerun.returncode != 0 and "exists" in rerun.stderr  # never overwrites

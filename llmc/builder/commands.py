@@ -82,6 +82,19 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
     out.print(f"output: [bold]{result.build_dir}[/]")
 
 
+def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
+    """Bytes the torch engine holds on a CUDA GPU for this IR (int4 layers stay packed), from the headers only."""
+    from llmc.engine.torch.int4_cuda import cuda_weight_bytes
+
+    tensors = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        for name, info in sources.read_safetensors_header(path).items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
+    return {"cuda": cuda_weight_bytes(tensors, tied)}
+
+
 def weight_bytes_by_dtype(checkpoint_dir: Path) -> dict[str, int]:
     """Bytes of checkpoint tensors per safetensors dtype, from the files' JSON headers only."""
     totals: dict[str, int] = {}
@@ -161,7 +174,8 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
         "tools": manifest.tools,
         "timings": manifest.timings,
         "model": shape,
-        "weights": {"bytes_by_dtype": by_dtype, "total_bytes": sum(by_dtype.values())},
+        "weights": {"bytes_by_dtype": by_dtype, "total_bytes": sum(by_dtype.values()),
+                    "on_device_bytes": device_weight_bytes(ckpt, bool(ir_cfg.get("tie_word_embeddings")))},
         "quantization": {"recipe": manifest.quantization, "checkpoint": ir_cfg.get("quantization")},
         "eos_token_ids": list(manifest.eos_token_ids),
         "special_token_ids": list(manifest.special_token_ids),
@@ -178,7 +192,8 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
     console.print("model: " + ", ".join(f"{k} {v}" for k, v in info["model"].items()))
     weights = info["weights"]
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(weights["bytes_by_dtype"].items()))
-    console.print(f"weights: {human_bytes(weights['total_bytes'])} ({parts})")
+    console.print(f"weights: {human_bytes(weights['total_bytes'])} ({parts}); held on a CUDA GPU by the torch "
+                  f"engine: {human_bytes(weights['on_device_bytes']['cuda'])}")
     q = info["quantization"]["recipe"]
     qtext = "none" if q.get("method") == "none" else f"{q.get('method')} int{q.get('bits')} group {q.get('group_size')}"
     console.print(f"quantization: {qtext}")

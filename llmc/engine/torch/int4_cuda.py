@@ -88,6 +88,11 @@ def _tuned_table() -> dict:
         return {}
 
 
+def tuned_device_names() -> list[str]:
+    """The GPU names the shipped config table has tuned entries for."""
+    return list(_tuned_table().get("devices", {}))
+
+
 def shape_key(n: int, k: int, group_size: int) -> str:
     """The tuned table's key of one linear shape: ``N x K g G``."""
     return f"{n}x{k}g{group_size}"
@@ -273,6 +278,26 @@ def _kernels():
 def _TL_DTYPES() -> dict[torch.dtype, object]:  # noqa: N802 - a constant built on first use (Triton is lazy)
     _, tl = triton_support.modules()
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied: bool) -> int:
+    """Bytes the torch engine holds on a CUDA GPU (with Triton) for IR tensors ``{name: (dtype, shape, bytes)}``
+    read from safetensors headers: packed int4 layers stay packed (their input features padded to whole tiles of
+    128), AWQ input scales the loader folds into norms (qkv, fc, gate) are dropped, a tied lm_head is the
+    embedding."""
+    total = 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        if tied and name == names.LM_HEAD:
+            continue
+        parsed = names.parse_trt_layer_name(name)
+        if parsed and parsed[2] == names.PREQUANT_SCALING_FACTOR and parsed[1] != names.DENSE.trt \
+                and parsed[1] != names.PROJ.trt:
+            continue  # folded into input_layernorm / post_layernorm
+        if parsed and parsed[2] == names.WEIGHT and dtype == "I8":  # packed [N/2, K] -> words [Kp/8, N] int32
+            n, k = 2 * shape[0], shape[1]
+            nbytes = -(-k // TILE) * TILE // 8 * n * 4
+        total += nbytes
+    return total
 
 
 QuantizedLinear = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # packed [N/2, K], scales [N, K/g], prequant
