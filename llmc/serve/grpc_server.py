@@ -21,8 +21,8 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from llmc import __version__
 from llmc.errors import LlmcError, QueueFullError, RequestError
 from llmc.serve.engine_client import RequestTimeoutError, ServerDrainingError
-from llmc.serve.protocol import GenerateRequest, parse_generate_fields
-from llmc.serve.server import ServerState, model_metadata_dict
+from llmc.serve.protocol import GenerateRequest, model_metadata_dict, parse_generate_fields
+from llmc.serve.state import ServerState
 from llmc.serve.tensors import decode_raw, serialize_bytes, tensors_to_fields
 
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from llmc.errors import LlmcError, RequestError
-from llmc.serve.server import STATE_KEY, ServerState, read_json, send_sse, start_sse
+from llmc.serve.state import STATE_KEY, ServerState, read_json, send_sse, start_sse
 
 PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
              "top_p": "top_p", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",

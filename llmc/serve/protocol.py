@@ -70,6 +70,15 @@ class GenerateRequest:
     request_id: str | None = None
 
 
+def model_metadata_dict(name: str) -> dict[str, Any]:
+    """KServe v2 model metadata of the served model (the ensemble's tensors; dims with the batch dim)."""
+    def tensors(specs: tuple[FieldSpec, ...]) -> list[dict[str, Any]]:
+        return [{"name": s.name, "datatype": s.datatype, "shape": [-1, *s.dims]} for s in specs]
+
+    return {"name": name, "versions": ["1"], "platform": "llmc",
+            "inputs": tensors(ENSEMBLE_INPUTS), "outputs": tensors(ENSEMBLE_OUTPUTS)}
+
+
 def check_wire_datatype(name: str, datatype: str) -> None:
     """RequestError unless ``datatype`` can carry ensemble input ``name`` (unknown names are refused too)."""
     spec = SPECS.get(name)

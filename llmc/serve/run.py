@@ -19,7 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from llmc.serve.engine_client import EngineClient
-from llmc.serve.server import ServerState, create_app
+from llmc.serve.app import create_app
+from llmc.serve.state import ServerState
 
 log = logging.getLogger(__name__)
 

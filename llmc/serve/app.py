@@ -1,0 +1,26 @@
+"""The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes and ``/metrics`` over one state."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from llmc.serve import prom
+from llmc.serve.kserve_http import add_kserve_routes
+from llmc.serve.openai_api import add_openai_routes
+from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the Prometheus text exposition of the server's metrics."""
+    text = request.app[STATE_KEY].client.metrics.registry.render()
+    return web.Response(text=text, headers={"Content-Type": prom.CONTENT_TYPE})
+
+
+def create_app(state: ServerState) -> web.Application:
+    """The aiohttp application with the KServe v2, OpenAI and metrics routes."""
+    app = web.Application(middlewares=[auth_and_errors], client_max_size=16 * 1024 * 1024)
+    app[STATE_KEY] = state
+    add_kserve_routes(app)
+    add_openai_routes(app)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,111 @@
+"""What every front end of ``llmc serve`` shares: the server state, the error mapping, and the HTTP plumbing
+(JSON bodies, the API-key check, server-sent events) that the KServe v2 and OpenAI routes both use.
+
+The route modules (:mod:`llmc.serve.kserve_http`, :mod:`llmc.serve.openai_api`) and the gRPC servicer
+(:mod:`llmc.serve.grpc_server`) import this module and never each other. Every HTTP error is JSON
+``{"error": "..."}`` with a 4xx/5xx status; the server keeps serving after any bad request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
+from llmc.runtime.params import SamplingParams
+from llmc.serve.engine_client import EngineClient, RequestTimeoutError, ServerDrainingError
+
+# Names that reach the served model: llmc's own name plus Triton's, so unchanged Triton clients work.
+TRITON_ALIASES = ("ensemble", "tensorrt_llm_bls")
+PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What every handler needs: the engine bridge, the served name, request defaults and the API key."""
+
+    client: EngineClient
+    model_name: str
+    defaults: SamplingParams
+    vocab_size: int
+    api_key: str | None = None
+
+    def knows(self, model: str) -> bool:
+        """True for the served model's name and the Triton aliases."""
+        return model == self.model_name or model in TRITON_ALIASES
+
+    def key_matches(self, presented: str | None) -> bool:
+        """Check an ``Authorization`` value against ``Bearer <api_key>`` (True without a key)."""
+        return self.api_key is None or presented == f"Bearer {self.api_key}"
+
+
+STATE_KEY = web.AppKey("llmc_state", ServerState)
+
+
+def error_response(exc: LlmcError) -> web.Response:
+    """The HTTP response for an llmc error raised while handling a request."""
+    headers = {}
+    if isinstance(exc, RequestError):
+        status = 400
+    elif isinstance(exc, (QueueFullError, ServerDrainingError)):
+        status = 503
+        headers["Retry-After"] = str(max(1, round(getattr(exc, "retry_after_s", 1.0))))
+    elif isinstance(exc, RequestTimeoutError):
+        status = 504
+    else:
+        assert isinstance(exc, (EngineError, LlmcError))
+        status = 500
+    return web.json_response({"error": str(exc)}, status=status, headers=headers)
+
+
+@web.middleware
+async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Bearer-token check (all paths except health) and LlmcError -> JSON error response."""
+    state = request.app[STATE_KEY]
+    if request.path not in PUBLIC_PATHS and not state.key_matches(request.headers.get("Authorization")):
+        return web.json_response({"error": "missing or wrong API key; send 'Authorization: Bearer <key>'"},
+                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except LlmcError as exc:
+        if isinstance(exc, RequestError):
+            state.client.metrics.rejected.inc("invalid")
+        return error_response(exc)
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object, or RequestError (400) naming what is wrong."""
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError("body", f"is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def served_model(request: web.Request) -> str:
+    """The ``{model}`` of the URL; 404 (JSON) unless this server serves it."""
+    state = request.app[STATE_KEY]
+    name = request.match_info["model"]
+    if not state.knows(name):
+        raise web.HTTPNotFound(text=json.dumps({"error": f"unknown model {name!r}; this server serves "
+                                                         f"{state.model_name!r}"}),
+                               content_type="application/json")
+    return name
+
+
+async def start_sse(request: web.Request) -> web.StreamResponse:
+    """Send the headers of a server-sent-events response."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def send_sse(response: web.StreamResponse, payload: dict[str, Any] | str) -> None:
+    """One ``data: ...`` event (a dict is sent as JSON, a string as is, e.g. ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    await response.write(f"data: {data}\n\n".encode())
