@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from llmc.serve import prom
+from llmc.serve.metrics import CONTENT_TYPE
 from llmc.serve.kserve_http import add_kserve_routes
 from llmc.serve.openai_api import add_openai_routes
 from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
@@ -12,8 +12,8 @@ from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
 
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: the Prometheus text exposition of the server's metrics."""
-    text = request.app[STATE_KEY].client.metrics.registry.render()
-    return web.Response(text=text, headers={"Content-Type": prom.CONTENT_TYPE})
+    body = request.app[STATE_KEY].client.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def create_app(state: ServerState) -> web.Application:

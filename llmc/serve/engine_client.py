@@ -15,7 +15,7 @@ from typing import Any
 from llmc.errors import EngineError, LlmcError, QueueFullError
 from llmc.runtime.outputs import StreamEvent
 from llmc.runtime.params import SamplingParams
-from llmc.serve import prom
+from llmc.serve.metrics import ServerMetrics
 
 
 class RequestTimeoutError(LlmcError):
@@ -34,46 +34,6 @@ class ServerDrainingError(LlmcError):
 
     def __init__(self) -> None:
         super().__init__("the server is shutting down and accepts no new requests; retry on another replica")
-
-
-class ServerMetrics:
-    """The ``/metrics`` series: request outcomes, latencies, token counts and engine load (read at scrape)."""
-
-    def __init__(self, engine: Any, in_flight: Any):
-        self.registry = prom.Registry()
-        add = self.registry.add
-        self.requests = add(prom.Counter("llmc_requests_total", "Finished requests by finish reason.",
-                                         ("finish_reason",)))
-        self.rejected = add(prom.Counter("llmc_requests_rejected_total", "Requests refused before running.",
-                                         ("reason",)))
-        self.ttft = add(prom.Histogram("llmc_time_to_first_token_seconds",
-                                       "Time from request acceptance to its first token."))
-        self.itl = add(prom.Histogram("llmc_inter_token_latency_seconds", "Gap between consecutive tokens."))
-        self.e2e = add(prom.Histogram("llmc_e2e_request_latency_seconds", "Request acceptance to finish."))
-        self.prompt_tokens = add(prom.Counter("llmc_prompt_tokens_total", "Prompt tokens of finished requests."))
-        self.generated_tokens = add(prom.Counter("llmc_generation_tokens_total", "Tokens generated."))
-        for key, help_text in (("waiting", "Requests waiting in the engine's queue."),
-                               ("running", "Requests in the running batch."),
-                               ("kv_blocks_used", "KV-cache blocks in use."),
-                               ("kv_blocks_free", "Free KV-cache blocks.")):
-            name = "llmc_num_requests_" + key if key in ("waiting", "running") else "llmc_" + key
-            add(prom.Gauge(name, help_text, lambda key=key: engine.stats()[key]))
-        add(prom.Gauge("llmc_requests_in_flight", "Requests the server is handling.", lambda: len(in_flight)))
-
-    def record(self, event: StreamEvent, reason: str | None = None) -> None:
-        """Count a finished request (``reason`` overrides the event's finish reason, e.g. "timeout")."""
-        self.requests.inc(reason or event.finish_reason or "unknown")
-        m = event.metrics
-        if m is None:
-            return
-        self.prompt_tokens.inc(amount=m.prompt_tokens)
-        self.generated_tokens.inc(amount=m.generated_tokens)
-        if m.ttft is not None:
-            self.ttft.observe(m.ttft)
-        for gap in m.itls:
-            self.itl.observe(gap)
-        if m.e2e_latency is not None:
-            self.e2e.observe(m.e2e_latency)
 
 
 class EngineClient:
@@ -95,7 +55,7 @@ class EngineClient:
         Raises RequestError / QueueFullError (before the first event), ServerDrainingError,
         RequestTimeoutError or EngineError (request failed). Leaving early aborts the request."""
         if self.draining:
-            self.metrics.rejected.inc("draining")
+            self.metrics.rejected.labels("draining").inc()
             raise ServerDrainingError()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
@@ -121,7 +81,7 @@ class EngineClient:
         finally:
             self.in_flight.discard(request_id)
             if not finished and self.engine.abort(request_id):
-                self.metrics.requests.inc(reason)
+                self.metrics.requests.labels(reason).inc()
 
     async def _submit(self, prompt: Any, params: SamplingParams, request_id: str, sink: Any) -> None:
         """``add_request`` in a worker thread; a cancellation during it still aborts the queued request."""
@@ -132,7 +92,7 @@ class EngineClient:
             task.add_done_callback(lambda t: t.exception() is None and self.engine.abort(request_id))
             raise
         except QueueFullError:
-            self.metrics.rejected.inc("queue_full")
+            self.metrics.rejected.labels("queue_full").inc()
             raise
 
     async def drain(self, grace_s: float) -> None:

@@ -72,7 +72,7 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
         return await handler(request)
     except LlmcError as exc:
         if isinstance(exc, RequestError):
-            state.client.metrics.rejected.inc("invalid")
+            state.client.metrics.rejected.labels("invalid").inc()
         return error_response(exc)
 
 

@@ -1,4 +1,4 @@
-"""Ensemble field parsing (shared by HTTP, gRPC and the Triton llmc model) and Prometheus rendering."""
+"""Ensemble field parsing (shared by HTTP, gRPC and the Triton llmc model) and KServe tensor decoding."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.runtime.params import SamplingParams
-from llmc.serve import prom
 from llmc.serve.protocol import parse_generate_fields
 from llmc.serve.tensors import decode_raw, deserialize_bytes, serialize_bytes, tensors_to_fields
 
@@ -48,21 +47,3 @@ def test_tensor_wire_format_round_trips():
         decode_raw("max_tokens", "FP32", b"\0\0\0\0")
     with pytest.raises(RequestError, match="batch size 1"):
         tensors_to_fields({"text_input": [b"a", b"b"]})
-
-
-def test_prometheus_text_format():
-    registry = prom.Registry()
-    c = registry.add(prom.Counter("reqs_total", "Requests.", ("reason",)))
-    h = registry.add(prom.Histogram("lat_seconds", "Latency.", buckets=(0.1, 1.0)))
-    registry.add(prom.Gauge("queue", "Queue.", lambda: 4))
-    c.inc("stop")
-    c.inc("stop")
-    c.inc('we"ird')
-    for v in (0.05, 0.5, 3.0):
-        h.observe(v)
-    lines = registry.render().splitlines()
-    assert "# TYPE reqs_total counter" in lines and 'reqs_total{reason="stop"} 2' in lines
-    assert 'reqs_total{reason="we\\"ird"} 1' in lines
-    assert ['lat_seconds_bucket{le="0.1"} 1', 'lat_seconds_bucket{le="1"} 2', 'lat_seconds_bucket{le="+Inf"} 3',
-            "lat_seconds_sum 3.55", "lat_seconds_count 3"] == [l for l in lines if l.startswith("lat_seconds")]
-    assert "queue 4" in lines

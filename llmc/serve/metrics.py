@@ -1,0 +1,78 @@
+"""The ``/metrics`` series of ``llmc serve``, on ``prometheus_client`` (its text exposition, HELP escaping and
+callback gauges).
+
+Each :class:`ServerMetrics` owns its own ``CollectorRegistry`` (no process-global state, so several servers or
+tests can live in one process). Updates are thread-safe (the engine's step thread and the event loop both record).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sized
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from llmc.runtime.outputs import StreamEvent
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Latency buckets in seconds, from sub-millisecond decode steps to multi-second prefills on CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+# Engine.stats() key -> (metric name, help)
+ENGINE_GAUGES = {
+    "waiting": ("llmc_num_requests_waiting", "Requests waiting in the engine's queue."),
+    "running": ("llmc_num_requests_running", "Requests in the running batch."),
+    "kv_blocks_used": ("llmc_kv_blocks_used", "KV-cache blocks in use."),
+    "kv_blocks_free": ("llmc_kv_blocks_free", "Free KV-cache blocks."),
+}
+
+
+class ServerMetrics:
+    """Request outcomes, latencies, token counts, and engine load read at scrape time.
+
+    ``engine`` needs ``stats() -> dict`` (keys of :data:`ENGINE_GAUGES`); ``in_flight`` is the server's set of
+    requests it is handling."""
+
+    def __init__(self, engine: Any, in_flight: Sized):
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter("llmc_requests", "Finished requests by finish reason.", ("finish_reason",),
+                                registry=reg)
+        self.rejected = Counter("llmc_requests_rejected", "Requests refused before running.", ("reason",),
+                                registry=reg)
+        self.ttft = Histogram("llmc_time_to_first_token_seconds", "Time from request acceptance to its first token.",
+                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("llmc_inter_token_latency_seconds", "Gap between consecutive tokens.",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram("llmc_e2e_request_latency_seconds", "Request acceptance to finish.",
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("llmc_prompt_tokens", "Prompt tokens of finished requests.", registry=reg)
+        self.generated_tokens = Counter("llmc_generation_tokens", "Tokens generated.", registry=reg)
+        for key, (name, help_text) in ENGINE_GAUGES.items():
+            Gauge(name, help_text, registry=reg).set_function(_reader(engine, key))
+        Gauge("llmc_requests_in_flight", "Requests the server is handling.",
+              registry=reg).set_function(lambda: len(in_flight))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series (the ``/metrics`` body)."""
+        return generate_latest(self.registry)
+
+    def record(self, event: StreamEvent, reason: str | None = None) -> None:
+        """Count a finished request (``reason`` overrides the event's finish reason, e.g. "timeout")."""
+        self.requests.labels(reason or event.finish_reason or "unknown").inc()
+        m = event.metrics
+        if m is None:
+            return
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.generated_tokens.inc(m.generated_tokens)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.itls:
+            self.itl.observe(gap)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+
+
+def _reader(engine: Any, key: str) -> Callable[[], float]:
+    return lambda: engine.stats()[key]
