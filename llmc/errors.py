@@ -48,7 +48,12 @@ class RequestError(LlmcError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.message = message
         super().__init__(f"{field}: {message}")
+
+
+class ServeError(LlmcError):
+    """``llmc serve`` cannot start (a port in use, an address that cannot be bound, ...)."""
 
 
 class QueueFullError(LlmcError):

@@ -28,7 +28,7 @@ from llmc.errors import EngineError, QueueFullError, RequestError
 from llmc.runtime.compute import run_compute
 from llmc.runtime.detokenize import byte_fallback_token_ids
 from llmc.runtime.engine_loop import EngineLoop
-from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
+from llmc.runtime.inputs import Prompt, check_prompt_length, max_prompt_chars, prompt_to_token_ids
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.metrics import MetricsLog, RequestMetrics, StepMetrics
 from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
@@ -60,6 +60,7 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.default_params = recipe.runtime.sampling
         self._byte_token_ids = byte_fallback_token_ids(tokenizer)
+        self.max_prompt_chars = max_prompt_chars(tokenizer, recipe.engine.max_input_len)
         self.clock = clock
         limits = recipe.engine
         if num_blocks is not None and not 0 < num_blocks <= runner.num_blocks:
@@ -125,9 +126,7 @@ class Engine:
         arrival = self.clock()
         params = self.default_params if params is None else params
         params.validate(self.runner.vocab_size)
-        ids = prompt_to_token_ids(self.tokenizer, prompt, self.recipe.model.add_special_tokens,
-                                  self.runner.vocab_size)
-        check_prompt_length(len(ids), self.recipe.engine.max_input_len)
+        ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
         output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
@@ -139,6 +138,14 @@ class Engine:
             self._outputs[request_id] = output
         self._loop.wake()
         return request_id
+
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt's token ids, as :meth:`add_request` computes them (any thread). RequestError for a
+        prompt longer than ``max_input_len`` (refused by size before tokenizing when it is far too long)."""
+        ids = prompt_to_token_ids(self.tokenizer, prompt, self.recipe.model.add_special_tokens,
+                                  self.runner.vocab_size, self.max_prompt_chars)
+        check_prompt_length(len(ids), self.recipe.engine.max_input_len)
+        return ids
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request from any thread: frees its KV blocks and ends its stream with finish_reason

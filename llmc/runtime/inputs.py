@@ -2,6 +2,10 @@
 
 Runs in the caller's thread (never on the engine's step loop): tokenization and chat templating are CPU
 work that must not stall the model. Every problem raises :class:`RequestError` naming the field.
+
+Size is checked before any tokenization: a prompt of ``max_input_len`` tokens spans at most
+:func:`max_prompt_chars` characters, so a longer one is refused without tokenizing it (a 5 MB prompt once took
+1.3 GB of tokenizer memory only to be refused by its token count).
 """
 
 from __future__ import annotations
@@ -14,12 +18,34 @@ from llmc.errors import RequestError
 Prompt = Union[str, bytes, Sequence[int], Sequence[dict]]
 
 
-def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool, vocab_size: int) -> tuple[int, ...]:
+# Normalizers may shorten text before it is split into tokens: allow twice the longest token's text per token.
+_NORMALIZER_SLACK = 2
+
+
+def max_prompt_chars(tokenizer: Any, max_input_len: int) -> int:
+    """The most characters that ``max_input_len`` tokens can span: each token's text is at most the
+    vocabulary's longest (byte-level BPE: one character per byte), times a slack for normalizers."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return max_input_len * max(longest, 1) * _NORMALIZER_SLACK
+
+
+def check_prompt_size(num_chars: int, max_chars: int | None, field: str = "prompt") -> None:
+    """RequestError when a prompt is too long to tokenize into ``max_input_len`` tokens (checked before
+    tokenizing)."""
+    if max_chars is not None and num_chars > max_chars:
+        raise RequestError(field, f"has {num_chars} characters, more than {max_chars}, the most that fit the "
+                                  f"engine's max_input_len; shorten the prompt")
+
+
+def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool, vocab_size: int,
+                        max_chars: int | None = None) -> tuple[int, ...]:
     """Tokenize a prompt.
 
     ``str`` is tokenized with ``add_special_tokens`` (the recipe's ``model.add_special_tokens``); ``bytes`` must
     be UTF-8; a list of ``{"role", "content"}`` dicts goes through the tokenizer's chat template with the
     generation prompt appended; a list of ints is taken as token ids (each in ``[0, vocab_size)``).
+    ``max_chars`` (see :func:`max_prompt_chars`) refuses longer text, message contents (summed) or id lists
+    before any tokenization or templating.
     """
     if isinstance(prompt, (bytes, bytearray)):
         try:
@@ -28,6 +54,8 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
             raise RequestError(
                 "prompt", f"is not valid UTF-8 ({exc.reason} at byte {exc.start}); send UTF-8 encoded text"
             ) from None
+    if isinstance(prompt, Sequence):
+        check_prompt_size(_num_chars(prompt), max_chars)
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt", "is empty; send at least one character")
@@ -49,6 +77,13 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     if not ids:
         raise RequestError("prompt", "tokenizes to no tokens; send non-empty text")
     return tuple(int(t) for t in ids)
+
+
+def _num_chars(prompt: Sequence[Any]) -> int:
+    """Characters of a text, of a chat's string contents (summed), or the length of an id list."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1 for m in prompt)
 
 
 def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:

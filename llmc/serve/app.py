@@ -18,7 +18,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def create_app(state: ServerState) -> web.Application:
     """The aiohttp application with the KServe v2, OpenAI and metrics routes."""
-    app = web.Application(middlewares=[auth_and_errors], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[auth_and_errors], client_max_size=state.max_body_bytes)
     app[STATE_KEY] = state
     add_kserve_routes(app)
     add_openai_routes(app)

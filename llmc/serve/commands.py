@@ -20,8 +20,15 @@ import click
               help="Seconds before a request is aborted (default: serving.request_timeout_s).")
 @click.option("--grace", type=float, default=30.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--keepalive-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds a connection may take to send a complete request head: idle keep-alive "
+                   "connections and clients sending headers slowly are closed after it (gRPC: idle connections).")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Seconds a request body may take to arrive after its headers (then 408 and the connection "
+                   "is closed).")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
-              device: str, max_queue_size: int | None, request_timeout: float | None, grace: float) -> None:
+              device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
+              keepalive_timeout: float, body_timeout: float) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
     from llmc.serve.run import ServeOptions, load_engine, serve
 
@@ -35,6 +42,8 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         api_key=api_key,
         request_timeout_s=serving.request_timeout_s if request_timeout is None else request_timeout,
         grace_s=grace,
+        keepalive_timeout_s=keepalive_timeout,
+        body_timeout_s=body_timeout,
     )
     name = engine.recipe.served_model_name
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-from llmc.errors import EngineError, LlmcError, QueueFullError
+from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
 from llmc.runtime.outputs import StreamEvent
 from llmc.runtime.params import SamplingParams
 from llmc.serve.metrics import ServerMetrics
@@ -36,6 +37,25 @@ class ServerDrainingError(LlmcError):
         super().__init__("the server is shutting down and accepts no new requests; retry on another replica")
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt tokenized before submission: its ids, and the max_new_tokens the engine can honour for it.
+
+    ``capped`` is set when the request asked for more new tokens than ``max_seq_len`` leaves after the prompt;
+    the engine stops at the cap (finish_reason "length") and :meth:`warnings` says so in the response."""
+
+    token_ids: tuple[int, ...]
+    requested: int
+    capped: int | None = None
+    max_seq_len: int = 0
+
+    def warnings(self) -> list[str]:
+        if self.capped is None:
+            return []
+        return [f"max_tokens={self.requested} is more than this prompt leaves room for: capped to {self.capped} "
+                f"(max_seq_len {self.max_seq_len} - {len(self.token_ids)} prompt tokens)"]
+
+
 class EngineClient:
     """Async access to a started :class:`~llmc.runtime.api.Engine` for concurrent server requests.
 
@@ -48,6 +68,28 @@ class EngineClient:
         self.in_flight: set[str] = set()
         self.draining = False
         self.metrics = ServerMetrics(engine, self.in_flight)
+
+    async def prepare(self, prompt: Any, params: SamplingParams, strict: bool = False) -> PreparedPrompt:
+        """Tokenize ``prompt`` in a worker thread (refused by size first, then by ``max_input_len``) and check
+        ``params.max_new_tokens`` against the room ``max_seq_len`` leaves: capped, or with ``strict`` a
+        RequestError("max_new_tokens"). A cancellation here (the client left) counts as an aborted request."""
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            raise ServerDrainingError()
+        try:
+            ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels("abort").inc()
+            raise
+        max_seq_len = self.engine.recipe.engine.max_seq_len
+        room = max_seq_len - len(ids)
+        if params.max_new_tokens <= room:
+            return PreparedPrompt(ids, params.max_new_tokens)
+        if strict:
+            raise RequestError("max_new_tokens", f"is {params.max_new_tokens}, but this prompt of {len(ids)} tokens "
+                                                 f"leaves room for {room} within max_seq_len={max_seq_len}; ask "
+                                                 f"for at most {room} or drop strict_max_tokens to get a cap")
+        return PreparedPrompt(ids, params.max_new_tokens, max(room, 0), max_seq_len)
 
     async def stream(self, prompt: Any, params: SamplingParams) -> AsyncIterator[StreamEvent]:
         """Yield the request's events; the last is finished. Use inside ``contextlib.aclosing``.
@@ -88,8 +130,9 @@ class EngineClient:
         task = asyncio.ensure_future(asyncio.to_thread(self.engine.add_request, prompt, params, request_id, 0, sink))
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left while the request was being queued: abort and count it
             task.add_done_callback(lambda t: t.exception() is None and self.engine.abort(request_id))
+            self.metrics.requests.labels("abort").inc()
             raise
         except QueueFullError:
             self.metrics.rejected.labels("queue_full").inc()

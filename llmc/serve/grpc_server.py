@@ -11,6 +11,7 @@ DEADLINE_EXCEEDED (request timeout), NOT_FOUND (unknown model), UNAUTHENTICATED 
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import Any
 
@@ -19,12 +20,14 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from llmc import __version__
-from llmc.errors import LlmcError, QueueFullError, RequestError
-from llmc.serve.engine_client import RequestTimeoutError, ServerDrainingError
-from llmc.serve.protocol import GenerateRequest, model_metadata_dict, parse_generate_fields
+from llmc.errors import LlmcError, QueueFullError, RequestError, ServeError
+from llmc.serve.engine_client import PreparedPrompt, RequestTimeoutError, ServerDrainingError
+from llmc.serve.protocol import ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict, \
+    parse_generate_fields
 from llmc.serve.state import ServerState
 from llmc.serve.tensors import decode_raw, serialize_bytes, tensors_to_fields
 
+log = logging.getLogger(__name__)
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
              "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
              "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
@@ -53,6 +56,8 @@ def request_fields(request: pb.ModelInferRequest) -> dict[str, Any]:
             tensors[tensor.name] = decode_raw(tensor.name, tensor.datatype, raw[i])
         else:
             decode_raw(tensor.name, tensor.datatype, b"")  # checks the name and datatype
+            if tensor.datatype not in _CONTENTS:  # FP16 / BF16 have no typed contents field in the proto
+                raise RequestError(tensor.name, f"a {tensor.datatype} input must be sent in raw_input_contents")
             tensors[tensor.name] = list(getattr(tensor.contents, _CONTENTS[tensor.datatype]))
     return tensors_to_fields(tensors)
 
@@ -67,7 +72,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if self.state.api_key is None:
             return
         metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.state.api_key}":
+        if not self.state.key_matches(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; send the metadata "
                                                                    "'authorization: Bearer <key>'")
 
@@ -104,17 +109,30 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return parse_generate_fields(request_fields(request), self.state.defaults, self.state.vocab_size,
                                      allow_extras=False)
 
+    async def _prepare(self, request: pb.ModelInferRequest, req: GenerateRequest) -> PreparedPrompt:
+        """Tokenize and check max_tokens (the request parameter ``strict_max_tokens`` turns a cap into an error)."""
+        strict = request.parameters["strict_max_tokens"].bool_param \
+            if "strict_max_tokens" in request.parameters else False
+        with client_names(ENSEMBLE_NAMES):
+            return await self.state.client.prepare(req.prompt, req.params, strict)
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         await self._model(request.model_name, context)
         try:
             req = self._parse(request)
+            prepared = await self._prepare(request, req)
             parts = [] if req.exclude_input_in_output else [req.prompt]
-            async with aclosing(self.state.client.stream(req.prompt, req.params)) as events:
-                async for event in events:
+            async with aclosing(self.state.client.stream(prepared.token_ids, req.params)) as events:
+                with client_names(ENSEMBLE_NAMES):
+                    event = await anext(events)
+                parts.append(event.text)
+                while not event.finished:
+                    event = await anext(events)
                     parts.append(event.text)
         except LlmcError as exc:
             await context.abort(*status_of(exc))
-        return _response(request, "".join(parts), final=True, finish_reason=event.finish_reason)
+        return _response(request, "".join(parts), final=True, finish_reason=event.finish_reason,
+                         warnings=prepared.warnings())
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Any:
         """Bidirectional stream: every incoming request runs concurrently; responses interleave."""
@@ -148,33 +166,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise RequestError("model_name", f"unknown model {request.model_name!r}; this server serves "
                                                  f"{self.state.model_name!r}")
             req = self._parse(request)
+            prepared = await self._prepare(request, req)
             prefix = "" if req.exclude_input_in_output else req.prompt
-            async with aclosing(self.state.client.stream(req.prompt, req.params)) as events:
-                async for event in events:
+            async with aclosing(self.state.client.stream(prepared.token_ids, req.params)) as events:
+                with client_names(ENSEMBLE_NAMES):
+                    event = await anext(events)
+                while True:
                     text, prefix = prefix + event.text, ""
                     if not req.stream and not event.finished:
                         prefix = text
-                        continue
-                    for response in _stream_responses(request, text, event, empty_final):
-                        await out.put(pb.ModelStreamInferResponse(infer_response=response))
-        except LlmcError as exc:
+                    else:
+                        for response in _stream_responses(request, text, event, empty_final, prepared.warnings()):
+                            await out.put(pb.ModelStreamInferResponse(infer_response=response))
+                    if event.finished:
+                        break
+                    event = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - every request of the stream gets its final response
+            if not isinstance(exc, LlmcError):
+                log.exception("unhandled error in ModelStreamInfer")
             code, message = status_of(exc)
             await out.put(pb.ModelStreamInferResponse(error_message=f"{code.name}: {message}",
                                                       infer_response=_response(request, None, final=True)))
 
 
-def _stream_responses(request: pb.ModelInferRequest, text: str, event: Any, empty_final: bool) -> list[Any]:
+def _stream_responses(request: pb.ModelInferRequest, text: str, event: Any, empty_final: bool,
+                      warnings: list[str]) -> list[Any]:
     """The responses for one event: text (not final) then an empty final one, or text marked final."""
     if not event.finished:
         return [_response(request, text, final=False)] if text else []
     if empty_final:
         head = [_response(request, text, final=False)] if text else []
-        return head + [_response(request, None, final=True, finish_reason=event.finish_reason)]
-    return [_response(request, text, final=True, finish_reason=event.finish_reason)]
+        return head + [_response(request, None, final=True, finish_reason=event.finish_reason, warnings=warnings)]
+    return [_response(request, text, final=True, finish_reason=event.finish_reason, warnings=warnings)]
 
 
-def _response(request: pb.ModelInferRequest, text: str | None, final: bool,
-              finish_reason: str | None = None) -> pb.ModelInferResponse:
+def _response(request: pb.ModelInferRequest, text: str | None, final: bool, finish_reason: str | None = None,
+              warnings: list[str] | None = None) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version or "1",
                                      id=request.id)
     if text is not None:
@@ -183,15 +210,28 @@ def _response(request: pb.ModelInferRequest, text: str | None, final: bool,
     response.parameters["triton_final_response"].bool_param = final
     if finish_reason is not None:
         response.parameters["finish_reason"].string_param = finish_reason
+    if warnings:
+        response.parameters["warnings"].string_param = "; ".join(warnings)
     return response
 
 
-async def start_grpc_server(state: ServerState, host: str, port: int) -> grpc.aio.Server:
-    """Create, bind and start the gRPC server (grpc.aio on the current event loop); returns it."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+async def start_grpc_server(state: ServerState, host: str, port: int,
+                            idle_timeout_s: float | None = None) -> grpc.aio.Server:
+    """Create, bind and start the gRPC server (grpc.aio on the current event loop); returns it.
+
+    ``idle_timeout_s``: connections without an open call for that long are closed. ServeError when the
+    port cannot be bound (in use, or no permission)."""
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    if idle_timeout_s is not None:
+        options.append(("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)))
+    server = grpc.aio.server(options=options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(state), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:  # grpcio returns 0 on some versions and raises RuntimeError("Failed to bind ...") on others
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind the gRPC port {host}:{port}; pass a free --grpc-port")
+        raise ServeError(f"cannot bind the gRPC port {host}:{port} (in use, or not allowed); pass a free "
+                         f"--grpc-port, or --grpc-port 0 to serve HTTP only")
     await server.start()
     return server

@@ -6,17 +6,20 @@ errors and SSE framing in :mod:`llmc.serve.state`.
 
 from __future__ import annotations
 
-import json
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 from llmc import __version__
-from llmc.errors import LlmcError, RequestError
-from llmc.serve.protocol import GenerateRequest, model_metadata_dict, parse_generate_fields
-from llmc.serve.state import STATE_KEY, ServerState, read_json, send_sse, served_model, start_sse
-from llmc.serve.tensors import decode_json_data, decode_raw, deserialize_bytes, tensors_to_fields
+from llmc.errors import LlmcError
+from llmc.runtime.outputs import StreamEvent
+from llmc.serve.engine_client import PreparedPrompt
+from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict,
+                                 parse_generate_fields)
+from llmc.serve.state import STATE_KEY, ServerState, read_body, read_json, send_sse, served_model, start_sse
+from llmc.serve.tensors import parse_infer_body, tensors_to_fields
 
 
 # ------------------------------------------------------------------------------------- health/metadata
@@ -47,12 +50,27 @@ def _parse(state: ServerState, fields: dict[str, Any], allow_extras: bool = True
     return parse_generate_fields(fields, state.defaults, state.vocab_size, allow_extras=allow_extras)
 
 
-def _generate_body(name: str, text: str, event: Any) -> dict[str, Any]:
+async def _open(state: ServerState, req: GenerateRequest) -> tuple[PreparedPrompt, AsyncIterator[StreamEvent]]:
+    """Tokenize (errors name ``text_input``, ``max_tokens``) and start the request's event stream."""
+    with client_names(ENSEMBLE_NAMES):
+        prepared = await state.client.prepare(req.prompt, req.params, req.strict_max_tokens)
+    return prepared, state.client.stream(prepared.token_ids, req.params)
+
+
+async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent:
+    """The first event; admission errors (queue full, too long for the KV cache) surface here."""
+    with client_names(ENSEMBLE_NAMES):
+        return await anext(events)
+
+
+def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt) -> dict[str, Any]:
     body: dict[str, Any] = {"model_name": name, "model_version": "1", "text_output": text}
     if event.finished:
         m = event.metrics
         body.update(finish_reason=event.finish_reason, stop_reason=event.stop_reason,
                     prompt_tokens=m.prompt_tokens if m else None, completion_tokens=m.generated_tokens if m else None)
+        if prepared.warnings():
+            body["warnings"] = prepared.warnings()
     return body
 
 
@@ -61,10 +79,14 @@ async def generate(request: web.Request) -> web.Response:
     name, state = served_model(request), request.app[STATE_KEY]
     req = _parse(state, await read_json(request))
     parts = [] if req.exclude_input_in_output else [req.prompt]
-    async with aclosing(state.client.stream(req.prompt, req.params)) as events:
-        async for event in events:
+    prepared, events = await _open(state, req)
+    async with aclosing(events):
+        event = await _first(events)
+        parts.append(event.text)
+        while not event.finished:
+            event = await anext(events)
             parts.append(event.text)
-    return web.json_response(_generate_body(name, "".join(parts), event))
+    return web.json_response(_generate_body(name, "".join(parts), event, prepared))
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
@@ -73,21 +95,22 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     Errors before the first event are plain JSON responses; later ones a final ``data: {"error": ...}``."""
     name, state = served_model(request), request.app[STATE_KEY]
     req = _parse(state, await read_json(request))
-    events = state.client.stream(req.prompt, req.params)
+    prepared, events = await _open(state, req)
     async with aclosing(events):
-        first = await anext(events)  # queue-full / bad prompt surface here as a normal error response
+        first = await _first(events)
         response = await start_sse(request)
         prefix = "" if req.exclude_input_in_output else req.prompt
         try:
             async for text, event in _chunks(first, events, req.stream, prefix):
-                await send_sse(response, _generate_body(name, text, event))
+                await send_sse(response, _generate_body(name, text, event, prepared))
         except LlmcError as exc:
             await send_sse(response, {"error": str(exc)})
     await response.write_eof()
     return response
 
 
-async def _chunks(event: Any, events: Any, stream: bool, prefix: str) -> Any:
+async def _chunks(event: StreamEvent, events: AsyncIterator[StreamEvent], stream: bool,
+                  prefix: str) -> AsyncIterator[tuple[str, StreamEvent]]:
     """(text, event) pairs to send: every non-empty delta and the final event when streaming, else one."""
     text = prefix
     while True:
@@ -104,33 +127,23 @@ async def _chunks(event: Any, events: Any, stream: bool, prefix: str) -> Any:
 async def infer(request: web.Request) -> web.Response:
     """``POST /v2/models/<m>/infer`` (KServe v2 tensors, JSON or binary-data extension): non-streaming."""
     name, state = served_model(request), request.app[STATE_KEY]
-    header_len = request.headers.get("Inference-Header-Content-Length")
-    raw = await request.read()
-    try:
-        split = int(header_len) if header_len is not None else len(raw)
-        body = json.loads(raw[:split])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError("body", f"is not a valid inference request ({exc})") from None
-    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
-        raise RequestError("inputs", "the body must be a JSON object with an 'inputs' list")
-    tensors, offset = {}, split
-    for tensor in body["inputs"]:
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            chunk, offset = raw[offset:offset + size], offset + size
-            values = deserialize_bytes(chunk) if tensor["datatype"] == "BYTES" else \
-                decode_raw(tensor.get("name", "?"), tensor.get("datatype", "?"), chunk)
-        else:
-            values = decode_json_data(tensor.get("name", "?"), tensor.get("datatype", "?"), tensor.get("data"))
-        tensors[tensor.get("name")] = values
+    request_id, tensors = parse_infer_body(await read_body(request),
+                                           request.headers.get("Inference-Header-Content-Length"))
     req = _parse(state, tensors_to_fields(tensors), allow_extras=False)
     parts = [] if req.exclude_input_in_output else [req.prompt]
-    async with aclosing(state.client.stream(req.prompt, req.params)) as events:
-        async for event in events:
+    prepared, events = await _open(state, req)
+    async with aclosing(events):
+        event = await _first(events)
+        parts.append(event.text)
+        while not event.finished:
+            event = await anext(events)
             parts.append(event.text)
     out = {"name": "text_output", "datatype": "BYTES", "shape": [1, 1], "data": ["".join(parts)]}
-    return web.json_response({"model_name": name, "model_version": "1", "id": body.get("id", ""),
-                              "outputs": [out], "parameters": {"finish_reason": event.finish_reason}})
+    parameters: dict[str, Any] = {"finish_reason": event.finish_reason}
+    if prepared.warnings():
+        parameters["warnings"] = "; ".join(prepared.warnings())
+    return web.json_response({"model_name": name, "model_version": "1", "id": request_id, "outputs": [out],
+                              "parameters": parameters})
 
 
 def add_kserve_routes(app: web.Application) -> None:

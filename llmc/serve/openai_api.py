@@ -1,81 +1,32 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
 
-Request fields map onto :class:`~llmc.runtime.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
-``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
-Fields OpenAI clients commonly send and llmc does not use (``user``, ``logit_bias: null``, ...) are ignored;
-features llmc cannot honour (``n`` > 1, log probs, tools) are a 400.
+Routes only: bodies are parsed by :mod:`llmc.serve.openai_protocol`. A request whose ``max_tokens`` is more
+than the prompt leaves room for within ``max_seq_len`` is capped, and the response says so in ``warnings``
+(top level; in the last chunk when streaming); with ``"strict_max_tokens": true`` it is a 400 instead.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
-from llmc.errors import LlmcError, RequestError
-from llmc.serve.state import STATE_KEY, ServerState, read_json, send_sse, start_sse
-
-PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-             "top_p": "top_p", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
-             "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
-             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
-             "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
-             "include_stop_str_in_output": "include_stop_str_in_output"}
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-               "tools": None, "functions": None}
+from llmc.errors import LlmcError
+from llmc.runtime.outputs import StreamEvent
+from llmc.serve.engine_client import PreparedPrompt
+from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
+from llmc.serve.protocol import client_names
+from llmc.serve.state import STATE_KEY, TRITON_ALIASES, read_json, send_sse, start_sse
 
 
-def sampling_params(state: ServerState, body: dict[str, Any]) -> Any:
-    """SamplingParams from an OpenAI body (recipe defaults for absent fields); RequestError names the field."""
-    for key, neutral in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and value != neutral and not (key == "logprobs" and value is False):
-            raise RequestError(key, f"is not supported by llmc (got {value!r}); remove it")
-    changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
-    if isinstance(changes.get("max_new_tokens"), int) and changes["max_new_tokens"] <= 0:
-        raise RequestError("max_tokens", f"must be >= 1, got {changes['max_new_tokens']}")
-    return state.defaults.replace(**changes).validate(state.vocab_size)
-
-
-def _check_model(state: ServerState, body: dict[str, Any]) -> str:
-    model = body.get("model") or state.model_name
-    if not isinstance(model, str) or not state.knows(model):
-        raise RequestError("model", f"unknown model {model!r}; this server serves {state.model_name!r}")
-    return model
-
-
-def _usage(event: Any) -> dict[str, int]:
+def _usage(event: StreamEvent) -> dict[str, int]:
     m = event.metrics
     prompt, completion = (m.prompt_tokens, m.generated_tokens) if m else (0, 0)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _prompt(body: dict[str, Any]) -> Any:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        return prompt
-    raise RequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}]", "must be an object with role and content")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        out.append({"role": m.get("role"), "content": content})
-    return out
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -94,21 +45,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    body = await read_json(request)
-    model = _check_model(state, body)
-    prompt = _messages(body) if chat else _prompt(body)
-    params = sampling_params(state, body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream", f"must be true or false, got {stream!r}")
-    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()), "model": model,
-            "object": "chat.completion" if chat else "text_completion"}
-    events = state.client.stream(prompt, params)
+    req = parse_openai_request(await read_json(request), chat, (state.model_name, *TRITON_ALIASES), state.defaults,
+                               state.vocab_size)
+    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+            "model": req.model, "object": "chat.completion" if chat else "text_completion"}
+    with client_names(req.names):
+        prepared = await state.client.prepare(req.prompt, req.params, req.strict_max_tokens)
+    events = state.client.stream(prepared.token_ids, req.params)
     async with aclosing(events):
-        first = await anext(events)
-        if stream:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await _stream(request, events, first, meta, chat, include_usage)
+        with client_names(req.names):
+            first = await anext(events)
+        if req.stream:
+            return await _stream(request, events, first, meta, chat, req, prepared)
         parts, event = [first.text], first
         while not event.finished:
             event = await anext(events)
@@ -116,11 +64,15 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     text = "".join(parts)
     choice: dict[str, Any] = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-    return web.json_response({**meta, "choices": [choice], "usage": _usage(event)})
+    body = {**meta, "choices": [choice], "usage": _usage(event)}
+    if prepared.warnings():
+        body["warnings"] = prepared.warnings()
+    return web.json_response(body)
 
 
-async def _stream(request: web.Request, events: Any, event: Any, meta: dict[str, Any], chat: bool,
-                  include_usage: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], event: StreamEvent,
+                  meta: dict[str, Any], chat: bool, req: OpenAIRequest,
+                  prepared: PreparedPrompt) -> web.StreamResponse:
     """SSE chunks (``chat.completion.chunk`` / ``text_completion``), then ``data: [DONE]``."""
     meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
     response = await start_sse(request)
@@ -131,7 +83,10 @@ async def _stream(request: web.Request, events: Any, event: Any, meta: dict[str,
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return {**meta, "choices": [choice]}
+        out = {**meta, "choices": [choice]}
+        if finish is not None and prepared.warnings():
+            out["warnings"] = prepared.warnings()
+        return out
 
     try:
         if chat:
@@ -142,7 +97,7 @@ async def _stream(request: web.Request, events: Any, event: Any, meta: dict[str,
             if event.finished:
                 break
             event = await anext(events)
-        if include_usage:
+        if req.include_usage:
             await send_sse(response, {**meta, "choices": [], "usage": _usage(event)})
     except LlmcError as exc:
         await send_sse(response, {"error": {"message": str(exc), "type": type(exc).__name__}})

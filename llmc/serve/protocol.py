@@ -7,7 +7,11 @@ names, types and defaults are identical everywhere (triton.md, "Ensemble inputs"
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -51,6 +55,15 @@ ENSEMBLE_OUTPUTS: tuple[FieldSpec, ...] = (FieldSpec("text_output", "BYTES", (-1
 # llmc extras accepted by the HTTP generate endpoints (JSON only): SamplingParams fields without an ensemble name.
 EXTRA_PARAMS = ("min_p", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids")
 SPECS = {spec.name: spec for spec in ENSEMBLE_INPUTS}
+# llmc's internal names (SamplingParams fields, the engine's "prompt") -> the ensemble's names, for errors.
+ENSEMBLE_NAMES = {"prompt": "text_input", "max_new_tokens": "max_tokens", "min_tokens": "min_length",
+                  "seed": "random_seed", "stop": "stop_words"}
+# JSON request bodies nest a few levels (messages -> content parts); deeper ones are refused before any walk.
+MAX_JSON_DEPTH = 32
+# Stop strings are matched on every generated token inside the engine's step, so their number and length
+# bound the step time of every request in the batch.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 32, 1024, 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _WIRE_KINDS = {  # which wire datatypes a kind accepts (integers of any width, any float width)
     "string": {"BYTES"}, "strings": {"BYTES"}, "bool": {"BOOL"},
     "int": {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"},
@@ -68,6 +81,84 @@ class GenerateRequest:
     stream: bool = False
     exclude_input_in_output: bool = True
     request_id: str | None = None
+    strict_max_tokens: bool = False  # 400 instead of a cap when max_tokens exceeds what the prompt leaves room for
+
+
+def loads_json_object(raw: bytes, what: str = "body") -> dict[str, Any]:
+    """Parse a request body that must be a JSON object; RequestError naming ``what`` (or the field) otherwise.
+
+    Refuses what would fail later as a 500: nesting deeper than :data:`MAX_JSON_DEPTH`, and strings (keys
+    or values) holding a lone UTF-16 surrogate such as ``"\\ud800"``, which no tokenizer or UTF-8 encoder takes.
+    """
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError(what, f"nests deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise RequestError(what, f"is not valid JSON ({exc}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise RequestError(what, f"must be a JSON object, got {type(body).__name__}")
+    check_json_value(body)
+    return body
+
+
+def check_json_value(value: Any) -> None:
+    """RequestError for nesting deeper than :data:`MAX_JSON_DEPTH` or a string with a lone surrogate; the
+    error names the path (``messages[0].content``). Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    while stack:
+        path, item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            top = re.split(r"[.\[]", path.lstrip("."), maxsplit=1)[0] or "body"
+            raise RequestError(top, f"nests deeper than {MAX_JSON_DEPTH} levels; send a flat JSON object")
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise RequestError(path.lstrip(".") or "body", "holds a lone UTF-16 surrogate (e.g. \\ud800), "
+                                                               "which is not text; send valid Unicode")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    raise RequestError(path.lstrip(".") or "body", "has a key with a lone UTF-16 surrogate; "
+                                                                   "send valid Unicode")
+                stack.append((f"{path}.{key}", child, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child, depth + 1) for i, child in enumerate(item))
+
+
+def check_param_limits(params: SamplingParams) -> SamplingParams:
+    """RequestError when the stop lists exceed what one request may ask of the shared step loop."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise RequestError("stop", f"has {len(params.stop)} stop strings; at most {MAX_STOP_STRINGS} are accepted")
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError("stop", f"has a stop string of {longest} characters; at most {MAX_STOP_CHARS} are "
+                                   f"accepted")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError("stop_token_ids", f"has {len(params.stop_token_ids)} ids; at most "
+                                             f"{MAX_STOP_TOKEN_IDS} are accepted")
+    return params
+
+
+def with_client_names(exc: RequestError, names: Mapping[str, str]) -> RequestError:
+    """``exc`` in the client's vocabulary: its field (``prompt[0]`` -> ``messages[0]``) and the internal
+    parameter names in its message (``max_new_tokens`` -> ``max_tokens``) renamed through ``names``."""
+    head, bracket, rest = exc.field.partition("[")
+    field = names.get(head, head) + bracket + rest
+    identifiers = [n for n in names if "_" in n]  # plain words ("prompt", "stop") also occur as prose
+    message = exc.message
+    if identifiers:
+        pattern = r"\b(" + "|".join(map(re.escape, identifiers)) + r")\b"
+        message = re.sub(pattern, lambda m: names[m.group(1)], message)
+    return RequestError(field, message)
+
+
+@contextmanager
+def client_names(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise any RequestError of the block through :func:`with_client_names`."""
+    try:
+        yield
+    except RequestError as exc:
+        raise with_client_names(exc, names) from None
 
 
 def model_metadata_dict(name: str) -> dict[str, Any]:
@@ -95,11 +186,20 @@ def parse_generate_fields(fields: Mapping[str, Any], defaults: SamplingParams, v
     Scalars may arrive as one-element lists (tensor form). ``end_id`` joins the stop token ids, ``min_length``
     becomes ``min_tokens``, ``random_seed`` becomes ``seed``; ``bad_words`` must be empty (the torch engine
     has no bad-word filter); ``pad_id`` is accepted and unused. With ``allow_extras``, the JSON-only llmc
-    extras (:data:`EXTRA_PARAMS`) and ``id``/``request_id`` are accepted. Unknown fields, missing required
-    fields and wrong types raise RequestError naming the field.
+    extras (:data:`EXTRA_PARAMS`), ``id``/``request_id`` and ``strict_max_tokens`` are accepted. Unknown
+    fields, missing required fields and wrong types raise RequestError naming the ensemble's field (never an
+    internal name such as ``max_new_tokens``).
     """
-    values = dict(fields)
+    with client_names(ENSEMBLE_NAMES):
+        return _parse_generate_fields(dict(fields), defaults, vocab_size, allow_extras)
+
+
+def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, vocab_size: int | None,
+                           allow_extras: bool) -> GenerateRequest:
     request_id = _pop_request_id(values) if allow_extras else None
+    strict = values.pop("strict_max_tokens", False) if allow_extras else False
+    if not isinstance(strict, bool):
+        raise RequestError("strict_max_tokens", f"must be true or false, got {strict!r}")
     missing = [s.name for s in ENSEMBLE_INPUTS if s.required and values.get(s.name) is None]
     if missing:
         raise RequestError(missing[0], "is required (send e.g. {\"text_input\": \"Hello\", \"max_tokens\": 64})")
@@ -112,7 +212,7 @@ def parse_generate_fields(fields: Mapping[str, Any], defaults: SamplingParams, v
             continue
         spec = SPECS.get(name)
         if spec is None:
-            known = list(SPECS) + (list(EXTRA_PARAMS) + ["id"] if allow_extras else [])
+            known = list(SPECS) + (list(EXTRA_PARAMS) + ["id", "strict_max_tokens"] if allow_extras else [])
             raise RequestError(name, f"unknown field; the accepted fields are: {', '.join(known)}")
         if raw is None:
             continue
@@ -125,12 +225,12 @@ def parse_generate_fields(fields: Mapping[str, Any], defaults: SamplingParams, v
         stop_ids.append(decoded["end_id"])
     if stop_ids or "stop_token_ids" in changes:
         changes["stop_token_ids"] = list(changes.get("stop_token_ids", [])) + stop_ids
-    params = defaults.replace(**changes).validate(vocab_size)
+    params = check_param_limits(defaults.replace(**changes).validate(vocab_size))
     prompt = decoded["text_input"]
     if not prompt:
         raise RequestError("text_input", "is empty; send at least one character")
     return GenerateRequest(prompt, params, bool(decoded.get("stream", False)),
-                           bool(decoded.get("exclude_input_in_output", True)), request_id)
+                           bool(decoded.get("exclude_input_in_output", True)), request_id, strict)
 
 
 def _pop_request_id(values: dict[str, Any]) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmc.errors import ServeError
 from llmc.serve.engine_client import EngineClient
 from llmc.serve.app import create_app
 from llmc.serve.state import ServerState
@@ -35,6 +36,10 @@ class ServeOptions:
     api_key: str | None
     request_timeout_s: float
     grace_s: float = 30.0
+    # Connection timeouts a normal client never hits: a connection gets keepalive_timeout_s to send a complete
+    # request head (idle keep-alive connections and slow headers alike), then body_timeout_s for the body.
+    keepalive_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
 
 
 def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None) -> Any:
@@ -53,7 +58,7 @@ def make_state(engine: Any, options: ServeOptions) -> ServerState:
     """The handlers' shared state for a loaded engine."""
     client = EngineClient(engine, options.request_timeout_s)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
-                       options.api_key)
+                       options.api_key, body_timeout_s=options.body_timeout_s)
 
 
 async def serve_async(engine: Any, options: ServeOptions, stop: asyncio.Event,
@@ -63,13 +68,19 @@ async def serve_async(engine: Any, options: ServeOptions, stop: asyncio.Event,
 
     state = make_state(engine, options)
     engine.start()
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=options.keepalive_timeout_s)
     await runner.setup()
     grpc_server = None
     try:
-        await web.TCPSite(runner, options.host, options.port).start()
+        try:
+            await web.TCPSite(runner, options.host, options.port).start()
+        except OSError as exc:
+            raise ServeError(f"cannot listen on {options.host}:{options.port} ({exc.strerror or exc}); pass a "
+                             f"free --port or stop the process that holds it") from None
         if options.grpc_port is not None:
-            grpc_server = await start_grpc_server(state, options.host, options.grpc_port)
+            grpc_server = await start_grpc_server(state, options.host, options.grpc_port,
+                                                  idle_timeout_s=options.keepalive_timeout_s)
         if on_ready is not None:
             on_ready()
         await stop.wait()

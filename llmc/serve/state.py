@@ -8,7 +8,10 @@ The route modules (:mod:`llmc.serve.kserve_http`, :mod:`llmc.serve.openai_api`) 
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,9 @@ from aiohttp import web
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
 from llmc.runtime.params import SamplingParams
 from llmc.serve.engine_client import EngineClient, RequestTimeoutError, ServerDrainingError
+from llmc.serve.protocol import loads_json_object
+
+log = logging.getLogger(__name__)
 
 # Names that reach the served model: llmc's own name plus Triton's, so unchanged Triton clients work.
 TRITON_ALIASES = ("ensemble", "tensorrt_llm_bls")
@@ -32,14 +38,19 @@ class ServerState:
     defaults: SamplingParams
     vocab_size: int
     api_key: str | None = None
+    body_timeout_s: float = 60.0  # a request body must arrive within this many seconds of its headers
+    max_body_bytes: int = 16 * 1024 * 1024
 
     def knows(self, model: str) -> bool:
         """True for the served model's name and the Triton aliases."""
         return model == self.model_name or model in TRITON_ALIASES
 
     def key_matches(self, presented: str | None) -> bool:
-        """Check an ``Authorization`` value against ``Bearer <api_key>`` (True without a key)."""
-        return self.api_key is None or presented == f"Bearer {self.api_key}"
+        """Constant-time check of an ``Authorization`` value against ``Bearer <api_key>`` (True without a key)."""
+        if self.api_key is None:
+            return True
+        expected = f"Bearer {self.api_key}".encode()
+        return hmac.compare_digest((presented or "").encode("utf-8", "surrogateescape"), expected)
 
 
 STATE_KEY = web.AppKey("llmc_state", ServerState)
@@ -74,17 +85,36 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
         if isinstance(exc, RequestError):
             state.client.metrics.rejected.labels("invalid").inc()
         return error_response(exc)
+    except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413 ... answer JSON too
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Connection", "Retry-After")}
+        return web.json_response({"error": exc.text or exc.reason}, status=exc.status, headers=headers)
+    except Exception as exc:  # a bug: logged with its traceback; the client still gets JSON, the server goes on
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response({"error": f"internal server error ({type(exc).__name__}); see the server log"},
+                                 status=500)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body, within ``max_body_bytes`` (413) and ``body_timeout_s`` (408, connection closed).
+
+    A Content-Length over the limit is refused before any byte is read, so ``Content-Length: 10**12`` with
+    no body gets an immediate answer instead of an open socket."""
+    state = request.app[STATE_KEY]
+    if request.content_length is not None and request.content_length > state.max_body_bytes:
+        raise web.HTTPRequestEntityTooLarge(state.max_body_bytes, request.content_length,
+                                            headers={"Connection": "close"})
+    try:
+        return await asyncio.wait_for(request.read(), state.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {state.body_timeout_s:g} s",
+                                     headers={"Connection": "close"}) from None
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or RequestError (400) naming what is wrong."""
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError("body", f"is not valid JSON ({exc}); send a JSON object") from None
-    if not isinstance(body, dict):
-        raise RequestError("body", f"must be a JSON object, got {type(body).__name__}")
-    return body
+    return loads_json_object(await read_body(request))
 
 
 def served_model(request: web.Request) -> str:
