@@ -18,7 +18,7 @@ from llmc.runtime.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict,
                                  parse_generate_fields)
-from llmc.serve.state import STATE_KEY, ServerState, read_body, read_json, send_sse, served_model, start_sse
+from llmc.serve.state import STATE_KEY, ServerState, prepare, read_body, read_json, send_sse, served_model, start_sse
 from llmc.serve.tensors import parse_infer_body, tensors_to_fields
 
 
@@ -50,11 +50,10 @@ def _parse(state: ServerState, fields: dict[str, Any], allow_extras: bool = True
     return parse_generate_fields(fields, state.defaults, state.vocab_size, allow_extras=allow_extras)
 
 
-async def _open(state: ServerState, req: GenerateRequest) -> tuple[PreparedPrompt, AsyncIterator[StreamEvent]]:
+async def _open(request: web.Request, req: GenerateRequest) -> tuple[PreparedPrompt, AsyncIterator[StreamEvent]]:
     """Tokenize (errors name ``text_input``, ``max_tokens``) and start the request's event stream."""
-    with client_names(ENSEMBLE_NAMES):
-        prepared = await state.client.prepare(req.prompt, req.params, req.strict_max_tokens)
-    return prepared, state.client.stream(prepared.token_ids, req.params)
+    prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, ENSEMBLE_NAMES)
+    return prepared, request.app[STATE_KEY].client.stream(prepared.token_ids, req.params)
 
 
 async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent:
@@ -79,7 +78,7 @@ async def generate(request: web.Request) -> web.Response:
     name, state = served_model(request), request.app[STATE_KEY]
     req = _parse(state, await read_json(request))
     parts = [] if req.exclude_input_in_output else [req.prompt]
-    prepared, events = await _open(state, req)
+    prepared, events = await _open(request, req)
     async with aclosing(events):
         event = await _first(events)
         parts.append(event.text)
@@ -95,7 +94,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     Errors before the first event are plain JSON responses; later ones a final ``data: {"error": ...}``."""
     name, state = served_model(request), request.app[STATE_KEY]
     req = _parse(state, await read_json(request))
-    prepared, events = await _open(state, req)
+    prepared, events = await _open(request, req)
     async with aclosing(events):
         first = await _first(events)
         response = await start_sse(request)
@@ -131,7 +130,7 @@ async def infer(request: web.Request) -> web.Response:
                                            request.headers.get("Inference-Header-Content-Length"))
     req = _parse(state, tensors_to_fields(tensors), allow_extras=False)
     parts = [] if req.exclude_input_in_output else [req.prompt]
-    prepared, events = await _open(state, req)
+    prepared, events = await _open(request, req)
     async with aclosing(events):
         event = await _first(events)
         parts.append(event.text)

@@ -20,7 +20,7 @@ from llmc.runtime.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.protocol import client_names
-from llmc.serve.state import STATE_KEY, TRITON_ALIASES, read_json, send_sse, start_sse
+from llmc.serve.state import STATE_KEY, TRITON_ALIASES, prepare, read_json, send_sse, start_sse
 
 
 def _usage(event: StreamEvent) -> dict[str, int]:
@@ -49,8 +49,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
                                state.vocab_size)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
-    with client_names(req.names):
-        prepared = await state.client.prepare(req.prompt, req.params, req.strict_max_tokens)
+    prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
     events = state.client.stream(prepared.token_ids, req.params)
     async with aclosing(events):
         with client_names(req.names):

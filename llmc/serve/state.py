@@ -12,6 +12,8 @@ import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +21,8 @@ from aiohttp import web
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
 from llmc.runtime.params import SamplingParams
-from llmc.serve.engine_client import EngineClient, RequestTimeoutError, ServerDrainingError
-from llmc.serve.protocol import loads_json_object
+from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError
+from llmc.serve.protocol import client_names, loads_json_object
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class ServerState:
 
 
 STATE_KEY = web.AppKey("llmc_state", ServerState)
+# True once the current request's handler has handed it to the EngineClient, which counts its outcome from
+# then on (set per request by the middleware; a keep-alive connection's requests share one task).
+_SUBMITTED: ContextVar[bool] = ContextVar("llmc_submitted", default=False)
 
 
 def error_response(exc: LlmcError) -> web.Response:
@@ -79,8 +84,13 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     if request.path not in PUBLIC_PATHS and not state.key_matches(request.headers.get("Authorization")):
         return web.json_response({"error": "missing or wrong API key; send 'Authorization: Bearer <key>'"},
                                  status=401, headers={"WWW-Authenticate": "Bearer"})
+    submitted = _SUBMITTED.set(False)
     try:
         return await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):  # the client left before its request was submitted
+        if not _SUBMITTED.get():
+            state.client.metrics.requests.labels("abort").inc()
+        raise
     except LlmcError as exc:
         if isinstance(exc, RequestError):
             state.client.metrics.rejected.labels("invalid").inc()
@@ -94,6 +104,16 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
         log.exception("unhandled error in %s %s", request.method, request.path)
         return web.json_response({"error": f"internal server error ({type(exc).__name__}); see the server log"},
                                  status=500)
+    finally:
+        _SUBMITTED.reset(submitted)
+
+
+async def prepare(request: web.Request, prompt: Any, params: SamplingParams, strict: bool,
+                  names: Mapping[str, str]) -> PreparedPrompt:
+    """Hand the request to the EngineClient (tokenize, check max_tokens); errors use the client's ``names``."""
+    _SUBMITTED.set(True)
+    with client_names(names):
+        return await request.app[STATE_KEY].client.prepare(prompt, params, strict)
 
 
 async def read_body(request: web.Request) -> bytes:

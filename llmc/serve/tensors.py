@@ -26,16 +26,16 @@ def serialize_bytes(elements: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
-def deserialize_bytes(raw: bytes) -> list[bytes]:
-    """Inverse of :func:`serialize_bytes`; RequestError on a truncated buffer."""
+def deserialize_bytes(raw: bytes, field: str = "raw_input_contents") -> list[bytes]:
+    """Inverse of :func:`serialize_bytes`; RequestError naming ``field`` on a truncated buffer."""
     out, pos = [], 0
     while pos < len(raw):
         if pos + 4 > len(raw):
-            raise RequestError("raw_input_contents", "a BYTES tensor is truncated (a length prefix is cut off)")
+            raise RequestError(field, "a BYTES tensor is truncated (a length prefix is cut off)")
         (n,) = struct.unpack_from("<I", raw, pos)
         pos += 4
         if pos + n > len(raw):
-            raise RequestError("raw_input_contents", "a BYTES tensor is truncated (an element is cut off)")
+            raise RequestError(field, "a BYTES tensor is truncated (an element is cut off)")
         out.append(raw[pos:pos + n])
         pos += n
     return out
@@ -45,7 +45,7 @@ def decode_raw(name: str, datatype: str, raw: bytes) -> list[Any]:
     """The flat element list of one raw input tensor (BYTES elements stay ``bytes``)."""
     check_wire_datatype(name, datatype)
     if datatype == "BYTES":
-        return deserialize_bytes(raw)
+        return deserialize_bytes(raw, name)
     dtype = np.dtype(NUMPY_DTYPES[datatype])
     if len(raw) % dtype.itemsize:
         raise RequestError(name, f"raw data of {len(raw)} bytes is not a whole number of {datatype} elements")

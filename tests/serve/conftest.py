@@ -67,9 +67,11 @@ def _send(req: urllib.request.Request, reply_headers: dict | None = None) -> tup
 
 
 def start_server(build_dir: Path, max_queue_size: int | None = None, request_timeout_s: float = 60.0,
-                 api_key: str | None = None, grace_s: float = 5.0) -> RunningServer:
+                 api_key: str | None = None, grace_s: float = 5.0, keepalive_timeout_s: float = 30.0,
+                 body_timeout_s: float = 60.0) -> RunningServer:
     engine = load_engine(build_dir, "cpu", max_queue_size)
-    options = ServeOptions("127.0.0.1", free_port(), free_port(), api_key, request_timeout_s, grace_s)
+    options = ServeOptions("127.0.0.1", free_port(), free_port(), api_key, request_timeout_s, grace_s,
+                           keepalive_timeout_s, body_timeout_s)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     holder: dict[str, Any] = {}
