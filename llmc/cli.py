@@ -2,7 +2,8 @@
 
 Commands live next to the code they drive (``llmc/<stage>/commands.py``) and are imported lazily, so
 ``llmc --help`` is instant and one stage's optional dependencies never break another's command.
-Any :class:`~llmc.errors.LlmcError` becomes one ``error: ...`` line on stderr and exit status 2.
+Any :class:`~llmc.errors.LlmcError`, and any OSError the environment raises (disk full, permission denied),
+becomes one ``error: ...`` line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         code = cli.main(args=argv, prog_name="llmc", standalone_mode=False)
     except LlmcError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:  # the environment refused (disk full, permission denied, ...): not a bug in the input
+        where = f" ({exc.filename})" if exc.filename else ""
+        click.echo(f"error: {exc.strerror or exc}{where}; free space or fix the permissions, then run again",
+                   err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

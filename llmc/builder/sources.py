@@ -210,30 +210,59 @@ def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
     """A GGUF file's key/value metadata (arrays as ``GGUFArray(length)``) and its tensor names.
 
     Reads the header only, through mmap: a fraction of a second even with a 50k-token vocabulary (parsing
-    every array as ``gguf.GGUFReader`` does takes seconds).
+    every array as ``gguf.GGUFReader`` does takes seconds). Checks that the file holds every tensor's bytes
+    (a file cut short after its header is a SourceError here, not a reshape error deep in the conversion).
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _GGUFCursor(buf)
-        try:
-            if bytes(buf[:4]) != GGUF_MAGIC:
-                raise ValueError("bad magic")
-            cur.pos = 4
-            version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
-            if version < 2:
-                raise ValueError(f"GGUF version {version} (llmc reads 2 and 3)")
-            kv = {}
-            for _ in range(n_kv):
-                key = cur.string()
-                kv[key] = cur.value(cur.scalar("<I"))
-            names = []
-            for _ in range(n_tensors):
-                names.append(cur.string())
-                n_dims = cur.scalar("<I")
-                cur.pos += 8 * n_dims + 4 + 8  # dims, type, offset
-        except (struct.error, ValueError) as exc:
-            raise SourceError(f"{path}: unreadable GGUF header ({exc}). Fix: re-download or re-export the file") \
-                from exc
+    fix = "Fix: re-download or re-export the file"
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            kv, names, data_end = _parse_gguf_header(buf)
+            size = len(buf)
+    except ValueError as exc:  # mmap of an empty file; anything the header parser found malformed
+        raise SourceError(f"{path}: unreadable GGUF header ({exc}). {fix}") from None
+    except struct.error as exc:
+        raise SourceError(f"{path}: unreadable GGUF header (it ends early: {exc}). {fix}") from None
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read the file ({exc.strerror or exc}). {fix}") from None
+    if data_end > size:
+        raise SourceError(f"{path}: the file is truncated: its tensors need {data_end} bytes but it has {size}. {fix}")
     return kv, names
+
+
+def _parse_gguf_header(buf: Any) -> tuple[dict[str, Any], list[str], int]:
+    """(metadata, tensor names, end offset of the tensor data) of a GGUF buffer; ValueError / struct.error."""
+    from gguf import GGML_QUANT_SIZES
+
+    cur = _GGUFCursor(buf)
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError("bad magic")
+    cur.pos = 4
+    version, n_tensors, n_kv = cur.scalar("<I"), cur.scalar("<Q"), cur.scalar("<Q")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} (llmc reads 2 and 3)")
+    kv = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        kv[key] = cur.value(cur.scalar("<I"))
+    names, extents = [], []
+    for _ in range(n_tensors):
+        names.append(cur.string())
+        n_dims = cur.scalar("<I")
+        if n_dims > 8:
+            raise ValueError(f"tensor {names[-1]!r} has {n_dims} dimensions")
+        elements = 1
+        for _ in range(n_dims):
+            elements *= cur.scalar("<Q")
+        ggml_type, offset = cur.scalar("<I"), cur.scalar("<Q")
+        if ggml_type not in GGML_QUANT_SIZES:
+            raise ValueError(f"tensor {names[-1]!r} has unknown type {ggml_type}")
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        extents.append(offset + -(-elements // block) * type_size)
+    alignment = kv.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"general.alignment is {alignment!r}")
+    data_start = -(-cur.pos // alignment) * alignment
+    return kv, names, data_start + max(extents, default=0)
 
 
 def read_gguf_config(path: Path) -> dict[str, Any]:

@@ -49,7 +49,21 @@ def load_recipe(path: str | Path, *, check_inputs: bool = True) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(str(path), ROOT, "recipe file not found", "check the path (e.g. recipes/smollm2-135m.yaml)")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise RecipeError(str(path), ROOT, f"the file is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                                           f"{err.start})", "save the recipe as UTF-8 (it is a YAML text file)") from None
+    except OSError as err:
+        raise RecipeError(str(path), ROOT, f"cannot read the file ({err.strerror or err})",
+                          "check the path and its permissions") from None
+    return parse_recipe_text(text, path, check_inputs=check_inputs)
+
+
+def parse_recipe_text(text: str, path: str | Path, *, check_inputs: bool = True) -> Recipe:
+    """Parse and validate recipe YAML ``text`` (read from ``path``, which relative paths resolve against).
+
+    RecipeError for every problem, including YAML nested too deeply for the parser's recursion."""
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.MarkedYAMLError as err:
@@ -59,9 +73,12 @@ def load_recipe(path: str | Path, *, check_inputs: bool = True) -> Recipe:
                           f"fix the YAML{where} (indentation, `key: value` colons, quotes)") from err
     except yaml.YAMLError as err:
         raise RecipeError(str(path), ROOT, f"YAML error: {err}", "fix the YAML syntax") from err
+    except RecursionError:
+        raise RecipeError(str(path), ROOT, "the YAML nests too deeply to parse",
+                          "write the recipe as the flat mapping docs/RECIPE.md describes") from None
     if data is None:
         raise RecipeError(str(path), ROOT, "the file is empty", "write a recipe (see docs/RECIPE.md)")
-    return recipe_from_dict(data, file=path, check_inputs=check_inputs)
+    return recipe_from_dict(data, file=Path(path), check_inputs=check_inputs)
 
 
 def recipe_from_dict(d: Any, file: str | Path | None = None, *, check_inputs: bool = True) -> Recipe:
