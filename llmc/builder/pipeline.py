@@ -1,9 +1,12 @@
 """``llmc build``: recipe -> build folder (checkpoint IR, engine, tokenizer, manifest), atomically.
 
-Order of work: check the output location, locate and hash the source, skip when up to date, check the recipe
-against the model's config (cheap, before any conversion), resolve the source (may convert a GGUF file, once,
-cached), then build into ``<parent>/.<name>.tmp-<pid>/`` and swap it in. Any failure removes the temp folder,
-so a failed build never leaves a partial folder and never damages the previous build.
+Order of work: check the output location (an existing folder is replaced only when it holds a valid llmc
+manifest), remove temp folders that killed builds left in the same parent, locate and hash the source, skip
+when up to date, check the recipe against the model's config (cheap, before any conversion), resolve the source
+(may convert a GGUF file, once, cached), then build into ``<parent>/.<name>.tmp-<pid>/`` and swap it in with one
+atomic exchange. Any failure removes the temp folder, so a failed build never leaves a partial folder and never
+damages the previous build; a build killed with -9 leaves either the old build or the new one in place, and its
+temp folder is removed by the next build into the same parent.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import yaml
 from rich.console import Console
 
 from llmc.builder import load, manifest as mf, sources
+from llmc.builder.output_dir import (TMP_MARKER, check_output_location, make_parent, remove_stale_temp_dirs,
+                                     remove_tree, replace_dir, write_marker)
 from llmc.builder.progress import BuildProgress
 from llmc.errors import BuildError, EngineError, SourceError
 
@@ -60,6 +65,8 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
 
     out_dir = Path(out_dir if out_dir is not None else default_build_dir(recipe)).absolute()
     check_output_location(out_dir)
+    if out_dir.parent.is_dir():
+        remove_stale_temp_dirs(out_dir.parent)
     origin = sources.locate_source(recipe.model.source)
     source_sha = load.source_sha256(origin)
     recipe_sha = recipe_hash(recipe)
@@ -73,16 +80,22 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
     if recipe.quantization.method != "none":
         require_quant_extra(recipe.quantization.method)
     check_against_model(recipe)
-    _make_parent(out_dir)
+    make_parent(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_tree(tmp)
     try:
         tmp.mkdir()
+        write_marker(tmp)
         with BuildProgress(console) as progress:
             manifest = _build_into(tmp, out_dir, recipe, recipe_sha, source_sha, progress, cache_dir)
+        (tmp / TMP_MARKER).unlink()  # the folder stays recognisable by its manifest until it is swapped in
         replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        remove_tree(tmp)
+        if isinstance(exc, OSError):
+            raise BuildError(f"the build of {out_dir} failed and left nothing behind: {exc.strerror or exc}"
+                             f"{f' ({exc.filename})' if exc.filename else ''}. Fix: free space on "
+                             f"{out_dir.parent} (or pass -o DIR on another disk) and check its permissions") from exc
         raise
     return _result(out_dir, manifest, up_to_date=False)
 
@@ -110,34 +123,6 @@ def require_quant_extra(method: str) -> None:
     )
 
 
-def check_output_location(out_dir: Path) -> None:
-    """BuildError unless ``out_dir``'s parent can be created/written and ``out_dir`` is absent or a build.
-
-    Creates nothing: the parent folders are made only once the inputs have been checked.
-    """
-    fix = "Fix: pass a writable output folder with -o DIR"
-    ancestor = out_dir.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise BuildError(f"cannot write the build folder {out_dir}: {ancestor} is a file, not a folder. {fix}")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise BuildError(f"cannot write the build folder {out_dir}: {ancestor} is not writable. {fix}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BuildError(f"the output path {out_dir} is a file. {fix}")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / mf.MANIFEST_NAME).exists():
-        raise BuildError(f"the output folder {out_dir} exists and is not an llmc build, so llmc will not replace "
-                         f"it. {fix}, or remove that folder")
-
-
-def _make_parent(out_dir: Path) -> None:
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BuildError(f"cannot create {out_dir.parent}: {exc}. Fix: pass a writable output folder with -o DIR") \
-            from exc
-
-
 def check_against_model(recipe: Any) -> None:
     """Check the recipe against the model's config (cheap read, no conversion): architecture, limits, sizes."""
     from llmc.recipe.checks import check_recipe_against_model
@@ -151,13 +136,10 @@ def check_against_model(recipe: Any) -> None:
 
 
 def _existing_manifest(out_dir: Path) -> mf.Manifest | None:
+    """The manifest of the build in ``out_dir`` (check_output_location has refused anything else), or None."""
     if not (out_dir / mf.MANIFEST_NAME).exists():
         return None
-    try:
-        return mf.read_manifest(out_dir)
-    except EngineError as exc:  # an unreadable old build is simply rebuilt
-        log.info("rebuilding %s: its manifest is unreadable (%s)", out_dir, exc)
-        return None
+    return mf.read_manifest(out_dir)
 
 
 def _is_current(existing: mf.Manifest, recipe_sha: str, source_sha: str) -> bool:
@@ -318,22 +300,6 @@ def write_recipe_copy(recipe: Any, path: Path) -> None:
 def _jsonable(value: Any) -> Any:
     """Reports may hold Paths, tuples or numpy/torch scalars; make them JSON-able."""
     return json.loads(json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
-def replace_dir(new: Path, target: Path) -> None:
-    """Move ``new`` to ``target``, replacing an existing ``target`` (renamed away first, deleted last)."""
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-        try:
-            os.rename(new, target)
-        except OSError:
-            os.rename(old, target)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(new, target)
 
 
 def folder_bytes(folder: Path) -> int:

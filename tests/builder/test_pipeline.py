@@ -206,16 +206,6 @@ def test_missing_tensor_fails_with_no_folder(tmp_path, tiny_hf_dir):
     assert siblings(out) == []
 
 
-def test_replace_dir_swaps_atomically(tmp_path):
-    old, new = tmp_path / "target", tmp_path / ".new"
-    old.mkdir()
-    (old / "v").write_text("1")
-    new.mkdir()
-    (new / "v").write_text("2")
-    pipeline.replace_dir(new, old)
-    assert (old / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["target"]
-
-
 @pytest.mark.slow
 def test_embedded_gguf_recipe_builds(tmp_path, smollm2_hf_dir):
     source = f"package:{factories.EMBEDDED_PACKAGE}/{factories.EMBEDDED_FILE}"

@@ -34,9 +34,12 @@ Whenever it is unavailable, the engine uses PyTorch's ops (its int4 op, gathered
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -75,16 +78,35 @@ def load() -> ModuleType | None:
         _why_not = f"this CPU's capability is {capability}, llmc's kernels need AVX512"
         return None
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils.cpp_extension import _get_build_directory, load as build
 
-        module = build(name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                       extra_ldflags=["-fopenmp"], verbose=False)
+        with _build_lock(Path(_get_build_directory(NAME, verbose=False))):
+            module = build(name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
+                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back, say why
         _why_not = f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
         logger.warning("llmc's CPU kernels are unavailable, using PyTorch's ops: %s. Fix: install a C++ "
                        "compiler and ninja (pip install ninja)", _why_not)
         return None
     return module
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an flock around torch's build, and clear a ``lock`` file that a killed process left behind.
+
+    torch's ``FileBaton`` is a plain file that its owner deletes when done: a process killed with -9 while it
+    loads the extension (every load takes it, even with nothing to rebuild) leaves it behind, and every later
+    load waits for it forever. An flock dies with its process, so whoever holds ours knows that no live
+    process is inside torch's build and that a ``lock`` file found now is stale."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "llmc.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a process that was killed while loading llmc's CPU kernels", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def status() -> str:

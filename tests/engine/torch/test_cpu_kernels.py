@@ -279,3 +279,12 @@ def test_the_cpu_runner_samples_greedy_tokens_with_the_argmax_kernel(tiny_hf_dir
     seqs = [ScheduledSequence(f"r{i}", (1,), 0, (0,), True, GREEDY, prompt_token_ids=(1,)) for i in range(3)]
     expected = torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
     assert torch.equal(runner.sampler(logits, seqs), expected)
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """torch's build baton is a plain file: a process killed -9 while loading the kernels leaves it, and every
+    later load would wait forever. Under llmc's flock, a lock file found is stale and removed."""
+    (tmp_path / "lock").write_text("")
+    with cpu_ext._build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert (tmp_path / "llmc.flock").exists()
