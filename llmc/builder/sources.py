@@ -177,9 +177,15 @@ class _GGUFCursor:
         self.pos += struct.calcsize(fmt)
         return value
 
+    def skip(self, n: int) -> None:
+        """Move past ``n`` bytes; ValueError when they run past the end (a huge count in a damaged file)."""
+        if n > len(self.buf) - self.pos:
+            raise ValueError(f"a length of {n} bytes at offset {self.pos} runs past the end of the file")
+        self.pos += n
+
     def string(self) -> str:
         n = self.scalar("<Q")
-        self.pos += n
+        self.skip(n)
         return bytes(self.buf[self.pos - n:self.pos]).decode("utf-8", errors="replace")
 
     def value(self, vtype: int) -> Any:
@@ -192,7 +198,7 @@ class _GGUFCursor:
             raise ValueError(f"unknown GGUF value type {vtype}")
         item_type, count = self.scalar("<I"), self.scalar("<Q")
         if item_type in _GGUF_SCALARS:
-            self.pos += count * struct.calcsize(_GGUF_SCALARS[item_type])
+            self.skip(count * struct.calcsize(_GGUF_SCALARS[item_type]))
         else:
             for _ in range(count):
                 self.value(item_type)
@@ -218,8 +224,10 @@ def read_gguf_metadata(path: Path) -> tuple[dict[str, Any], list[str]]:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             kv, names, data_end = _parse_gguf_header(buf)
             size = len(buf)
-    except ValueError as exc:  # mmap of an empty file; anything the header parser found malformed
+    except (ValueError, OverflowError) as exc:  # mmap of an empty file; a malformed or overflowing field
         raise SourceError(f"{path}: unreadable GGUF header ({exc}). {fix}") from None
+    except RecursionError:
+        raise SourceError(f"{path}: unreadable GGUF header (arrays nested too deeply). {fix}") from None
     except struct.error as exc:
         raise SourceError(f"{path}: unreadable GGUF header (it ends early: {exc}). {fix}") from None
     except OSError as exc:

@@ -208,7 +208,8 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
     decoded: dict[str, Any] = {}
     for name, raw in values.items():
         if name in EXTRA_PARAMS and allow_extras:
-            changes[name] = raw
+            if raw is not None:
+                changes[name] = raw
             continue
         spec = SPECS.get(name)
         if spec is None:

@@ -46,6 +46,11 @@ def decode_raw(name: str, datatype: str, raw: bytes) -> list[Any]:
     check_wire_datatype(name, datatype)
     if datatype == "BYTES":
         return deserialize_bytes(raw, name)
+    if datatype == "BF16":  # no numpy dtype: the upper half of a float32
+        if len(raw) % 2:
+            raise RequestError(name, f"raw data of {len(raw)} bytes is not a whole number of BF16 elements")
+        halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return halves.view(np.float32).tolist()
     dtype = np.dtype(NUMPY_DTYPES[datatype])
     if len(raw) % dtype.itemsize:
         raise RequestError(name, f"raw data of {len(raw)} bytes is not a whole number of {datatype} elements")

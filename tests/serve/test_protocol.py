@@ -47,3 +47,10 @@ def test_tensor_wire_format_round_trips():
         decode_raw("max_tokens", "FP32", b"\0\0\0\0")
     with pytest.raises(RequestError, match="batch size 1"):
         tensors_to_fields({"text_input": [b"a", b"b"]})
+
+
+def test_bf16_raw_tensors_decode():
+    raw = bytes([0x80, 0x3F, 0x00, 0xC0])  # 1.0 and -2.0 as bfloat16, little-endian
+    assert decode_raw("temperature", "BF16", raw) == [1.0, -2.0]
+    with pytest.raises(RequestError, match="whole number of BF16"):
+        decode_raw("temperature", "BF16", b"\0")
