@@ -1,7 +1,9 @@
-"""Shell scripts (the GPU-box acceptance scripts and CI) stay shellcheck-clean; the client scripts parse."""
+"""Shell scripts (the GPU-box acceptance scripts and CI) stay shellcheck-clean; the client scripts parse; the soak
+script runs clean for a minute."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -65,3 +67,18 @@ def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tm
     rerun = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_w4a16_twin.py"), str(tiny_build_dir),
                             str(out)], capture_output=True, text=True)
     assert rerun.returncode != 0 and "exists" in rerun.stderr  # never overwrites
+
+
+def test_soak_for_sixty_seconds_leaks_nothing(tiny_build_dir, tmp_path):
+    """CI's short soak (README: the 30-minute run): mixed HTTP / gRPC / disconnects / cancels / hostile requests
+    at concurrency 32; no unexpected outcome, KV blocks back to 0, RSS and fds back to their warm-up level."""
+    report_path = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), str(tiny_build_dir), "--seconds", "60",
+                             "--warmup", "10", "--json", str(report_path), "--log", str(tmp_path / "server.log")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    report = json.loads(report_path.read_text())
+    assert result.returncode == 0 and all(report["checks"].values()), (report["checks"], report["unexpected_examples"])
+    assert report["unexpected"] == 0 and report["kv_blocks_used_after_drain"] == 0
+    assert set(report["requests_by_kind"]) == {"generate", "generate_stream", "openai_chat", "openai_stream",
+                                               "grpc_infer", "grpc_stream", "disconnect_mid_stream",
+                                               "close_before_answer", "grpc_cancel", "hostile"}

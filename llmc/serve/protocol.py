@@ -225,7 +225,10 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
     if "end_id" in decoded:
         stop_ids.append(decoded["end_id"])
     if stop_ids or "stop_token_ids" in changes:
-        changes["stop_token_ids"] = list(changes.get("stop_token_ids", [])) + stop_ids
+        requested = changes.get("stop_token_ids", [])
+        if not isinstance(requested, (list, tuple)):
+            raise RequestError("stop_token_ids", f"must be a list of token ids, got {requested!r}")
+        changes["stop_token_ids"] = list(requested) + stop_ids
     params = check_param_limits(defaults.replace(**changes).validate(vocab_size))
     prompt = decoded["text_input"]
     if not prompt:

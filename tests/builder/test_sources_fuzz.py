@@ -6,9 +6,11 @@ import struct
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import strategies as st
 
 from llmc.builder.sources import read_gguf_metadata
+from llmc.errors import SourceError
 from tests.fuzzing import fuzz_tests, mutations
 
 
@@ -56,3 +58,11 @@ def check(data: bytes) -> None:
 
 
 test_gguf_header, test_gguf_header_slow = fuzz_tests(st.one_of(mutations(VALID), HOSTILE), check)
+
+
+def test_lengths_past_the_end_are_a_source_error():
+    """Found by the fuzzer: a string length of 2**63 overflowed the cursor instead of ending the header."""
+    path = _DIR / "huge.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**63))
+    with pytest.raises(SourceError, match="runs past the end"):
+        read_gguf_metadata(path)

@@ -30,6 +30,7 @@ def test_fields_map_onto_sampling_params():
     ({"text_input": "x", "max_tokens": 1, "random_seed": -1}, "random_seed"),
     ({"text_input": "x", "max_tokens": 1, "top_p": 2.0}, "top_p"),
     ({"text_input": "x", "max_tokens": 1, "min_p": 0.1}, "min_p"),
+    ({"text_input": "x", "max_tokens": 1, "stop_token_ids": False}, "stop_token_ids"),  # found by the fuzzer
 ])
 def test_bad_fields_name_the_field(fields, field):
     with pytest.raises(RequestError) as info:
@@ -54,3 +55,9 @@ def test_bf16_raw_tensors_decode():
     assert decode_raw("temperature", "BF16", raw) == [1.0, -2.0]
     with pytest.raises(RequestError, match="whole number of BF16"):
         decode_raw("temperature", "BF16", b"\0")
+
+
+def test_null_extras_keep_their_defaults():
+    """Found by the fuzzer: ``"stop_token_ids": null`` reached ``list(None)``."""
+    req = parse_generate_fields({"text_input": "x", "max_tokens": 1, "stop_token_ids": None, "min_p": None}, DEFAULTS)
+    assert req.params.stop_token_ids == (2,) and req.params.min_p == 0.0
