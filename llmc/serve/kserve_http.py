@@ -62,6 +62,19 @@ async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent:
         return await anext(events)
 
 
+async def _whole_text(request: web.Request, req: GenerateRequest) -> tuple[str, StreamEvent, PreparedPrompt]:
+    """Run a request to its end: (the whole text, with the prompt unless excluded; the final event; its prompt)."""
+    parts = [] if req.exclude_input_in_output else [req.prompt]
+    prepared, events = await _open(request, req)
+    async with aclosing(events):
+        event = await _first(events)
+        parts.append(event.text)
+        while not event.finished:
+            event = await anext(events)
+            parts.append(event.text)
+    return "".join(parts), event, prepared
+
+
 def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt) -> dict[str, Any]:
     body: dict[str, Any] = {"model_name": name, "model_version": "1", "text_output": text}
     if event.finished:
@@ -76,16 +89,8 @@ def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedP
 async def generate(request: web.Request) -> web.Response:
     """``POST /v2/models/<m>/generate``: one JSON response with the whole text."""
     name, state = served_model(request), request.app[STATE_KEY]
-    req = _parse(state, await read_json(request))
-    parts = [] if req.exclude_input_in_output else [req.prompt]
-    prepared, events = await _open(request, req)
-    async with aclosing(events):
-        event = await _first(events)
-        parts.append(event.text)
-        while not event.finished:
-            event = await anext(events)
-            parts.append(event.text)
-    return web.json_response(_generate_body(name, "".join(parts), event, prepared))
+    text, event, prepared = await _whole_text(request, _parse(state, await read_json(request)))
+    return web.json_response(_generate_body(name, text, event, prepared))
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
@@ -128,16 +133,8 @@ async def infer(request: web.Request) -> web.Response:
     name, state = served_model(request), request.app[STATE_KEY]
     request_id, tensors = parse_infer_body(await read_body(request),
                                            request.headers.get("Inference-Header-Content-Length"))
-    req = _parse(state, tensors_to_fields(tensors), allow_extras=False)
-    parts = [] if req.exclude_input_in_output else [req.prompt]
-    prepared, events = await _open(request, req)
-    async with aclosing(events):
-        event = await _first(events)
-        parts.append(event.text)
-        while not event.finished:
-            event = await anext(events)
-            parts.append(event.text)
-    out = {"name": "text_output", "datatype": "BYTES", "shape": [1, 1], "data": ["".join(parts)]}
+    text, event, prepared = await _whole_text(request, _parse(state, tensors_to_fields(tensors), allow_extras=False))
+    out = {"name": "text_output", "datatype": "BYTES", "shape": [1, 1], "data": [text]}
     parameters: dict[str, Any] = {"finish_reason": event.finish_reason}
     if prepared.warnings():
         parameters["warnings"] = "; ".join(prepared.warnings())
