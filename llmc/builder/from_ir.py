@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Any
 from rich.console import Console
 
 from llmc.builder import manifest as mf
-from llmc.builder.pipeline import (BuildResult, check_output_location, default_build_dir, folder_bytes, replace_dir,
-                                   write_model_repo, write_recipe_copy)
+from llmc.builder.output_dir import building_into, check_output_location
+from llmc.builder.pipeline import BuildResult, default_build_dir, folder_bytes, write_model_repo, write_recipe_copy
 from llmc.builder.progress import BuildProgress
 from llmc.errors import BuildError
 
@@ -61,12 +60,8 @@ def build_from_ir(recipe: Any, ir_build: Path, out_dir: Path | None = None, cons
                          f"with -o DIR (or give the recipe another name)")
     check_same_weights(recipe, ir_manifest, ir_build)
     check_output_location(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     started = time.perf_counter()
-    try:
-        tmp.mkdir()
+    with building_into(out_dir) as tmp:
         with BuildProgress(console) as progress:
             with progress.step("copy IR and tokenizer"):
                 shutil.copytree(ir_build / "checkpoint", tmp / "checkpoint")
@@ -87,8 +82,4 @@ def build_from_ir(recipe: Any, ir_build: Path, out_dir: Path | None = None, cons
             extra={**ir_manifest.extra, "ir_from": {"build": str(ir_build), "recipe_sha256": ir_manifest.recipe_sha256,
                                                     "tools": ir_manifest.tools, "created_at": ir_manifest.created_at}})
         mf.write_manifest(tmp, manifest)
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return BuildResult(out_dir, manifest, False, folder_bytes(out_dir / "checkpoint"), folder_bytes(out_dir / "engine"))

@@ -15,6 +15,8 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,33 @@ log = logging.getLogger(__name__)
 # Written into a temp build folder first thing: which process and host own it (stale-folder cleanup reads it).
 TMP_MARKER = ".llmc-build-tmp"
 _TMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+@contextmanager
+def building_into(out_dir: Path) -> Iterator[Path]:
+    """A fresh temp folder beside ``out_dir`` for a build to fill; swapped in when the block ends.
+
+    Makes the parent, removes the temp folders that killed builds left there, marks the temp folder as this
+    process's, and on success replaces ``out_dir`` atomically (:func:`replace_dir`). On any failure the temp
+    folder is removed and nothing else changes; an OSError (disk full, permission denied) becomes one
+    BuildError. The block must have written a valid manifest into the folder."""
+    make_parent(out_dir)
+    remove_stale_temp_dirs(out_dir.parent)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    remove_tree(tmp)
+    try:
+        tmp.mkdir()
+        write_marker(tmp)
+        yield tmp
+        (tmp / TMP_MARKER).unlink()  # the folder stays recognisable by its manifest until it is swapped in
+        replace_dir(tmp, out_dir)
+    except BaseException as exc:
+        remove_tree(tmp)
+        if isinstance(exc, OSError):
+            raise BuildError(f"the build of {out_dir} failed and left nothing behind: {exc.strerror or exc}"
+                             f"{f' ({exc.filename})' if exc.filename else ''}. Fix: free space on "
+                             f"{out_dir.parent} (or pass -o DIR on another disk) and check its permissions") from exc
+        raise
 
 
 def write_marker(folder: Path) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -24,10 +23,9 @@ import yaml
 from rich.console import Console
 
 from llmc.builder import load, manifest as mf, sources
-from llmc.builder.output_dir import (TMP_MARKER, check_output_location, make_parent, remove_stale_temp_dirs,
-                                     remove_tree, replace_dir, write_marker)
+from llmc.builder.output_dir import building_into, check_output_location, remove_stale_temp_dirs
 from llmc.builder.progress import BuildProgress
-from llmc.errors import BuildError, EngineError, SourceError
+from llmc.errors import BuildError, SourceError
 
 log = logging.getLogger(__name__)
 
@@ -80,23 +78,8 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
     if recipe.quantization.method != "none":
         require_quant_extra(recipe.quantization.method)
     check_against_model(recipe)
-    make_parent(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    remove_tree(tmp)
-    try:
-        tmp.mkdir()
-        write_marker(tmp)
-        with BuildProgress(console) as progress:
-            manifest = _build_into(tmp, out_dir, recipe, recipe_sha, source_sha, progress, cache_dir)
-        (tmp / TMP_MARKER).unlink()  # the folder stays recognisable by its manifest until it is swapped in
-        replace_dir(tmp, out_dir)
-    except BaseException as exc:
-        remove_tree(tmp)
-        if isinstance(exc, OSError):
-            raise BuildError(f"the build of {out_dir} failed and left nothing behind: {exc.strerror or exc}"
-                             f"{f' ({exc.filename})' if exc.filename else ''}. Fix: free space on "
-                             f"{out_dir.parent} (or pass -o DIR on another disk) and check its permissions") from exc
-        raise
+    with building_into(out_dir) as tmp, BuildProgress(console) as progress:
+        manifest = _build_into(tmp, out_dir, recipe, recipe_sha, source_sha, progress, cache_dir)
     return _result(out_dir, manifest, up_to_date=False)
 
 
