@@ -34,7 +34,7 @@ def test_python_scripts_have_help(script):
 
 
 def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tmp_path):
-    from llmc.builder.manifest import read_manifest
+    from llmc.manifest import read_manifest
     from llmc.checkpoint.io import read_checkpoint
     from llmc.engine.torch.loader import load_model
 

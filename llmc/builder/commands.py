@@ -14,8 +14,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from llmc.builder import manifest as mf, sources
+from llmc import manifest as mf
 from llmc.errors import EngineError, LlmcError
+from llmc.source import sources
 
 GIB = 1024**3
 SAFETY_MARGIN = 0.8

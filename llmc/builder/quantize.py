@@ -45,7 +45,12 @@ import torch
 
 from llmc.builder import awq_lib
 from llmc.builder.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
+from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
 from llmc.errors import BuildError
+from llmc.recipe import Recipe
+from llmc.recipe.checks import check_recipe_against_model
+from llmc.source.load import SourceModel
+from llmc.tokenizer import load_tokenizer
 
 AWQ_N_GRID = 16
 AWQ_DUO_SCALING = "both"
@@ -63,7 +68,7 @@ class StepProgress(Protocol):
     def note(self, text: str) -> None: ...
 
 
-def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
+def quantize_checkpoint(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path,
                         progress: StepProgress | None = None) -> dict[str, Any]:
     """Quantize ``source`` (a SourceModel) per ``recipe.quantization`` and write the W4A16_AWQ IR.
 
@@ -96,7 +101,7 @@ def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
     return make_report(recipe, calib, seconds, time.process_time() - cpu_started, written, gptq)
 
 
-def int4_options(recipe: Any) -> awq_lib.Int4Options:
+def int4_options(recipe: Recipe) -> awq_lib.Int4Options:
     """The library run a recipe asks for (AWQ knobs are this module's constants, see the docstring)."""
     quant = recipe.quantization
     return awq_lib.Int4Options(
@@ -108,10 +113,8 @@ def int4_options(recipe: Any) -> awq_lib.Int4Options:
     )
 
 
-def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None) -> None:
+def check_inputs(recipe: Recipe, hf_config: dict[str, Any], recipe_file: str | None) -> None:
     """Every check that can fail before work starts: method, recipe vs. model (group size), calibration spec."""
-    from llmc.recipe.checks import check_recipe_against_model
-
     quant = recipe.quantization
     if quant.method not in ("awq", "rtn"):
         raise BuildError(f"quantize_checkpoint handles quantization.method awq or rtn, not {quant.method!r}; "
@@ -121,10 +124,8 @@ def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None
         check_calibration_spec(quant.calibration, recipe_file)
 
 
-def make_calibration_set(source: Any, recipe: Any, recipe_file: str | None) -> CalibrationSet:
+def make_calibration_set(source: SourceModel, recipe: Recipe, recipe_file: str | None) -> CalibrationSet:
     """The recipe's calibration windows, tokenized with the source's tokenizer and chat template."""
-    from llmc.builder.load import load_tokenizer
-
     quant = recipe.quantization
     return build_calibration_set(
         quant.calibration, load_tokenizer(source.hf_dir),
@@ -141,10 +142,9 @@ def load_float32_model(hf_dir: str | Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
 
 
-def export_int4(model: torch.nn.Module, source: Any, recipe: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
+def export_int4(model: torch.nn.Module, source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path
+                ) -> dict[str, Any]:
     """Write the library's int4 results (and the folded 16-bit tensors) as the W4A16_AWQ IR."""
-    from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
-
     group_size = recipe.quantization.group_size
     layers = awq_lib.extract_int4(model, group_size)
     return write_w4a16_checkpoint(source.hf_config, recipe.model.dtype, awq_lib.plain_state_dict(model), layers,
@@ -152,7 +152,7 @@ def export_int4(model: torch.nn.Module, source: Any, recipe: Any, checkpoint_dir
                                   kv_cache_quant_algo(recipe.kv_cache.dtype))
 
 
-def make_report(recipe: Any, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
+def make_report(recipe: Recipe, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
                 written: dict[str, Any], gptq: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON-able quantization report for build_report.json."""
     quant = recipe.quantization

@@ -27,13 +27,15 @@ from llmc.builder import gate_report
 from llmc.builder.calib_text import heldout_chat_prompts, heldout_text
 from llmc.checkpoint import names
 from llmc.errors import AccuracyGateError, BuildError
+from llmc.recipe import Recipe
+from llmc.source.load import SourceModel
 
 GATE_WINDOW = 512
 CHAT_PROMPTS = 4
 CHAT_BUDGET = 64
 
 
-def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console: Console | None = None
+def accuracy_gate(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path, console: Console | None = None
                   ) -> dict[str, Any]:
     """Compare the int4 IR in ``checkpoint_dir`` with ``source``'s 16-bit model; return the gate report.
 
@@ -42,8 +44,8 @@ def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console:
     ``max_ppl_ratio`` (when set), or the int4 model loses the chat end token; its message lists the worst
     positions.
     """
-    from llmc.builder.load import load_tokenizer
     from llmc.builder.quantize import load_float32_model
+    from llmc.tokenizer import load_tokenizer
 
     gate = recipe.quantization.gate
     started = time.perf_counter()
@@ -104,7 +106,7 @@ def score(model_16: torch.nn.Module, model_int4: torch.nn.Module, windows: torch
 
 
 @torch.no_grad()
-def chat_end_check(model_16: torch.nn.Module, model_int4: torch.nn.Module, tokenizer: Any, source: Any
+def chat_end_check(model_16: torch.nn.Module, model_int4: torch.nn.Module, tokenizer: Any, source: SourceModel
                    ) -> dict[str, Any]:
     """Greedy chat answers of both models: does int4 end its turn wherever the 16-bit model does?"""
     eos = list(source.eos_token_ids)

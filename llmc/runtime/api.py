@@ -24,17 +24,22 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmc.engine.base import load_runner
+from llmc.engine.tensorrt_llm.engine import TrtllmEngine
+from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.manifest import read_manifest
+from llmc.recipe import Recipe
+from llmc.request.detokenize import byte_fallback_token_ids
+from llmc.request.inputs import Prompt, check_prompt_length, prompt_to_token_ids
+from llmc.request.metrics import MetricsLog, RequestMetrics, StepMetrics
+from llmc.request.outputs import Completion, RequestOutput, StreamEvent
+from llmc.request.params import SamplingParams
 from llmc.runtime.compute import run_compute
-from llmc.runtime.detokenize import byte_fallback_token_ids
 from llmc.runtime.engine_loop import EngineLoop
-from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
 from llmc.runtime.kv_cache import BlockManager
-from llmc.runtime.metrics import MetricsLog, RequestMetrics, StepMetrics
-from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
-from llmc.runtime.params import SamplingParams
 from llmc.runtime.scheduler import Request, Scheduler
-from llmc.runtime.types import ModelRunnerOutput, SchedulerOutput
+from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StreamEvent], None]
@@ -43,17 +48,22 @@ Sink = Callable[[StreamEvent], None]
 class Engine:
     """A loaded engine serving requests with continuous batching over a paged KV cache.
 
-    ``runner`` implements the runner contract (``block_size``, ``num_blocks``, ``vocab_size``,
-    ``execute(SchedulerOutput) -> ModelRunnerOutput``). Default sampling parameters are the recipe's
+    ``runner`` is a :class:`~llmc.engine.types.StepRunner` (``block_size``, ``num_blocks``, ``vocab_size``,
+    ``execute(SchedulerOutput) -> ModelRunnerOutput``); EngineError for any other runner (a TensorRT-LLM runner
+    batches by itself: ``Engine.from_dir`` opens such a build). Default sampling parameters are the recipe's
     ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
     with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first;
     ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it).
     """
 
-    def __init__(self, runner: Any, tokenizer: Any, recipe: Any, eos_token_ids: Sequence[int],
+    def __init__(self, runner: StepRunner, tokenizer: Any, recipe: Recipe, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
                  num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool | None = None):
+        if not isinstance(runner, StepRunner):
+            raise EngineError(f"Engine drives step runners (block_size, num_blocks, execute), not a "
+                              f"{type(runner).__name__}. Fix: open the build folder with Engine.from_dir, which "
+                              f"picks the engine its backend needs")
         self.runner = runner
         self.tokenizer = tokenizer
         self.recipe = recipe
@@ -88,15 +98,9 @@ class Engine:
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one.
         ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (torch backend only)."""
-        from llmc.builder.load import load_tokenizer
-        from llmc.builder.manifest import read_manifest
-        from llmc.engine.base import load_runner
-
         build_dir = Path(path)
         manifest = read_manifest(build_dir)
         if manifest.backend == "tensorrt_llm":
-            from llmc.engine.tensorrt_llm.engine import TrtllmEngine
-
             if prefix_caching is not None:  # TensorRT-LLM fixes KV-cache reuse when its engine is built
                 raise RequestError("prefix_caching", "a tensorrt_llm build reuses KV blocks as its recipe's "
                                    "serving.enable_kv_cache_reuse says; change it there and rebuild")

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmc.errors import EngineError, LlmcError, QueueFullError
-from llmc.runtime.outputs import StreamEvent
-from llmc.runtime.params import SamplingParams
+from llmc.request.outputs import StreamEvent
+from llmc.request.params import SamplingParams
 from llmc.serve import prom
 
 

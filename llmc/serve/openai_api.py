@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
 
-Request fields map onto :class:`~llmc.runtime.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
+Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
 Fields OpenAI clients commonly send and llmc does not use (``user``, ``logit_bias: null``, ...) are ignored;

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from llmc import __version__
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from llmc.serve import prom
 from llmc.serve.engine_client import EngineClient, RequestTimeoutError, ServerDrainingError
 from llmc.serve.protocol import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, GenerateRequest, parse_generate_fields

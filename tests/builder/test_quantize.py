@@ -27,14 +27,14 @@ def tiny_recipe(hf_dir, method="awq", mask=True, group_size=GROUP, **calibration
 
 @pytest.fixture(scope="module")
 def source(tiny_hf_dir):
-    from llmc.builder.load import resolve_source
+    from llmc.source.load import resolve_source
 
     return resolve_source(tiny_recipe(tiny_hf_dir).model)
 
 
 @pytest.fixture(scope="module")
 def calib(source, tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     recipe = tiny_recipe(tiny_hf_dir)
     return build_calibration_set(recipe.quantization.calibration, load_tokenizer(tiny_hf_dir),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import CheckpointError
+from llmc.recipe import Recipe
 
 AWQ_ALGO = "W4A16_AWQ"  # line 30: quant_algo of the AWQ int4 weight-only checkpoint
 FP8_KV_ALGO = "FP8"  # line 32: kv_cache_quant_algo for an FP8 KV cache
@@ -59,7 +60,7 @@ def use_fused_mlp_allowed(quant_algo: str | None) -> bool:
     return quant_algo != AWQ_ALGO
 
 
-def build_config_dict(recipe: Any, checkpoint_config: dict) -> dict:
+def build_config_dict(recipe: Recipe, checkpoint_config: dict) -> dict:
     """The BuildConfig (with its nested PluginConfig) for ``recipe`` over this checkpoint IR.
 
     ``checkpoint_config`` is the IR's config.json (its ``dtype`` and ``quantization`` decide the

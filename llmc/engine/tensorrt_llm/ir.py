@@ -15,6 +15,7 @@ from llmc.checkpoint.config import ModelShape
 from llmc.checkpoint.io import check_rank_tensors, read_config, read_safetensors_header, rank_file
 from llmc.engine.tensorrt_llm.config import AWQ_ALGO, require_kv_cache_scales
 from llmc.errors import CheckpointError
+from llmc.recipe import Recipe
 
 
 def read_ir_config(checkpoint_dir: Path) -> dict:
@@ -56,7 +57,7 @@ def check_groupwise_features(ir_config: dict) -> None:
             )
 
 
-def check_ir(recipe: Any, checkpoint_dir: Path, ir_config: dict) -> list[set[str]]:
+def check_ir(recipe: Recipe, checkpoint_dir: Path, ir_config: dict) -> list[set[str]]:
     """Check the IR in ``checkpoint_dir`` against the recipe and the tensor contract, reading headers only.
 
     Returns each rank's tensor names. Raises :class:`CheckpointError` naming the file and the fix.

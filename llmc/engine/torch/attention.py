@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
+from llmc.engine.types import ScheduledSequence
 from llmc.errors import EngineError
-from llmc.runtime.types import ScheduledSequence
 
 # Steps whose longest prefill chunk is at most this many tokens run attention through llmc's CPU kernel, token
 # by token; longer chunks go to SDPA, whose matmuls win there (one 128-token prompt, 9/3 heads of 64: kernel

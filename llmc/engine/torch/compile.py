@@ -19,13 +19,14 @@ from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
 from llmc.engine.torch.loader import DTYPES
 from llmc.engine.torch.model import ModelConfig
 from llmc.errors import CheckpointError, EngineError
+from llmc.recipe import Recipe
 
 BACKEND = "torch"
 ENGINE_JSON = "engine.json"
 FORMAT_VERSION = 1
 
 
-def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: str | Path) -> dict[str, Any]:
+def compile_torch_engine(recipe: Recipe, checkpoint_dir: str | Path, engine_dir: str | Path) -> dict[str, Any]:
     """Write ``engine_dir/engine.json`` for the IR in ``checkpoint_dir``; returns a report dict.
 
     Raises CheckpointError when the IR config is missing or describes a model the torch engine cannot run,

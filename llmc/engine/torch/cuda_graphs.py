@@ -18,7 +18,7 @@ import torch
 
 from llmc.engine.torch.attention import AttentionMetadata
 from llmc.engine.torch.model import KVCache, LlamaForCausalLM
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
 
 
 def decode_rows(seqs: tuple[ScheduledSequence, ...], rows: int, block_size: int, max_blocks: int,

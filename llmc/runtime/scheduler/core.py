@@ -27,11 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from llmc.engine.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from llmc.errors import RequestError
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.scheduler.queue import WaitingQueue
 from llmc.runtime.scheduler.request import Request, RequestStatus
-from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llmc.engine.torch.attention import build_attention_metadata, paged_attention
+from llmc.engine.types import ScheduledSequence
 from llmc.errors import EngineError
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ScheduledSequence
+from llmc.request.params import SamplingParams
 
 P = SamplingParams(temperature=0.0)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from llmc.builder.eos import chat_markers, reconcile_eos, reconcile_eos_ids
-from llmc.builder.load import load_tokenizer
+from llmc.source.eos import chat_markers, reconcile_eos, reconcile_eos_ids
+from llmc.tokenizer import load_tokenizer
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
@@ -120,7 +120,7 @@ def test_real_smollm2_tokenizer_reports_im_start_but_reconciles_to_im_end(smollm
     tokenizer = load_tokenizer(smollm2_hf_dir)
     assert tokenizer.eos_token == "<|im_start|>"  # the GGUF conversion's wrong eos, which reconciliation fixes
     template = (smollm2_hf_dir / "chat_template.jinja").read_text()
-    with caplog.at_level(logging.WARNING, logger="llmc.builder.eos"):
+    with caplog.at_level(logging.WARNING, logger="llmc.source.eos"):
         res = reconcile_eos(tokenizer, config_eos=2, generation_eos=2, chat_template=template, bos_token_id=1)
     assert res.eos_token_ids == (2,)
     assert res.chat_end_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.builder import sources
-from llmc.builder.eos import EosResolution, reconcile_eos, read_generation_eos
 from llmc.errors import SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
+from llmc.source import sources
+from llmc.source.eos import EosResolution, reconcile_eos, read_generation_eos
+from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +174,6 @@ def validate_hf_folder(hf_dir: Path) -> None:
 
 def check_architecture(config: dict[str, Any], where: Path) -> None:
     """SourceError unless the config is a Llama-family causal LM (``llmc.recipe.checks`` lists them)."""
-    from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
-
     archs = [a for a in (config.get("architectures") or []) if isinstance(a, str)]
     ok = (any(a in SUPPORTED_ARCHITECTURES for a in archs) if archs
           else config.get("model_type") in SUPPORTED_ARCHITECTURES.values())
@@ -227,32 +227,6 @@ def load_state_dict(hf_dir: Path) -> dict[str, Any]:
     for f in safetensors_files(Path(hf_dir)):
         state.update(load_file(str(f)))
     return state
-
-
-def load_tokenizer(hf_dir: Path) -> Any:
-    """The fast tokenizer saved in ``hf_dir`` (tokenizer.json), without remote code.
-
-    A folder saved by transformers 5 names its class ``TokenizersBackend``, which transformers 4 (the one
-    TensorRT-LLM 1.0 - 1.2 pins) does not know; its ``tokenizer.json`` is the whole tokenizer, so
-    transformers 4 loads it as ``PreTrainedTokenizerFast`` (tokens, special tokens and the chat template are
-    the same: tests/test_install_beside_trtllm.py compares them across the two versions).
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    try:
-        return AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
-    except ValueError as exc:
-        if _NEWER_TOKENIZER_CLASS in str(exc) and (Path(hf_dir) / "tokenizer.json").is_file():
-            return PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
-        raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
-                          f"and tokenizer_config.json") from exc
-    except OSError as exc:
-        raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
-                          f"and tokenizer_config.json") from exc
-
-
-# The tokenizer class transformers 5 writes into tokenizer_config.json (transformers 4 raises on it).
-_NEWER_TOKENIZER_CLASS = "TokenizersBackend"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from llmc.builder import load, sources
-from llmc.builder.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
-from llmc.builder.sources import read_source_config
 from llmc.errors import SourceError
 from llmc.recipe import ModelSource, ModelSpec
+from llmc.source import load, sources
+from llmc.source.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
+from llmc.source.sources import read_source_config
 from tests import factories
 
 
