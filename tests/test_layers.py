@@ -86,7 +86,8 @@ def layer_of(module: str) -> tuple[int, str]:
     best: tuple[int, str] | None = None
     for index, packages in enumerate(LAYERS):
         for package in packages:
-            if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best[1])):
+            inside = module == package or module.startswith(package + ".")
+            if inside and (best is None or len(package) > len(best[1])):
                 best = (index, package)
     if best is None:
         raise AssertionError(f"{module} is in no layer: add its package to LAYERS in tests/test_layers.py")

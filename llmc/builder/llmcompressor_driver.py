@@ -1,4 +1,4 @@
-"""Adapter to llm-compressor (>=0.14,<0.15): run AWQ / round-to-nearest int4 and read the results back.
+"""llmc's driver of llm-compressor 0.14: run AWQ, GPTQ and round-to-nearest int4, and read the results back.
 
 Everything that knows llm-compressor's API lives here:
 - :func:`int4_recipe` builds the modifiers: ``AWQModifier`` (the scale search) followed by the int4 quantizer
@@ -19,7 +19,11 @@ Everything that knows llm-compressor's API lives here:
 - :func:`extract_int4` reads each quantized Linear back as (q int8 [O, K], scales [O, K/g], prequant [K]).
   llm-compressor folds every AWQ scale into the previous op (RMSNorm weights, v_proj / up_proj rows), so
   prequant is all ones and the folded weights are in the model's state dict.
-- :func:`library_context` holds the narrow patches this needs on a CPU-only torch (see its docstring).
+- :func:`library_context` applies the narrow patches this needs (on a CPU-only torch, and for quiet logs and
+  llmc's own progress bar), one named function each. They reach into the libraries' private modules, so each
+  first checks that the installed release is the series it was written for (:data:`LLMCOMPRESSOR_SERIES`,
+  :data:`COMPRESSED_TENSORS_SERIES`) and fails with a BuildError naming both versions otherwise; so do the
+  two modifier subclasses, which override private methods.
 """
 
 from __future__ import annotations
@@ -29,12 +33,19 @@ import functools
 import os
 import re
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Iterator
 
 import torch
+from packaging.version import InvalidVersion, Version
 
 from llmc.builder.calibrate import CalibrationSet
+from llmc.errors import BuildError
 
+# The release series whose private modules the patches and subclasses below were read against. Raising one means
+# reading those modules again (pyproject.toml pins llmcompressor to the same series; it pins compressed-tensors).
+LLMCOMPRESSOR_SERIES = ("llmcompressor", (0, 14))
+COMPRESSED_TENSORS_SERIES = ("compressed-tensors", (0, 19))
 GPTQ_ACTORDER = "static"  # GPTQ's column order (see int4_recipe); the IR format needs no g_idx with it
 ProgressFn = Callable[[str, int, int], None]  # (what is running, e.g. "calibrating 3/31", done, total)
 
@@ -43,13 +54,56 @@ QUANT_PARAM = re.compile(r"\.(weight|input|output)_(scale|zero_point|global_scal
 _STAGE = re.compile(r"\((\d+)/(\d+)\): (\w+)")
 
 
+def installed_version(package: str) -> str | None:
+    """The installed release of ``package`` (a distribution name), None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def require_series(series: tuple[str, tuple[int, int]], what: str) -> None:
+    """BuildError unless the installed ``series[0]`` is of release series ``series[1]`` (major.minor), which
+    ``what`` (a patch or subclass of its private code) was written for."""
+    package, (major, minor) = series
+    installed = installed_version(package)
+    try:
+        release = Version(installed).release[:2] if installed is not None else None
+    except InvalidVersion:
+        release = None
+    if release != (major, minor):
+        raise BuildError(
+            f"llmc's {what} was written for {package} {major}.{minor}.x, and {package} {installed or 'is not'} "
+            f"{'is ' if installed else ''}installed. Fix: pip install 'llmc[quant]' (which pins {package} to "
+            f"{major}.{minor}.x), or update llmc"
+        )
+
+
+def _replace(stack: contextlib.ExitStack, owner: Any, name: str, value: Any, series: tuple[str, tuple[int, int]],
+             what: str) -> None:
+    """Set ``owner.name`` to ``value`` until ``stack`` closes, after checking the series ``what`` was written for.
+
+    A missing attribute means the library changed under the same version: BuildError naming the version too."""
+    require_series(series, what)
+    if not hasattr(owner, name):
+        package, (major, minor) = series
+        raise BuildError(f"llmc's {what} expects {getattr(owner, '__name__', owner)}.{name} in {package} "
+                         f"{installed_version(package)} (written for {major}.{minor}.x), and it is missing. Fix: "
+                         f"pip install 'llmc[quant]' in a fresh environment, or update llmc")
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    stack.callback(setattr, owner, name, original)
+
+
 @functools.cache
 def _awq_modifier_class() -> type:
     """``AWQModifier`` with ``search_batches``: the grid search scores scales on the first N cached batches.
 
     The activation statistic still averages every calibration token (masked); only the error that ranks the
     grid's candidates is measured on a subset, which is what makes 128 x 512 calibration fit in minutes on CPU.
+    It overrides the private ``_run_samples`` and reads ``_parent_args_cache``.
     """
+    require_series(LLMCOMPRESSOR_SERIES, "AWQ subset search (AWQModifier._run_samples)")
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     class SubsetSearchAWQModifier(AWQModifier):
@@ -73,8 +127,9 @@ def _gptq_modifier_class() -> type:
     row. With ``mask_hessian=True`` the hook multiplies the layer input by the current batch's mask first (the
     sequential pipeline records ``current_batch_idx``), so a masked position contributes nothing. It also keeps
     the names of the modules where the Hessian could not be inverted and the library fell back to
-    round-to-nearest (``summary()["fallback_to_nearest"]``), which the library only logs.
+    round-to-nearest (``summary()["fallback_to_nearest"]``), which the library only logs (private attributes).
     """
+    require_series(LLMCOMPRESSOR_SERIES, "masked GPTQ Hessian (GPTQModifier private state)")
     from llmcompressor.core import active_session
     from llmcompressor.modifiers.gptq import GPTQModifier
     from pydantic import PrivateAttr
@@ -192,45 +247,72 @@ def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: Calibration
 
 @contextlib.contextmanager
 def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] = ("awq",)) -> Iterator[None]:
-    """Narrow, reversible patches around one llm-compressor run (library imports belong inside it).
+    """Narrow, reversible patches around one llm-compressor run (library imports belong inside it), each undone
+    when the context exits: :func:`quiet_library_logs`, :func:`skip_pin_memory` (only without an accelerator),
+    :func:`quiet_compression_logger` and :func:`report_progress`."""
+    with contextlib.ExitStack() as stack:
+        quiet_library_logs(stack)
+        if not torch.accelerator.is_available():
+            skip_pin_memory(stack)
+        quiet_compression_logger(stack)
+        report_progress(stack, progress, passes)
+        yield
 
-    - llm-compressor's and compressed-tensors' loguru messages are disabled for the duration and re-enabled
-      afterwards. llm-compressor configures its logger and logs on first import, so that import runs with
-      ``LLM_COMPRESSOR_LOG_DISABLED=true`` set just for the import, and its other imports run inside.
-    - ``IntermediatesCache.pin_memory`` becomes a no-op when no accelerator is present: AWQ pins cached
-      activations before its grid search, and ``Tensor.pin_memory()`` raises on a CPU-only torch build.
-      Pinning only speeds up host-to-GPU copies, so skipping it changes nothing else.
-    - the libraries' tqdm bars (sequential pipeline, AWQ, cache, applying the scheme) are replaced by a silent
-      shim that reports ``(phase, done, total)`` per decoder layer to ``progress`` (the build's rich bar). The
-      library walks the layers once per calibration pass (``passes``: AWQ, then GPTQ when it rounds); the bar
-      counts all passes and the phase names the pass.
-    - GPTQ's per-module ``CompressionLogger`` logs at a loguru level ("METRIC") that only the library's own
-      logger setup registers; with that setup off it is replaced by a silent stand-in.
-    """
-    from unittest import mock
 
+def quiet_library_logs(stack: contextlib.ExitStack) -> None:
+    """llm-compressor's and compressed-tensors' loguru messages off until ``stack`` closes.
+
+    llm-compressor configures its logger and logs on first import, so that import runs with
+    ``LLM_COMPRESSOR_LOG_DISABLED=true`` set just for the import (the documented switch)."""
     from loguru import logger
 
-    with mock.patch.dict(os.environ, {"LLM_COMPRESSOR_LOG_DISABLED": "true"}):
+    previous = os.environ.get("LLM_COMPRESSOR_LOG_DISABLED")
+    os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = "true"
+    try:
         import llmcompressor  # noqa: F401 - its first import configures its logger (here: off) and logs
+    finally:
+        if previous is None:
+            del os.environ["LLM_COMPRESSOR_LOG_DISABLED"]
+        else:
+            os.environ["LLM_COMPRESSOR_LOG_DISABLED"] = previous
+    for name in ("llmcompressor", "compressed_tensors"):
+        logger.disable(name)
+        stack.callback(logger.enable, name)
 
-    with contextlib.ExitStack() as stack:
-        for name in ("llmcompressor", "compressed_tensors"):
-            logger.disable(name)
-            stack.callback(logger.enable, name)
-        import compressed_tensors.quantization.lifecycle.apply as apply_mod
-        import llmcompressor.modifiers.gptq.base as gptq_base
-        import llmcompressor.modifiers.transform.awq.base as awq_base
-        import llmcompressor.pipelines.cache as cache_mod
-        import llmcompressor.pipelines.sequential.pipeline as seq_mod
 
-        if not torch.accelerator.is_available():
-            stack.enter_context(mock.patch.object(cache_mod.IntermediatesCache, "pin_memory", _no_pin))
-        stack.enter_context(mock.patch.object(gptq_base, "CompressionLogger", _QuietCompressionLogger))
-        shim = _tqdm_shim(progress, passes)
-        for module in (seq_mod, awq_base, cache_mod, apply_mod):
-            stack.enter_context(mock.patch.object(module, "tqdm", shim))
-        yield
+def skip_pin_memory(stack: contextlib.ExitStack) -> None:
+    """``IntermediatesCache.pin_memory`` becomes a no-op: AWQ pins cached activations before its grid search, and
+    ``Tensor.pin_memory()`` raises on a CPU-only torch build. Pinning only speeds up host-to-GPU copies, so
+    skipping it changes nothing else."""
+    import llmcompressor.pipelines.cache as cache_mod
+
+    _replace(stack, cache_mod.IntermediatesCache, "pin_memory", _no_pin, LLMCOMPRESSOR_SERIES,
+             "CPU-only patch of IntermediatesCache.pin_memory")
+
+
+def quiet_compression_logger(stack: contextlib.ExitStack) -> None:
+    """GPTQ's per-module ``CompressionLogger`` logs at a loguru level ("METRIC") that only the library's own
+    logger setup registers; with that setup off it is replaced by a silent stand-in."""
+    import llmcompressor.modifiers.gptq.base as gptq_base
+
+    _replace(stack, gptq_base, "CompressionLogger", _QuietCompressionLogger, LLMCOMPRESSOR_SERIES,
+             "silent GPTQ CompressionLogger")
+
+
+def report_progress(stack: contextlib.ExitStack, progress: ProgressFn | None, passes: tuple[str, ...]) -> None:
+    """The libraries' tqdm bars (sequential pipeline, AWQ, cache, applying the scheme) become a silent shim that
+    reports ``(phase, done, total)`` per decoder layer to ``progress`` (the build's rich bar). The library walks
+    the layers once per calibration pass (``passes``: AWQ, then GPTQ when it rounds); the bar counts all passes
+    and the phase names the pass."""
+    import compressed_tensors.quantization.lifecycle.apply as apply_mod
+    import llmcompressor.modifiers.transform.awq.base as awq_base
+    import llmcompressor.pipelines.cache as cache_mod
+    import llmcompressor.pipelines.sequential.pipeline as seq_mod
+
+    shim = _tqdm_shim(progress, passes)
+    for module in (seq_mod, awq_base, cache_mod):
+        _replace(stack, module, "tqdm", shim, LLMCOMPRESSOR_SERIES, f"progress shim of {module.__name__}.tqdm")
+    _replace(stack, apply_mod, "tqdm", shim, COMPRESSED_TENSORS_SERIES, f"progress shim of {apply_mod.__name__}.tqdm")
 
 
 def _no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
