@@ -154,13 +154,12 @@ def load_baseline(opts: BenchOptions, device: str) -> Any:
 
 def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
     """float32 on CPU (what the portable engine computes in); the recipe's dtype on a GPU."""
-    import torch
-
     if device == "cpu" or opts.engine_dir is None:
         return None
+    from llmc.checkpoint.convert import torch_dtype
     from llmc.manifest import read_manifest
 
-    return getattr(torch, read_manifest(opts.engine_dir).dtype)
+    return torch_dtype(read_manifest(opts.engine_dir).dtype)
 
 
 def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, Any]:

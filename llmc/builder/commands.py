@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from llmc import manifest as mf
+from llmc.checkpoint.io import read_safetensors_header
 from llmc.errors import EngineError, LlmcError
-from llmc.source import sources
 
 GIB = 1024**3
 SAFETY_MARGIN = 0.8
@@ -100,7 +100,7 @@ def weight_bytes_by_dtype(checkpoint_dir: Path) -> dict[str, int]:
     """Bytes of checkpoint tensors per safetensors dtype, from the files' JSON headers only."""
     totals: dict[str, int] = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in sources.read_safetensors_header(path).items():
+        for name, info in read_safetensors_header(path).items():
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]

@@ -47,6 +47,7 @@ import torch
 from llmc.builder import llmcompressor_driver
 from llmc.builder.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
 from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
+from llmc.checkpoint.convert import torch_dtype
 from llmc.errors import BuildError
 from llmc.recipe import Recipe
 from llmc.recipe.checks import check_recipe_against_model
@@ -58,7 +59,6 @@ AWQ_DUO_SCALING = "both"
 AWQ_SEARCH_SAMPLES = 8
 GPTQ_DAMPENING = 0.01
 CALIBRATION_BATCH = 4
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class StepProgress(Protocol):
@@ -106,7 +106,7 @@ def int4_options(recipe: Recipe) -> llmcompressor_driver.Int4Options:
     """The library run a recipe asks for (AWQ knobs are this module's constants, see the docstring)."""
     quant = recipe.quantization
     return llmcompressor_driver.Int4Options(
-        method=quant.method, group_size=quant.group_size, scale_dtype=TORCH_DTYPES[recipe.model.dtype],
+        method=quant.method, group_size=quant.group_size, scale_dtype=torch_dtype(recipe.model.dtype),
         duo_scaling=AWQ_DUO_SCALING, n_grid=AWQ_N_GRID,
         search_batches=math.ceil(AWQ_SEARCH_SAMPLES / CALIBRATION_BATCH), batch_size=CALIBRATION_BATCH,
         use_loss_mask=bool(quant.exclude_special_tokens), rounding=quant.effective_rounding,

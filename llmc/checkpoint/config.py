@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
 
 IR_DTYPES = ("float16", "bfloat16", "float32")
 W4A16_AWQ = "W4A16_AWQ"
 KV_FP8 = "FP8"
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 CONFIG_KEYS = (
     "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -99,12 +99,10 @@ def quantization_block(quantization: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _check_model_type(hf_config: dict[str, Any]) -> None:
-    model_type = hf_config.get("model_type")
-    archs = hf_config.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES and "LlamaForCausalLM" not in archs:
+    if not is_supported_architecture(hf_config):
         raise SourceError(
-            f"unsupported architecture (model_type={model_type!r}, architectures={archs!r}); llmc converts "
-            "Llama-family decoders (model_type 'llama'). Use a Llama-architecture checkpoint"
+            f"unsupported architecture {architecture_name(hf_config)}; llmc converts Llama-family decoders "
+            f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Use a Llama-architecture checkpoint"
         )
 
 

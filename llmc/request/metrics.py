@@ -87,8 +87,8 @@ class StepMetrics:
     running: int
     waiting: int
     scheduled_tokens: int
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int  # scheduled_tokens - decode_tokens
+    decode_tokens: int  # sequences that computed one new token (llmc.engine.types.is_decode)
     kv_blocks_used: int
     kv_blocks_free: int
     preemptions: int = 0

@@ -233,8 +233,7 @@ class Engine:
     def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
         if self._metrics_log is None:
             return
-        decode = sum(1 for s in scheduled.sequences
-                     if len(s.token_ids) == 1 and s.num_computed >= len(s.prompt_token_ids))
+        decode = sum(1 for s in scheduled.sequences if s.is_decode)
         self._metrics_log.log_step(StepMetrics(
             step=scheduled.step,
             time=start,

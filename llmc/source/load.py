@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import SourceError
-from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
+from llmc.checkpoint.io import read_safetensors_header
+from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
 from llmc.source import sources
 from llmc.source.eos import EosResolution, reconcile_eos, read_generation_eos
 from llmc.tokenizer import load_tokenizer
@@ -161,7 +162,10 @@ def validate_hf_folder(hf_dir: Path) -> None:
     files = safetensors_files(hf_dir)
     present: set[str] = set()
     for f in files:
-        present.update(k for k in sources.read_safetensors_header(f) if k != "__metadata__")
+        try:
+            present.update(k for k in read_safetensors_header(f) if k != "__metadata__")
+        except CheckpointError as exc:
+            raise SourceError(f"model source {hf_dir}: {exc}. Fix: re-export the weights with safetensors") from None
     missing = [name for name in expected_tensor_names(config) if name not in present]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -174,13 +178,9 @@ def validate_hf_folder(hf_dir: Path) -> None:
 
 def check_architecture(config: dict[str, Any], where: Path) -> None:
     """SourceError unless the config is a Llama-family causal LM (``llmc.recipe.checks`` lists them)."""
-    archs = [a for a in (config.get("architectures") or []) if isinstance(a, str)]
-    ok = (any(a in SUPPORTED_ARCHITECTURES for a in archs) if archs
-          else config.get("model_type") in SUPPORTED_ARCHITECTURES.values())
-    if not ok:
-        name = ", ".join(archs) if archs else f"model_type {config.get('model_type')!r}"
+    if not is_supported_architecture(config):
         raise SourceError(
-            f"model source {where}: architecture {name} is not supported; llmc builds Llama-family decoders "
+            f"model source {where}: architecture {architecture_name(config)} is not supported; llmc builds Llama-family decoders "
             f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Fix: use a Llama-architecture model "
             f"(e.g. SmolLM2, Llama 3, TinyLlama)"
         )

@@ -6,6 +6,7 @@ import pytest
 
 from llmc.checkpoint.config import ModelShape, trtllm_config_from_hf, with_tp_size
 from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
 from tests.checkpoint.helpers import LLAMA3_8B_HF, LLAMA3_ROPE, SMOLLM2_HF, tiny_hf
 
 # Field names exactly as shared/reference/tensorrt-llm.md lists them.
@@ -88,3 +89,15 @@ def test_model_shape_per_rank_sizes():
 def test_bad_inputs_raise_typed_errors(hf, dtype, tp, quant, error, words):
     with pytest.raises(error, match=words):
         trtllm_config_from_hf(hf, dtype, tp, quant)
+
+
+def test_the_converter_takes_every_architecture_the_recipe_checks_accept():
+    """One list (``llmc.recipe.checks.SUPPORTED_ARCHITECTURES``): a Mistral-layout model that passes the recipe
+    checks converts too, always as the IR's LlamaForCausalLM."""
+    for arch, model_type in SUPPORTED_ARCHITECTURES.items():
+        config = trtllm_config_from_hf(tiny_hf(model_type=model_type, architectures=[arch]), "float16")
+        assert config["architecture"] == "LlamaForCausalLM"
+    for config in (tiny_hf(model_type="llama", architectures=["Qwen2ForCausalLM"]), tiny_hf(model_type="qwen2")):
+        assert not is_supported_architecture(config)
+        with pytest.raises(SourceError, match="unsupported architecture"):
+            trtllm_config_from_hf(config, "float16")

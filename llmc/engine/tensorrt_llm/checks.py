@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from llmc.errors import RecipeError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
 from llmc.recipe import Recipe
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)  # line 23: the checkpoint format llmc writes
 ENGINE_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint dtype float16 | bfloat16
 # Groupwise int4 GEMM granularity: features are padded to multiples of max(64, g) (line 61), and
 # TensorRT-LLM's groupwise W4A16 kernels take group sizes 64 and 128 (not in the reference: see
@@ -103,13 +103,14 @@ def _check_int4_sm(recipe: Recipe, file: str | None, local_sm: Callable[[], int 
 
 
 def _check_architecture(hf_config: dict, file: str | None) -> None:
+    # line 23: the IR is always written as LlamaForCausalLM, from any of the Llama-layout sources llmc converts
     archs = hf_config.get("architectures") or []
-    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if is_supported_architecture(hf_config):
         return
     raise RecipeError(
         file, "model.source",
         f"architecture {archs or 'unknown'} is not supported by llmc's tensorrt_llm backend "
-        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+        f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
         "use a Llama-family model, or backend: torch",
     )
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint.config import ModelShape
+from llmc.checkpoint.config import W4A16_AWQ, ModelShape
 from llmc.checkpoint.io import check_rank_tensors, read_config, read_safetensors_header, rank_file
-from llmc.engine.tensorrt_llm.config import AWQ_ALGO, require_kv_cache_scales
+from llmc.engine.tensorrt_llm.config import require_kv_cache_scales
 from llmc.errors import CheckpointError
 from llmc.recipe import Recipe
 
@@ -43,7 +43,7 @@ def groupwise_multiple(group_size: int, tp_size: int) -> int:
 def check_groupwise_features(ir_config: dict) -> None:
     """CheckpointError unless every W4A16_AWQ layer's in/out features are multiples of max(64, g) * tp."""
     shape = ModelShape.from_config(ir_config)
-    if shape.quant_algo != AWQ_ALGO:
+    if shape.quant_algo != W4A16_AWQ:
         return
     multiple = groupwise_multiple(int(shape.group_size), shape.tp_size)
     for module in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):

@@ -111,7 +111,7 @@ def build_attention_metadata(
     for q in query_lens:
         cu.append(cu[-1] + q)
     logits_idx = [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    decodes = [i for i, s in enumerate(seqs) if s.is_decode]
 
     def dev(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -138,7 +138,7 @@ def build_attention_metadata(
         query_lens=query_lens,
         query_starts=tuple(cu[:-1]),
         num_computed=num_computed,
-        prefill_seqs=tuple(i for i, q in enumerate(query_lens) if q > 1),
+        prefill_seqs=tuple(i for i, s in enumerate(seqs) if not s.is_decode),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         max_decode_context_len=max((context_lens[i] for i in decodes), default=0),
