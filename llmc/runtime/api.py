@@ -38,6 +38,7 @@ from llmc.request.params import SamplingParams
 from llmc.runtime.compute import run_compute
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.request_events import RequestEvents
 from llmc.runtime.scheduler import Request, Scheduler
 from llmc.tokenizer import load_tokenizer
 
@@ -271,7 +272,7 @@ class Engine:
                 events[ids[-1]] = []
             done = 0
             while done < len(ids):
-                event = self._next_event(inbox)
+                event = self.next_event(inbox)
                 events[event.request_id].append(event)
                 done += event.finished
         except BaseException:
@@ -288,45 +289,19 @@ class Engine:
 
         Closing the iterator early aborts the request (its blocks are freed). Raises EngineError if the
         request fails in the step loop."""
-        inbox: queue.Queue[StreamEvent] = queue.Queue()
-        request_id = self.add_request(prompt, params, request_id, priority, sink=inbox.put)
-        finished = False
-        try:
-            while not finished:
-                event = self._next_event(inbox)
-                finished = event.finished
+        with RequestEvents(self, prompt, params, request_id, priority) as events:
+            for event in events:
                 _raise_if_error(event)
                 yield event
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       priority: int = 0) -> AsyncIterator[StreamEvent]:
         """Async version of :meth:`stream`. Tokenization runs in a worker thread, never on the event loop;
         with ``start()`` the background loop steps, otherwise steps run in a worker thread."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[StreamEvent] = asyncio.Queue()
-
-        def sink(event: StreamEvent) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, event)
-
-        request_id = await asyncio.to_thread(self.add_request, prompt, params, request_id, priority, sink)
-        finished = False
-        try:
-            while not finished:
-                if inbox.empty() and not self._loop.running:
-                    await asyncio.to_thread(self.step)
-                    await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
-                    if inbox.empty():
-                        continue
-                event = await inbox.get()
-                finished = event.finished
+        async with RequestEvents(self, prompt, params, request_id, priority) as events:
+            async for event in events:
                 _raise_if_error(event)
                 yield event
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def _submit_when_room(self, prompt: Prompt, params: SamplingParams | None, sink: Sink) -> str:
         """add_request, waiting (or stepping) while the waiting queue is full."""
@@ -339,8 +314,18 @@ class Engine:
                 else:
                     self.step()
 
-    def _next_event(self, inbox: queue.Queue) -> StreamEvent:
-        """The next event from ``inbox``, stepping the engine ourselves when no background loop runs."""
+    async def anext_event(self, inbox: asyncio.Queue[StreamEvent]) -> StreamEvent:
+        """The next event a sink put into ``inbox`` (see :meth:`next_event`), from a coroutine: steps run in a
+        worker thread when no background loop runs."""
+        while inbox.empty() and not self._loop.running:
+            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
+            await asyncio.to_thread(self.step)
+            await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
+        return await inbox.get()
+
+    def next_event(self, inbox: queue.Queue) -> StreamEvent:
+        """The next event a request's sink (``inbox.put``) delivered, stepping the engine in this thread when no
+        background loop runs."""
         while True:
             try:
                 return inbox.get_nowait()
@@ -351,8 +336,7 @@ class Engine:
                     return inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
-            if not self.scheduler.has_unfinished():
-                raise EngineError("the engine has no unfinished request but a stream is still waiting (a bug)")
+            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
             self.step()
 
     # ------------------------------------------------------------------------------------- lifecycle
