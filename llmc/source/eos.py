@@ -187,7 +187,8 @@ def chat_markers(template: str | None, specials: dict[str, int]) -> ChatMarkers:
     try:
         text = _render(template, messages)
     except Exception as exc:  # any template error: fall back to the static scan below
-        log.debug("chat template could not be rendered (%s); scanning it for known markers", exc)
+        log.warning("the chat template could not be rendered (%s); its end-of-turn token is guessed from known "
+                    "markers instead: check the build's eos ids (llmc inspect)", exc)
         found = [m for m in _KNOWN_END_MARKERS if m in template and m in specials]
         return ChatMarkers(end=found[0] if found else None, start=None)
     end = None

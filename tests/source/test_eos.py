@@ -106,10 +106,13 @@ def test_chat_markers_phi3_style_end():
     assert markers.end == "<|end|>"
 
 
-def test_unrenderable_template_falls_back_to_known_markers():
+def test_unrenderable_template_falls_back_to_known_markers_with_a_warning(caplog):
     broken = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}{{ undefined_fn() }}"
-    markers = chat_markers(broken, {"<|im_end|>": 2})
+    with caplog.at_level(logging.WARNING, logger="llmc.source.eos"):
+        markers = chat_markers(broken, {"<|im_end|>": 2})
     assert markers.end == "<|im_end|>"
+    (record,) = [r for r in caplog.records if r.name == "llmc.source.eos"]
+    assert record.levelno == logging.WARNING and "could not be rendered" in record.message
 
 
 def test_no_template_no_markers():

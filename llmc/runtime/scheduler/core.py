@@ -243,7 +243,3 @@ class Scheduler:
                 new_tokens[request.request_id] = int(token)
         self._last_scheduled = []
         return new_tokens
-
-    def scheduled_request_ids(self) -> list[str]:
-        """Ids of the requests in the step planned by the last :meth:`schedule` (until :meth:`update`)."""
-        return [r.request_id for r, _, _ in self._last_scheduled]
