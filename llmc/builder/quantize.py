@@ -6,7 +6,7 @@ Library choice: **llm-compressor** (``llmcompressor>=0.14,<0.15``, the ``quant``
   activation statistics and of its scale-search error;
 - it pins transformers 5.15-5.17, the range llmc uses. Its only CPU issue is ``IntermediatesCache.pin_memory``
   (pinning fails on a CPU-only torch), patched to a no-op in a narrow context
-  (``llmcompressor_driver.skip_pin_memory``).
+  (``llmcompressor_patches.skip_pin_memory``).
 Rejected: nvidia-modelopt 0.47 (``INT4_AWQ_CFG``) can export the TensorRT-LLM checkpoint directly but has no
 token mask, its TensorRT-LLM export is deprecated in 0.48 and removed in 0.49, and its ``[hf]`` extra pins
 transformers < 5.15 and pulls deepspeed and diffusers; autoawq is deprecated upstream.

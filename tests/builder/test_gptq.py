@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.builder import llmcompressor_driver
+from llmc.builder import llmcompressor_driver, llmcompressor_patches
 from llmc.builder.quantize import export_int4, load_float32_model, quantize_checkpoint
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
@@ -120,7 +120,7 @@ def test_quantize_checkpoint_defaults_to_gptq_for_awq_and_reports_it(source, tin
 
 def test_progress_counts_both_calibration_passes():
     events = []
-    shim = llmcompressor_driver._tqdm_shim(lambda *e: events.append(e), ("awq", "gptq"))
+    shim = llmcompressor_patches._tqdm_shim(lambda *e: events.append(e), ("awq", "gptq"))
     for _ in range(2):
         for i in range(1, 4):
             list(shim(range(2), desc=f"({i}/3): Calibrating"))
@@ -129,5 +129,5 @@ def test_progress_counts_both_calibration_passes():
     assert events[0][0] == "awq pass 1/2: calibrating 1/3"
     assert events[-1][0] == "gptq pass 2/2: calibrating 3/3"
     single = []
-    list(llmcompressor_driver._tqdm_shim(lambda *e: single.append(e))(range(1), desc="(2/31): Calibrating"))
+    list(llmcompressor_patches._tqdm_shim(lambda *e: single.append(e))(range(1), desc="(2/31): Calibrating"))
     assert single == [("calibrating 2/31", 1, 31)]

@@ -1,6 +1,6 @@
 """The patches llmc applies to llm-compressor: each checks the installed release first, and each is undone.
 
-(Whole runs through the driver are in test_quantize.py and test_gptq.py.)
+(Whole runs through llmcompressor_driver are in test_quantize.py and test_gptq.py.)
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmc.builder import llmcompressor_driver as driver
+from llmc.builder import llmcompressor_driver, llmcompressor_patches as patches
 from llmc.errors import BuildError
 
 PATCHES = {
-    "skip_pin_memory": lambda stack: driver.skip_pin_memory(stack),
-    "quiet_compression_logger": lambda stack: driver.quiet_compression_logger(stack),
-    "report_progress": lambda stack: driver.report_progress(stack, None, ("awq",)),
+    "skip_pin_memory": lambda stack: patches.skip_pin_memory(stack),
+    "quiet_compression_logger": lambda stack: patches.quiet_compression_logger(stack),
+    "report_progress": lambda stack: patches.report_progress(stack, None, ("awq",)),
 }
 
 
@@ -34,13 +34,13 @@ def patched_objects() -> list[tuple[object, str]]:
 
 
 def fake_versions(monkeypatch: pytest.MonkeyPatch, **versions: str | None) -> None:
-    real = driver.installed_version
-    monkeypatch.setattr(driver, "installed_version", lambda package: versions.get(package, real(package)))
+    real = patches.installed_version
+    monkeypatch.setattr(patches, "installed_version", lambda package: versions.get(package, real(package)))
 
 
 def test_the_installed_libraries_are_the_series_the_patches_were_written_for() -> None:
-    driver.require_series(driver.LLMCOMPRESSOR_SERIES, "this test")
-    driver.require_series(driver.COMPRESSED_TENSORS_SERIES, "this test")
+    patches.require_series(patches.LLMCOMPRESSOR_SERIES, "this test")
+    patches.require_series(patches.COMPRESSED_TENSORS_SERIES, "this test")
 
 
 @pytest.mark.parametrize("name", sorted(PATCHES))
@@ -58,13 +58,13 @@ def test_the_compressed_tensors_patch_checks_its_own_release(monkeypatch) -> Non
     fake_versions(monkeypatch, **{"compressed-tensors": "0.20.0"})
     with pytest.raises(BuildError, match=r"compressed-tensors 0\.19\.x, and compressed-tensors 0\.20\.0"):
         with contextlib.ExitStack() as stack:
-            driver.report_progress(stack, None, ("awq",))
+            patches.report_progress(stack, None, ("awq",))
 
 
 def test_a_missing_library_is_named(monkeypatch) -> None:
     fake_versions(monkeypatch, llmcompressor=None)
     with pytest.raises(BuildError, match="llmcompressor is not installed"):
-        driver.require_series(driver.LLMCOMPRESSOR_SERIES, "AWQ subset search")
+        patches.require_series(patches.LLMCOMPRESSOR_SERIES, "AWQ subset search")
 
 
 def test_patches_replace_their_attributes_and_restore_them() -> None:
@@ -81,17 +81,18 @@ def test_an_attribute_gone_under_the_same_release_is_a_clear_error() -> None:
     owner = SimpleNamespace(__name__="llmcompressor.pipelines.cache")
     with contextlib.ExitStack() as stack, pytest.raises(BuildError, match=r"expects llmcompressor\.pipelines\.cache"
                                                                           r"\.pin_memory in llmcompressor 0\.14"):
-        driver._replace(stack, owner, "pin_memory", None, driver.LLMCOMPRESSOR_SERIES, "CPU-only patch")
+        patches._replace(stack, owner, "pin_memory", None, patches.LLMCOMPRESSOR_SERIES, "CPU-only patch")
 
 
 def test_quiet_library_logs_restores_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("LLM_COMPRESSOR_LOG_DISABLED", "false")
     with contextlib.ExitStack() as stack:
-        driver.quiet_library_logs(stack)
+        patches.quiet_library_logs(stack)
     assert os.environ["LLM_COMPRESSOR_LOG_DISABLED"] == "false"
 
 
-@pytest.mark.parametrize("factory", [driver._awq_modifier_class, driver._gptq_modifier_class])
+@pytest.mark.parametrize("factory", [llmcompressor_driver._awq_modifier_class,
+                                     llmcompressor_driver._gptq_modifier_class])
 def test_modifier_subclasses_check_the_release_too(monkeypatch, factory) -> None:
     fake_versions(monkeypatch, llmcompressor="0.13.1")
     factory.cache_clear()
