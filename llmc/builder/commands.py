@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmc import manifest as mf
-from llmc.checkpoint.io import read_safetensors_header
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import EngineError, LlmcError
 
 GIB = 1024**3

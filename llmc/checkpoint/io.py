@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,12 +19,12 @@ from safetensors.torch import load_file, save_file
 from llmc.checkpoint import names
 from llmc.checkpoint.config import ModelShape
 from llmc.checkpoint.convert import torch_dtype
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 SAFETENSORS_DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.int8: "I8"}
 
 
@@ -186,22 +185,3 @@ def read_checkpoint(
         check_rank_tensors(header, config, rank, str(path))
         result.append(load_file(str(path), device=str(device)))
     return config, result
-
-
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file ({name: {dtype, shape, data_offsets}, "__metadata__": ...}).
-
-    Reads only the header, never tensor data. CheckpointError for a missing or malformed file.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: safetensors header of {length} bytes is implausible; file corrupt")
-            header = json.loads(f.read(length))
-    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    return header

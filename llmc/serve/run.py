@@ -77,7 +77,7 @@ def make_state(engine: Engine, options: ServeOptions) -> ServerState:
 async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,
                       on_ready: Callable[[], None] | None = None) -> None:
     """Serve until ``stop`` is set, then drain and shut down. ``engine`` must not be started yet."""
-    from llmc.serve.grpc_server import start_grpc_server
+    from llmc.serve.grpc_server import start_grpc_server  # optional: tritonclient's protos (the serve extra)
 
     state = make_state(engine, options)
     engine.start()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 log = logging.getLogger(__name__)
 
 _SENTINEL_USER = "\x00llmc-user\x00"
@@ -152,8 +154,6 @@ def special_tokens_of(tokenizer: Any) -> dict[str, int]:
 
 def _render(template: str, messages: list[dict[str, str]]) -> str:
     """Render a chat template in a sandbox with the variables HF templates commonly use."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(msg: str) -> None:
         raise ValueError(msg)
 

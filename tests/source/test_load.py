@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from llmc.checkpoint.io import read_safetensors_header
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import SourceError
 from llmc.recipe import ModelSource, ModelSpec
 from llmc.source import load, sources

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from llmc.checkpoint.config import W4A16_AWQ, ModelShape
-from llmc.checkpoint.io import check_rank_tensors, read_config, read_safetensors_header, rank_file
+from llmc.checkpoint.io import check_rank_tensors, read_config, rank_file
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.engine.tensorrt_llm.config import require_kv_cache_scales
 from llmc.errors import CheckpointError
 from llmc.recipe import Recipe
