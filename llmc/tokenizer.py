@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
 from llmc.errors import SourceError
 
 # The tokenizer class transformers 5 writes into tokenizer_config.json (transformers 4 raises on it).
@@ -25,6 +23,9 @@ def load_tokenizer(hf_dir: Path) -> Any:
     transformers 4 loads it as ``PreTrainedTokenizerFast`` (tokens, special tokens and the chat template are
     the same: tests/test_install_beside_trtllm.py compares them across the two versions).
     """
+    # Heavy: transformers' tokenizer classes pull in much of transformers (and Triton where it is installed).
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     try:
         return AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
     except ValueError as exc:

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError, SourceError
@@ -271,6 +270,9 @@ def convert_gguf_cached(gguf_path: Path, sha256: str, cache_dir: Path) -> tuple[
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama GGUF file into an HF folder (float32 safetensors, config, tokenizer, template)."""
+    # Heavy: transformers' model classes pull in much of transformers (and Triton where it is installed).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     sources.read_gguf_config(gguf_path)  # architecture check before the slow part
     folder, name = str(gguf_path.parent), gguf_path.name
     log.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path, out_dir.parent)
