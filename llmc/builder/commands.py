@@ -89,7 +89,7 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
 
     tensors = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in sources.read_safetensors_header(path).items():
+        for name, info in read_safetensors_header(path).items():
             if name != "__metadata__":
                 start, end = info["data_offsets"]
                 tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
