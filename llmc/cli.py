@@ -18,7 +18,7 @@ from llmc.errors import LlmcError
 
 # name -> (module:attribute, one-line help shown by `llmc --help`)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("llmc.recipe.commands:validate_cmd", "Check a recipe (and its model, when present) without building."),
+    "validate": ("llmc.builder.preflight:validate_cmd", "Check a recipe (and its model, when present) without building."),
     "build": ("llmc.builder.commands:build_cmd", "Build a recipe: checkpoint IR, quantization, engine, Triton repo."),
     "inspect": ("llmc.builder.commands:inspect_cmd", "Show a build's manifest, model shape, weight bytes and KV-cache plan."),
     "generate": ("llmc.runtime.commands:generate_cmd", "Stream a completion from a built engine."),

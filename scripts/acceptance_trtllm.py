@@ -119,13 +119,13 @@ def main() -> None:
 @click.option("--min-prefix", default=8, show_default=True)
 def compare_cmd(torch_build: Path, trt_recipe: Path, work: Path, max_new_tokens: int, min_prefix: int) -> None:
     """TensorRT engines vs the torch engine from the same IR, plus the runtime checks of issue 16."""
-    from llmc.builder.load import load_tokenizer
-    from llmc.builder.manifest import read_manifest
+    from llmc.tokenizer import load_tokenizer
+    from llmc.manifest import read_manifest
     from llmc.engine.tensorrt_llm.build import build_engines
     from llmc.engine.tensorrt_llm.runner import TrtllmRunner, TrtllmRunnerConfig
     from llmc.recipe import load_recipe
     from llmc.runtime.api import Engine
-    from llmc.runtime.params import SamplingParams
+    from llmc.request.params import SamplingParams
 
     recipe = load_recipe(trt_recipe)
     work.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def triton_cmd(url: str, build_dir: Path, work: Path) -> None:
     import numpy as np
     import tritonclient.http as httpclient
 
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     client = httpclient.InferenceServerClient(url)
     tokenizer = load_tokenizer(build_dir / "tokenizer")

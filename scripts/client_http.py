@@ -72,6 +72,11 @@ def main() -> int:
     except urllib.error.HTTPError as exc:
         print(f"error: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
         return 1
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        print(f"error: cannot reach the server at {args.url} ({reason}). Fix: start it (llmc serve BUILD, or "
+              f"tritonserver --model-repository BUILD/model_repo) or pass --url", file=sys.stderr)
+        return 1
     gaps = sorted(1000 * (b - a) for a, b in zip(times, times[1:]))
     ttft = 1000 * (times[0] - start) if times else float("nan")
     p50 = gaps[len(gaps) // 2] if gaps else float("nan")

@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.engine.torch.runner import TorchModelRunner  # noqa: E402
-from llmc.runtime.params import SamplingParams  # noqa: E402
-from llmc.runtime.types import ScheduledSequence, SchedulerOutput  # noqa: E402
+from llmc.engine.types import ScheduledSequence, SchedulerOutput  # noqa: E402
+from llmc.request.params import SamplingParams  # noqa: E402
 
 
 def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma-separated)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
-    from llmc.builder.manifest import read_manifest
+    from llmc.manifest import read_manifest
 
     block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
     blocks_needed = max(batches) * -(-(args.context + 1) // block_size) + 8

@@ -46,8 +46,8 @@ def main() -> int:
         parser.error("HF_DIR is needed with --reference transformers")
     from transformers import AutoModelForCausalLM
 
+    from llmc.request.params import SamplingParams
     from llmc.runtime.api import Engine
-    from llmc.runtime.params import SamplingParams
 
     engine = Engine.from_dir(args.build_dir, device=args.device)
     vocab = engine.runner.vocab_size
@@ -107,8 +107,8 @@ def last_logits(model, ids: list[int], device: str) -> torch.Tensor:
     """The model's logits [V] after ``ids`` (one packed prefill through a fresh paged cache)."""
     from llmc.engine.torch.attention import build_attention_metadata
     from llmc.engine.torch.kv_alloc import allocate_kv_cache
-    from llmc.runtime.params import SamplingParams
-    from llmc.runtime.types import ScheduledSequence
+    from llmc.request.params import SamplingParams
+    from llmc.engine.types import ScheduledSequence
 
     block = 32
     blocks = -(-len(ids) // block)
@@ -123,7 +123,7 @@ def last_logits(model, ids: list[int], device: str) -> torch.Tensor:
 
 def greedy_tokens(build_dir: Path, device: str, prompts, tokens: int):
     from llmc.runtime.api import Engine
-    from llmc.runtime.params import SamplingParams
+    from llmc.request.params import SamplingParams
 
     engine = Engine.from_dir(build_dir, device=device)
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmc.builder.manifest import read_manifest, write_manifest  # noqa: E402
+from llmc.manifest import read_manifest, write_manifest  # noqa: E402
 from llmc.checkpoint import names  # noqa: E402
 from llmc.checkpoint.config import quantization_block  # noqa: E402
 from llmc.checkpoint.int4 import pack_int4, quantize_rtn  # noqa: E402

@@ -25,7 +25,7 @@ def smollm2_hf_dir() -> Path:
     The GGUF conversion (~35 s) is cached by llmc itself, keyed by the file's hash, so every test session
     after the first reuses it.
     """
-    from llmc.builder.load import resolve_embedded_source
+    from llmc.source.load import resolve_embedded_source
 
     return resolve_embedded_source().hf_dir
 

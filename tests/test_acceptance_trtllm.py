@@ -37,7 +37,7 @@ def test_late_divergence_passes():
 
 
 def test_stop_check_expects_the_text_before_the_first_stop_string(smollm2_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_hf_dir)
     ref = tok.encode(" The capital of France is Paris, a city on the Seine.", add_special_tokens=False)

@@ -61,7 +61,7 @@ def test_recipe_with_invalid_utf8_is_one_error_line(tmp_path):
 
 
 def test_truncated_gguf_is_one_error_line(tmp_path):
-    from llmc.builder import sources
+    from llmc.source import sources
 
     gguf = tmp_path / "cut.gguf"
     source = sources.locate_package_file(sources.EMBEDDED_PACKAGE, sources.EMBEDDED_FILE)

@@ -6,30 +6,55 @@ import json
 
 from click.testing import CliRunner
 
-from llmc.doctor import GpuInfo, backend_statuses, doctor_cmd
+from llmc.doctor import GpuInfo, backend_statuses, collect_report, cuda_gpus, doctor_cmd
+from llmc.engine.tensorrt_llm.versions import PIP_SPEC, probe_module
+from tests.engine.tensorrt_llm.doubles import MissingModuleImporter, VersionOnlyImporter
 
 H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
 B200 = GpuInfo(0, "NVIDIA B200", "10.0", 178.4)
 
 
-def test_doctor_runs_here_and_reports_json():
+def test_doctor_runs_here_and_reports_this_machine_as_json():
+    """Whatever this machine has: the report's versions and verdicts are the ones its probes find."""
     result = CliRunner().invoke(doctor_cmd, ["--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert set(report["versions"]) == {"torch", "transformers", "triton", "tritonclient", "llmcompressor",
                                        "tensorrt", "tensorrt_llm"}
-    assert report["versions"]["torch"] and report["versions"]["tensorrt_llm"] is None
-    backends = {b["name"]: b for b in report["backends"]}
-    assert backends["torch"]["usable"] is True
-    assert backends["tensorrt_llm"]["usable"] is False
-    assert "tensorrt-llm>=1.0,<1.3" in backends["tensorrt_llm"]["detail"]
+    assert report["versions"]["torch"]
+    assert report["versions"]["tensorrt_llm"] == probe_module("tensorrt_llm").version
+    gpus = cuda_gpus()
+    assert [g["name"] for g in report["gpus"]] == [g.name for g in gpus]
+    expected = backend_statuses(gpus, report["versions"]["tensorrt_llm"], report["notes"].get("tensorrt_llm"),
+                                report["versions"]["triton"])
+    assert [(b["name"], b["usable"], b["detail"]) for b in report["backends"]] == \
+        [(b.name, b.usable, b.detail) for b in expected]
+    assert report["backends"][0]["name"] == "torch" and report["backends"][0]["usable"] is True
 
 
-def test_doctor_text_output():
+def test_doctor_text_output_names_every_backend_with_its_verdict():
+    report = collect_report()
     result = CliRunner().invoke(doctor_cmd, [])
     assert result.exit_code == 0, result.output
-    assert "backends:" in result.output and "torch: usable" in result.output
-    assert "tensorrt_llm: NOT usable" in result.output
+    assert "backends:" in result.output
+    for backend in report.backends:
+        verdict = "usable" if backend.usable else "NOT usable"
+        assert f"  {backend.name}: {verdict} - {backend.detail}" in result.output
+
+
+def test_without_tensorrt_llm_the_backend_says_what_to_install():
+    report = collect_report(importer=MissingModuleImporter())
+    assert report.versions["tensorrt_llm"] is None and "No module named" in report.notes["tensorrt_llm"]
+    trt = {b.name: b for b in report.backends}["tensorrt_llm"]
+    assert not trt.usable and PIP_SPEC in trt.detail
+
+
+def test_with_tensorrt_llm_1_2_the_verdict_depends_on_the_gpus_only():
+    report = collect_report(importer=VersionOnlyImporter("1.2.0"))
+    assert report.versions["tensorrt_llm"] == "1.2.0" and "tensorrt_llm" not in report.notes
+    trt = {b.name: b for b in report.backends}["tensorrt_llm"]
+    assert trt == backend_statuses(cuda_gpus(), "1.2.0", None, report.versions["triton"])[1]
+    assert PIP_SPEC not in trt.detail
 
 
 def test_tensorrt_llm_usable_on_hopper_with_1_2():

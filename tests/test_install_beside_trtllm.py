@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.builder.load import default_cache_dir
+from llmc.source.load import default_cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,9 @@ PROBE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "cont
 
 def tokenizer_probe(tokenizer_dir: str) -> dict:
     """What llmc's runtime gets from a build's tokenizer: ids, chat prompt ids, decoded text, special ids."""
-    from llmc.builder.load import load_tokenizer
-    from llmc.runtime.detokenize import IncrementalDetokenizer
-    from llmc.runtime.inputs import prompt_to_token_ids
+    from llmc.tokenizer import load_tokenizer
+    from llmc.request.detokenize import IncrementalDetokenizer
+    from llmc.request.inputs import prompt_to_token_ids
 
     tok = load_tokenizer(Path(tokenizer_dir))
     encoded = [tok.encode(t, add_special_tokens=True) for t in PROBE_TEXTS]

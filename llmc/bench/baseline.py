@@ -18,8 +18,10 @@ from transformers.generation.streamers import BaseStreamer
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord
 from llmc.bench.workload import BenchPlan, BenchPrompt
 from llmc.errors import SourceError
+from llmc.manifest import read_manifest
+from llmc.request.params import SamplingParams
 from llmc.runtime.compute import run_compute
-from llmc.runtime.params import SamplingParams
+from llmc.source.load import resolve_source
 
 
 class StepTimer(BaseStreamer):
@@ -43,9 +45,6 @@ class StepTimer(BaseStreamer):
 def resolve_hf_dir(build_dir: str | Path) -> Path:
     """The Hugging Face folder a build was made from: the recorded source folder, or the cached conversion
     of its GGUF file (converted again if the cache was cleared). Raises SourceError when the source is gone."""
-    from llmc.builder.load import resolve_source
-    from llmc.builder.manifest import read_manifest
-
     manifest = read_manifest(Path(build_dir))
     recipe = manifest.recipe_obj()
     try:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
 from llmc.bench.workload import BenchPlan, BenchPrompt
 from llmc.errors import EngineError, RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 PROTOCOLS = ("http", "grpc", "openai")
 

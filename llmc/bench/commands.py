@@ -154,25 +154,24 @@ def load_baseline(opts: BenchOptions, device: str) -> Any:
 
 def _baseline_dtype(opts: BenchOptions, device: str) -> Any:
     """float32 on CPU (what the portable engine computes in); the recipe's dtype on a GPU."""
-    import torch
-
     if device == "cpu" or opts.engine_dir is None:
         return None
-    from llmc.builder.manifest import read_manifest
+    from llmc.checkpoint.convert import torch_dtype
+    from llmc.manifest import read_manifest
 
-    return getattr(torch, read_manifest(opts.engine_dir).dtype)
+    return torch_dtype(read_manifest(opts.engine_dir).dtype)
 
 
 def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], list, Any]:
     """Measure a running server over ``opts.protocol``; the tokenizer comes from ENGINE_DIR or --tokenizer."""
     from llmc.bench.client import make_client, run_client
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     add_special, model, eos_ids = False, opts.model, ()
     if opts.tokenizer is not None:
         tokenizer = load_tokenizer(opts.tokenizer)
     elif opts.engine_dir is not None:
-        from llmc.builder.manifest import read_manifest
+        from llmc.manifest import read_manifest
 
         manifest = read_manifest(opts.engine_dir)
         recipe = manifest.recipe_obj()
@@ -202,7 +201,7 @@ def run_server_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], l
 def execute(opts: BenchOptions) -> dict[str, Any]:
     """Run the whole benchmark the options describe and return the report (also written / plotted)."""
     from llmc.bench.report import build_report, host_info, print_report
-    from llmc.runtime.params import SamplingParams
+    from llmc.request.params import SamplingParams
 
     params = SamplingParams.from_dict(opts.sampling)
     if opts.threads is not None:

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
 from llmc.bench.workload import BenchPlan, BenchPrompt, bench_params
 from llmc.errors import EngineError
-from llmc.runtime.metrics import percentiles, read_metrics_log
-from llmc.runtime.params import SamplingParams
+from llmc.request.metrics import percentiles, read_metrics_log
+from llmc.request.params import SamplingParams
 
 
 def run_request(engine: Any, prompt: BenchPrompt, params: SamplingParams) -> RequestRecord:

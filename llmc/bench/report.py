@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from llmc.bench.records import LevelResult
 from llmc.bench.workload import BenchPlan, BenchPrompt, prompt_length_summary
-from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
+from llmc.request.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
 
 SCHEMA = "llmc-bench/1"
 OSL_ENFORCEMENT = "ignore_eos=True + max_new_tokens (baseline: min_new_tokens = max_new_tokens)"

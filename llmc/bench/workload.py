@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from llmc.errors import RequestError
-from llmc.runtime.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
-from llmc.runtime.params import SamplingParams
+from llmc.request.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
+from llmc.request.params import SamplingParams
 
 DistKind = Literal["fixed", "uniform", "normal"]
 DIST_KINDS: tuple[str, ...] = ("fixed", "uniform", "normal")

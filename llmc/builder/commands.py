@@ -14,7 +14,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from llmc.builder import manifest as mf, sources
+from llmc import manifest as mf
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import EngineError, LlmcError
 
 GIB = 1024**3
@@ -88,7 +89,7 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
 
     tensors = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in sources.read_safetensors_header(path).items():
+        for name, info in read_safetensors_header(path).items():
             if name != "__metadata__":
                 start, end = info["data_offsets"]
                 tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
@@ -99,7 +100,7 @@ def weight_bytes_by_dtype(checkpoint_dir: Path) -> dict[str, int]:
     """Bytes of checkpoint tensors per safetensors dtype, from the files' JSON headers only."""
     totals: dict[str, int] = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in sources.read_safetensors_header(path).items():
+        for name, info in read_safetensors_header(path).items():
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]

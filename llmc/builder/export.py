@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from llmc.builder.load import load_state_dict
 from llmc.checkpoint.config import W4A16_AWQ, trtllm_config_from_hf, with_tp_size
 from llmc.checkpoint.convert import QuantizedLinear, hf_to_trtllm, pad_for_groupwise, shard
 from llmc.checkpoint.io import write_checkpoint
 from llmc.errors import BuildError
+from llmc.recipe import Recipe
+from llmc.source.load import SourceModel, load_state_dict
 
 
 def kv_cache_quant_algo(kv_cache_dtype: str) -> str | None:
@@ -26,7 +27,7 @@ def kv_cache_quant_algo(kv_cache_dtype: str) -> str | None:
     return "FP8" if kv_cache_dtype == "fp8" else None
 
 
-def export_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
+def export_checkpoint(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path) -> dict[str, Any]:
     """Write the 16-bit IR of ``source`` (a SourceModel) for ``recipe`` into ``checkpoint_dir``.
 
     Returns {"tensors", "bytes", "seconds", "tp_size", "dtype"}. BuildError if the recipe asks for int4

@@ -20,17 +20,17 @@ from typing import Any
 
 from rich.console import Console
 
-from llmc.builder import manifest as mf
+from llmc import manifest as mf
 from llmc.builder.output_dir import building_into, check_output_location
 from llmc.builder.pipeline import BuildResult, default_build_dir, folder_bytes, write_model_repo, write_recipe_copy
 from llmc.builder.progress import BuildProgress
+from llmc.engine.base import compile_engine
 from llmc.errors import BuildError
+from llmc.recipe import Recipe, recipe_hash, recipe_to_dict
 
 
-def check_same_weights(recipe: Any, ir_manifest: mf.Manifest, ir_build: Path) -> None:
+def check_same_weights(recipe: Recipe, ir_manifest: mf.Manifest, ir_build: Path) -> None:
     """BuildError unless ``recipe`` asks for the weights the IR build holds (dtype and quantization)."""
-    from llmc.recipe import recipe_to_dict
-
     wanted = {"model.dtype": recipe.model.dtype, "quantization": recipe_to_dict(recipe)["quantization"]}
     found = {"model.dtype": ir_manifest.dtype, "quantization": ir_manifest.quantization}
     differ = [key for key in wanted if wanted[key] != found[key]]
@@ -41,7 +41,7 @@ def check_same_weights(recipe: Any, ir_manifest: mf.Manifest, ir_build: Path) ->
             + ". Fix: use the same model.dtype and quantization section in both recipes, or build the IR again")
 
 
-def build_from_ir(recipe: Any, ir_build: Path, out_dir: Path | None = None, console: Console | None = None
+def build_from_ir(recipe: Recipe, ir_build: Path, out_dir: Path | None = None, console: Console | None = None
                   ) -> BuildResult:
     """Build ``recipe``'s engine from ``ir_build``'s ``checkpoint/`` into ``out_dir`` (default ``build/<name>``).
 
@@ -49,9 +49,6 @@ def build_from_ir(recipe: Any, ir_build: Path, out_dir: Path | None = None, cons
     ``ir_build`` or not writable), CheckpointError / RecipeError / BackendUnavailableError from the engine
     step. Never modifies ``ir_build``.
     """
-    from llmc.engine.base import compile_engine
-    from llmc.recipe import recipe_hash, recipe_to_dict
-
     ir_build = Path(ir_build).absolute()
     ir_manifest = mf.read_manifest(ir_build)
     out_dir = Path(out_dir if out_dir is not None else default_build_dir(recipe)).absolute()

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from llmc.builder import manifest as mf
+from llmc import manifest as mf
 from llmc.errors import BuildError, EngineError
 
 log = logging.getLogger(__name__)

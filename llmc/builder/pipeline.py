@@ -11,6 +11,7 @@ temp folder is removed by the next build into the same parent.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import shutil
@@ -22,10 +23,18 @@ from typing import Any
 import yaml
 from rich.console import Console
 
-from llmc.builder import load, manifest as mf, sources
+from llmc import manifest as mf
+from llmc.builder.export import export_checkpoint
 from llmc.builder.output_dir import building_into, check_output_location, remove_stale_temp_dirs
 from llmc.builder.progress import BuildProgress
+from llmc.builder.quantize import quantize_checkpoint
+from llmc.builder.verify import accuracy_gate
+from llmc.engine.base import compile_engine
 from llmc.errors import BuildError, SourceError
+from llmc.recipe import Recipe, recipe_hash, recipe_to_dict
+from llmc.recipe.checks import check_recipe_against_model
+from llmc.serve.repo import generate_model_repo
+from llmc.source import load, sources
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +54,12 @@ class BuildResult:
     engine_bytes: int
 
 
-def default_build_dir(recipe: Any) -> Path:
+def default_build_dir(recipe: Recipe) -> Path:
     """``build/<recipe.name>`` relative to the current directory."""
     return Path("build") / recipe.name
 
 
-def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console: Console | None = None,
+def build(recipe: Recipe, out_dir: Path | None = None, force: bool = False, console: Console | None = None,
           cache_dir: Path | None = None) -> BuildResult:
     """Build ``recipe`` into ``out_dir`` (default ``build/<name>``) and return the result.
 
@@ -59,8 +68,6 @@ def build(recipe: Any, out_dir: Path | None = None, force: bool = False, console
     (recipe inconsistent with the model) or any step's error; in every failure case no partial folder is left.
     ``console``: where rich progress goes (None: silent).
     """
-    from llmc.recipe import recipe_hash
-
     out_dir = Path(out_dir if out_dir is not None else default_build_dir(recipe)).absolute()
     check_output_location(out_dir)
     if out_dir.parent.is_dir():
@@ -106,10 +113,8 @@ def require_quant_extra(method: str) -> None:
     )
 
 
-def check_against_model(recipe: Any) -> None:
+def check_against_model(recipe: Recipe) -> None:
     """Check the recipe against the model's config (cheap read, no conversion): architecture, limits, sizes."""
-    from llmc.recipe.checks import check_recipe_against_model
-
     hf_config = sources.read_source_config(recipe.model.source)
     if hf_config is None:
         raise SourceError(f"model source {recipe.model.source} has no config.json. Fix: point model.source at a "
@@ -130,7 +135,7 @@ def _is_current(existing: mf.Manifest, recipe_sha: str, source_sha: str) -> bool
             and existing.source.get("sha256") == source_sha)
 
 
-def _build_into(tmp: Path, out_dir: Path, recipe: Any, recipe_sha: str, source_sha: str, progress: BuildProgress,
+def _build_into(tmp: Path, out_dir: Path, recipe: Recipe, recipe_sha: str, source_sha: str, progress: BuildProgress,
                 cache_dir: Path | None) -> mf.Manifest:
     """Run every build step into the empty folder ``tmp`` (renamed to ``out_dir`` afterwards); returns the
     written manifest."""
@@ -143,8 +148,6 @@ def _build_into(tmp: Path, out_dir: Path, recipe: Any, recipe_sha: str, source_s
         export_tokenizer(source, tmp / "tokenizer")
     with progress.step("compile engine") as s:
         s.note(recipe.backend)
-        from llmc.engine.base import compile_engine
-
         reports["engine"] = compile_engine(recipe, tmp / "checkpoint", tmp / "engine")
     with progress.step("model repository"):
         reports["model_repo"] = write_model_repo(tmp, out_dir, recipe, source.eos_token_ids)
@@ -157,39 +160,29 @@ def _build_into(tmp: Path, out_dir: Path, recipe: Any, recipe_sha: str, source_s
     return manifest
 
 
-def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Any, progress: BuildProgress) -> dict:
+def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Recipe, progress: BuildProgress) -> dict:
     """Export the 16-bit IR, or quantize (AWQ/RTN) and run the accuracy gate; returns the step reports."""
     ckpt = tmp / "checkpoint"
     reports: dict[str, Any] = {}
     if recipe.quantization.method == "none":
         with progress.step("export checkpoint"):
-            from llmc.builder.export import export_checkpoint
-
             reports["export"] = export_checkpoint(source, recipe, ckpt)
         return reports
     with progress.step(f"quantize ({recipe.quantization.method})") as step:
-        from llmc.builder.quantize import quantize_checkpoint
-
         reports["quantize"] = quantize_checkpoint(source, recipe, ckpt, progress=step)
     if recipe.quantization.gate.enabled:
         with progress.step("accuracy gate"):
-            from llmc.builder.verify import accuracy_gate
-
             reports["gate"] = accuracy_gate(source, recipe, ckpt, console=progress.console)
     return reports
 
 
-def write_model_repo(tmp: Path, out_dir: Path, recipe: Any, eos_token_ids: tuple[int, ...]) -> str:
+def write_model_repo(tmp: Path, out_dir: Path, recipe: Recipe, eos_token_ids: tuple[int, ...]) -> str:
     """Generate the Triton model repository; its configs are validated with tritonclient's protos, so
     without the ``serve`` extra the step is skipped (and said so) rather than written unchecked."""
-    import importlib.util
-
     if importlib.util.find_spec("tritonclient") is None:
         log.warning("skipped the Triton model repository: tritonclient is not installed. "
                     "Fix: pip install 'llmc[serve]', then run `llmc repo %s %s/model_repo`", out_dir, out_dir)
         return "skipped: tritonclient is not installed (pip install 'llmc[serve]'; then llmc repo)"
-    from llmc.serve.repo import generate_model_repo
-
     return str(generate_model_repo(tmp, tmp / "model_repo", recipe=recipe, eos_token_ids=eos_token_ids,
                                    build_path=out_dir))
 
@@ -246,10 +239,8 @@ def _set_eos_token(config: dict[str, Any], token: str, token_id: int) -> None:
         config["eos_token_id"] = token_id
 
 
-def make_manifest(recipe: Any, recipe_sha: str, source: load.SourceModel, timings: dict[str, float]) -> mf.Manifest:
+def make_manifest(recipe: Recipe, recipe_sha: str, source: load.SourceModel, timings: dict[str, float]) -> mf.Manifest:
     """The manifest of a build of ``recipe`` from ``source``."""
-    from llmc.recipe import recipe_to_dict
-
     recipe_dict = recipe_to_dict(recipe)
     return mf.Manifest(
         name=recipe.name,
@@ -270,13 +261,11 @@ def make_manifest(recipe: Any, recipe_sha: str, source: load.SourceModel, timing
     )
 
 
-def write_recipe_copy(recipe: Any, path: Path) -> None:
+def write_recipe_copy(recipe: Recipe, path: Path) -> None:
     """Copy the recipe file; a recipe built from a dict is written as its resolved YAML."""
     if recipe.path is not None and Path(recipe.path).is_file():
         shutil.copy2(recipe.path, path)
         return
-    from llmc.recipe import recipe_to_dict
-
     path.write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
 
 

@@ -5,7 +5,8 @@ Library choice: **llm-compressor** (``llmcompressor>=0.14,<0.15``, the ``quant``
   column with ``use_loss_mask=True`` keeps special-token positions in the model's input but out of AWQ's
   activation statistics and of its scale-search error;
 - it pins transformers 5.15-5.17, the range llmc uses. Its only CPU issue is ``IntermediatesCache.pin_memory``
-  (pinning fails on a CPU-only torch), patched to a no-op in a narrow context (``awq_lib.library_context``).
+  (pinning fails on a CPU-only torch), patched to a no-op in a narrow context
+  (``llmcompressor_patches.skip_pin_memory``).
 Rejected: nvidia-modelopt 0.47 (``INT4_AWQ_CFG``) can export the TensorRT-LLM checkpoint directly but has no
 token mask, its TensorRT-LLM export is deprecated in 0.48 and removed in 0.49, and its ``[hf]`` extra pins
 transformers < 5.15 and pulls deepspeed and diffusers; autoawq is deprecated upstream.
@@ -43,16 +44,21 @@ from typing import Any, Protocol
 
 import torch
 
-from llmc.builder import awq_lib
+from llmc.builder import llmcompressor_driver
 from llmc.builder.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
+from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
+from llmc.checkpoint.convert import torch_dtype
 from llmc.errors import BuildError
+from llmc.recipe import Recipe
+from llmc.recipe.checks import check_recipe_against_model
+from llmc.source.load import SourceModel
+from llmc.tokenizer import load_tokenizer
 
 AWQ_N_GRID = 16
 AWQ_DUO_SCALING = "both"
 AWQ_SEARCH_SAMPLES = 8
 GPTQ_DAMPENING = 0.01
 CALIBRATION_BATCH = 4
-TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class StepProgress(Protocol):
@@ -63,7 +69,7 @@ class StepProgress(Protocol):
     def note(self, text: str) -> None: ...
 
 
-def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
+def quantize_checkpoint(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path,
                         progress: StepProgress | None = None) -> dict[str, Any]:
     """Quantize ``source`` (a SourceModel) per ``recipe.quantization`` and write the W4A16_AWQ IR.
 
@@ -86,7 +92,7 @@ def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
     model = load_float32_model(source.hf_dir)
     seconds["load_model"] = _lap(t)
     t = time.perf_counter()
-    gptq = awq_lib.run_oneshot(model, int4_options(recipe), calib, progress=_layer_progress(progress))
+    gptq = llmcompressor_driver.run_oneshot(model, int4_options(recipe), calib, progress=_layer_progress(progress))
     seconds["quantize"] = _lap(t)
     _note(progress, "writing checkpoint")
     t = time.perf_counter()
@@ -96,11 +102,11 @@ def quantize_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path,
     return make_report(recipe, calib, seconds, time.process_time() - cpu_started, written, gptq)
 
 
-def int4_options(recipe: Any) -> awq_lib.Int4Options:
+def int4_options(recipe: Recipe) -> llmcompressor_driver.Int4Options:
     """The library run a recipe asks for (AWQ knobs are this module's constants, see the docstring)."""
     quant = recipe.quantization
-    return awq_lib.Int4Options(
-        method=quant.method, group_size=quant.group_size, scale_dtype=TORCH_DTYPES[recipe.model.dtype],
+    return llmcompressor_driver.Int4Options(
+        method=quant.method, group_size=quant.group_size, scale_dtype=torch_dtype(recipe.model.dtype),
         duo_scaling=AWQ_DUO_SCALING, n_grid=AWQ_N_GRID,
         search_batches=math.ceil(AWQ_SEARCH_SAMPLES / CALIBRATION_BATCH), batch_size=CALIBRATION_BATCH,
         use_loss_mask=bool(quant.exclude_special_tokens), rounding=quant.effective_rounding,
@@ -108,10 +114,8 @@ def int4_options(recipe: Any) -> awq_lib.Int4Options:
     )
 
 
-def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None) -> None:
+def check_inputs(recipe: Recipe, hf_config: dict[str, Any], recipe_file: str | None) -> None:
     """Every check that can fail before work starts: method, recipe vs. model (group size), calibration spec."""
-    from llmc.recipe.checks import check_recipe_against_model
-
     quant = recipe.quantization
     if quant.method not in ("awq", "rtn"):
         raise BuildError(f"quantize_checkpoint handles quantization.method awq or rtn, not {quant.method!r}; "
@@ -121,10 +125,8 @@ def check_inputs(recipe: Any, hf_config: dict[str, Any], recipe_file: str | None
         check_calibration_spec(quant.calibration, recipe_file)
 
 
-def make_calibration_set(source: Any, recipe: Any, recipe_file: str | None) -> CalibrationSet:
+def make_calibration_set(source: SourceModel, recipe: Recipe, recipe_file: str | None) -> CalibrationSet:
     """The recipe's calibration windows, tokenized with the source's tokenizer and chat template."""
-    from llmc.builder.load import load_tokenizer
-
     quant = recipe.quantization
     return build_calibration_set(
         quant.calibration, load_tokenizer(source.hf_dir),
@@ -141,18 +143,17 @@ def load_float32_model(hf_dir: str | Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
 
 
-def export_int4(model: torch.nn.Module, source: Any, recipe: Any, checkpoint_dir: str | Path) -> dict[str, Any]:
+def export_int4(model: torch.nn.Module, source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path
+                ) -> dict[str, Any]:
     """Write the library's int4 results (and the folded 16-bit tensors) as the W4A16_AWQ IR."""
-    from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
-
     group_size = recipe.quantization.group_size
-    layers = awq_lib.extract_int4(model, group_size)
-    return write_w4a16_checkpoint(source.hf_config, recipe.model.dtype, awq_lib.plain_state_dict(model), layers,
-                                  group_size, recipe.engine.tp_size, checkpoint_dir,
-                                  kv_cache_quant_algo(recipe.kv_cache.dtype))
+    layers = llmcompressor_driver.extract_int4(model, group_size)
+    state = llmcompressor_driver.plain_state_dict(model)
+    return write_w4a16_checkpoint(source.hf_config, recipe.model.dtype, state, layers, group_size,
+                                  recipe.engine.tp_size, checkpoint_dir, kv_cache_quant_algo(recipe.kv_cache.dtype))
 
 
-def make_report(recipe: Any, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
+def make_report(recipe: Recipe, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
                 written: dict[str, Any], gptq: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON-able quantization report for build_report.json."""
     quant = recipe.quantization
@@ -167,15 +168,15 @@ def make_report(recipe: Any, calib: CalibrationSet | None, seconds: dict[str, fl
         "calibration": calib.summary() if calib is not None else None,
         "awq": {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID, "search_samples": AWQ_SEARCH_SAMPLES,
                 "batch_size": CALIBRATION_BATCH} if awq else None,
-        "gptq": {**gptq, "dampening": GPTQ_DAMPENING, "actorder": awq_lib.GPTQ_ACTORDER} if gptq else None,
+        "gptq": {**gptq, "dampening": GPTQ_DAMPENING, "actorder": llmcompressor_driver.GPTQ_ACTORDER} if gptq else None,
         "seconds": seconds,
         "cpu_seconds": round(cpu_seconds, 1),
         "checkpoint": written,
-        "library": awq_lib.library_versions(),
+        "library": llmcompressor_driver.library_versions(),
     }
 
 
-def _layer_progress(progress: StepProgress | None) -> awq_lib.ProgressFn | None:
+def _layer_progress(progress: StepProgress | None) -> llmcompressor_driver.ProgressFn | None:
     if progress is None:
         return None
 

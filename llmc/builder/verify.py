@@ -26,14 +26,18 @@ from rich.console import Console
 from llmc.builder import gate_report
 from llmc.builder.calib_text import heldout_chat_prompts, heldout_text
 from llmc.checkpoint import names
+from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
+from llmc.checkpoint.io import read_checkpoint
 from llmc.errors import AccuracyGateError, BuildError
+from llmc.recipe import Recipe
+from llmc.source.load import SourceModel
 
 GATE_WINDOW = 512
 CHAT_PROMPTS = 4
 CHAT_BUDGET = 64
 
 
-def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console: Console | None = None
+def accuracy_gate(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path, console: Console | None = None
                   ) -> dict[str, Any]:
     """Compare the int4 IR in ``checkpoint_dir`` with ``source``'s 16-bit model; return the gate report.
 
@@ -42,8 +46,8 @@ def accuracy_gate(source: Any, recipe: Any, checkpoint_dir: str | Path, console:
     ``max_ppl_ratio`` (when set), or the int4 model loses the chat end token; its message lists the worst
     positions.
     """
-    from llmc.builder.load import load_tokenizer
     from llmc.builder.quantize import load_float32_model
+    from llmc.tokenizer import load_tokenizer
 
     gate = recipe.quantization.gate
     started = time.perf_counter()
@@ -104,7 +108,7 @@ def score(model_16: torch.nn.Module, model_int4: torch.nn.Module, windows: torch
 
 
 @torch.no_grad()
-def chat_end_check(model_16: torch.nn.Module, model_int4: torch.nn.Module, tokenizer: Any, source: Any
+def chat_end_check(model_16: torch.nn.Module, model_int4: torch.nn.Module, tokenizer: Any, source: SourceModel
                    ) -> dict[str, Any]:
     """Greedy chat answers of both models: does int4 end its turn wherever the 16-bit model does?"""
     eos = list(source.eos_token_ids)
@@ -150,53 +154,6 @@ def load_ir_weights(model: torch.nn.Module, checkpoint_dir: str | Path, hf_confi
 
 def ir_to_hf_state_dict(checkpoint_dir: str | Path, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The IR's weights as a float32 HF Llama state dict (int4 layers dequantized, TP merged, padding removed)."""
-    from llmc.checkpoint.convert import merge_shards
-    from llmc.checkpoint.io import read_checkpoint
-
     config, ranks = read_checkpoint(Path(checkpoint_dir))
-    quant = config.get("quantization") or {}
-    if quant.get("quant_algo") == "W4A16_AWQ":
-        ranks = [_dequantize_rank(r, int(quant["group_size"])) for r in ranks]
-    plain = {**config, "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
-    weights = merge_shards(ranks, plain) if len(ranks) > 1 else dict(ranks[0])
-    return _to_hf_names({k: v.float() for k, v in weights.items()}, hf_config)
-
-
-def _dequantize_rank(weights: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
-    from llmc.checkpoint.int4 import dequantize_w4a16
-
-    out = {}
-    for name, tensor in weights.items():
-        prefix, _, suffix = name.rpartition(".")
-        if suffix in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR):
-            continue
-        if suffix == names.WEIGHT and tensor.dtype == torch.int8:
-            tensor = dequantize_w4a16(tensor, weights[f"{prefix}.{names.WEIGHTS_SCALING_FACTOR}"],
-                                      weights[f"{prefix}.{names.PREQUANT_SCALING_FACTOR}"], group_size)
-        out[name] = tensor
-    return out
-
-
-def _to_hf_names(weights: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
-    inter = hf_config["intermediate_size"]
-    out = {names.HF_EMBED: weights[names.VOCAB_EMBEDDING], names.HF_NORM: weights[names.LN_F]}
-    if not hf_config.get("tie_word_embeddings", False):
-        out[names.HF_LM_HEAD] = weights[names.LM_HEAD]
-    for layer in range(hf_config["num_hidden_layers"]):
-        for trt_norm, hf_norm in names.LAYER_NORMS.items():
-            out[names.hf_layer(layer, hf_norm)] = weights[names.trt_layer(layer, trt_norm)]
-        rows = {"self_attn.q_proj": heads * head_dim, "self_attn.k_proj": kv_heads * head_dim,
-                "self_attn.v_proj": kv_heads * head_dim, "mlp.gate_proj": inter, "mlp.up_proj": inter}
-        for spec in names.LINEARS:
-            w = weights[names.trt_layer(layer, spec.trt)]  # [O (padded), K (padded)]
-            if spec is names.PROJ:
-                w = w[:, :inter]
-            if len(spec.hf) > 1:  # qkv: q, k, v rows stacked in that order
-                parts = torch.split(w, [rows[m] for m in spec.hf], dim=0)
-            else:  # fc / gate rows may be padded for the groupwise kernels; dense / proj have no row padding
-                parts = (w[: rows.get(spec.hf[0], w.shape[0])],)
-            for module, part in zip(spec.hf, parts):
-                out[names.hf_layer(layer, module)] = part.contiguous()
-    return out
+    weights = dequantized_weights(config, ranks)
+    return trtllm_to_hf({k: v.float() for k, v in weights.items()}, hf_config)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
 
 IR_DTYPES = ("float16", "bfloat16", "float32")
 W4A16_AWQ = "W4A16_AWQ"
 KV_FP8 = "FP8"
-SUPPORTED_MODEL_TYPES = ("llama",)
 
 CONFIG_KEYS = (
     "architecture", "dtype", "logits_dtype", "vocab_size", "hidden_size", "num_hidden_layers",
@@ -99,12 +99,10 @@ def quantization_block(quantization: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _check_model_type(hf_config: dict[str, Any]) -> None:
-    model_type = hf_config.get("model_type")
-    archs = hf_config.get("architectures") or []
-    if model_type not in SUPPORTED_MODEL_TYPES and "LlamaForCausalLM" not in archs:
+    if not is_supported_architecture(hf_config):
         raise SourceError(
-            f"unsupported architecture (model_type={model_type!r}, architectures={archs!r}); llmc converts "
-            "Llama-family decoders (model_type 'llama'). Use a Llama-architecture checkpoint"
+            f"unsupported architecture {architecture_name(hf_config)}; llmc converts Llama-family decoders "
+            f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Use a Llama-architecture checkpoint"
         )
 
 
@@ -129,7 +127,10 @@ def _rope(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shape facts of an IR config (``config.json`` dict), validated; per-rank sizes for tensor parallelism."""
+    """The one parser of an IR ``config.json``: shape and numerics, validated, with TensorRT-LLM's defaults for
+    the optional fields (``num_key_value_heads`` = heads, ``head_size`` = hidden / heads, ``norm_epsilon`` 1e-5,
+    ``rotary_base`` 10000, no ``rotary_scaling``, one rank without ``mapping``); per-rank sizes for tensor
+    parallelism. The converter, the checkpoint reader and both engines read configs through it."""
 
     dtype: str
     vocab_size: int
@@ -146,21 +147,26 @@ class ModelShape:
     quant_algo: str | None
     group_size: int | None
     kv_cache_quant_algo: str | None
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    rotary_scaling: dict[str, Any] | None = None  # HF-style: rope_type / type, factor, ...
+    max_position_embeddings: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
         """Parse and validate an IR config; CheckpointError names the missing or inconsistent field."""
         try:
             quant = config.get("quantization") or {}
-            mapping = config["mapping"]
+            mapping = config.get("mapping") or {"world_size": 1, "tp_size": 1, "pp_size": 1}
+            num_heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
             shape = cls(
                 dtype=config["dtype"],
                 vocab_size=int(config["vocab_size"]),
-                hidden_size=int(config["hidden_size"]),
+                hidden_size=hidden,
                 num_layers=int(config["num_hidden_layers"]),
-                num_heads=int(config["num_attention_heads"]),
-                num_kv_heads=int(config["num_key_value_heads"]),
-                head_size=int(config["head_size"]),
+                num_heads=num_heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+                head_size=int(config.get("head_size") or hidden // num_heads),
                 intermediate_size=int(config["intermediate_size"]),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 mlp_bias=bool(config.get("mlp_bias", False)),
@@ -169,9 +175,14 @@ class ModelShape:
                 quant_algo=quant.get("quant_algo"),
                 group_size=quant.get("group_size"),
                 kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+                norm_epsilon=float(config.get("norm_epsilon", 1e-5)),
+                rotary_base=float(config.get("rotary_base") or 10000.0),
+                rotary_scaling=config.get("rotary_scaling"),
+                max_position_embeddings=int(config["max_position_embeddings"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint config is missing or has a bad field: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise CheckpointError(f"checkpoint config is missing or has a bad field: {exc!r}. Fix: re-export the "
+                                  f"checkpoint with `llmc build --force`") from exc
         shape._validate(mapping)
         return shape
 
@@ -181,6 +192,9 @@ class ModelShape:
             raise CheckpointError(f"checkpoint dtype {self.dtype!r} is not one of {', '.join(IR_DTYPES)}")
         if mapping.get("pp_size", 1) != 1 or mapping.get("world_size", tp) != tp:
             raise CheckpointError(f"mapping {mapping} is unsupported; llmc writes pp_size 1, world_size = tp_size")
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                                  f"{self.num_kv_heads}. Fix: check the model's config.json")
         if tp < 1 or self.num_heads % tp:
             raise CheckpointError(
                 f"tp_size {tp} must divide num_attention_heads {self.num_heads}; pick a divisor of it"

@@ -1,8 +1,10 @@
-"""Hugging Face Llama state dict -> TensorRT-LLM checkpoint tensors, and tensor-parallel sharding.
+"""Hugging Face Llama state dict <-> TensorRT-LLM checkpoint tensors, and tensor-parallel sharding.
 
 ``hf_to_trtllm`` gives the unsharded IR tensors (plain 16-bit, or W4A16_AWQ when the config says so);
 ``shard`` cuts them for one rank; ``merge_shards`` is its exact inverse (duplicated kv heads are checked
 equal and kept once). ``pad_for_groupwise`` pads the intermediate size for TensorRT-LLM's groupwise kernels.
+The way back: ``dequantized_weights`` (every rank dequantized, then merged) and ``trtllm_to_hf`` (IR names and
+fused layouts -> HF names), which the engine's loader and the accuracy gate share.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from llmc.checkpoint import names
 from llmc.checkpoint.config import ModelShape
-from llmc.checkpoint.int4 import pack_int4
+from llmc.checkpoint.int4 import dequantize_rank, pack_int4
 from llmc.errors import CheckpointError, SourceError
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,36 @@ def hf_to_trtllm(
     unused = [k for k in state_dict if k not in used and not names.HF_IGNORED.match(k)]
     if unused:
         log.warning("ignored %d HF tensors not used by the Llama IR: %s", len(unused), ", ".join(unused[:8]))
+    return out
+
+
+def trtllm_to_hf(weights: Mapping[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`hf_to_trtllm` for unsharded float IR tensors: a HF Llama state dict.
+
+    qkv is split back into q, k and v rows; the groupwise kernels' row padding of fc / gate and column padding of
+    proj is cut to ``hf_config``'s ``intermediate_size``; a tied model gets no ``lm_head.weight``.
+    """
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    inter = hf_config["intermediate_size"]
+    out = {names.HF_EMBED: weights[names.VOCAB_EMBEDDING], names.HF_NORM: weights[names.LN_F]}
+    if not hf_config.get("tie_word_embeddings", False):
+        out[names.HF_LM_HEAD] = weights[names.LM_HEAD]
+    rows = {"self_attn.q_proj": heads * head_dim, "self_attn.k_proj": kv_heads * head_dim,
+            "self_attn.v_proj": kv_heads * head_dim, "mlp.gate_proj": inter, "mlp.up_proj": inter}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for trt_norm, hf_norm in names.LAYER_NORMS.items():
+            out[names.hf_layer(layer, hf_norm)] = weights[names.trt_layer(layer, trt_norm)]
+        for spec in names.LINEARS:
+            w = weights[names.trt_layer(layer, spec.trt)]  # [O (padded), K (padded)]
+            if spec is names.PROJ:
+                w = w[:, :inter]
+            if len(spec.hf) > 1:  # qkv: q, k, v rows stacked in that order
+                parts = torch.split(w, [rows[m] for m in spec.hf], dim=0)
+            else:  # fc / gate rows may be padded for the groupwise kernels; dense / proj have no row padding
+                parts = (w[: rows.get(spec.hf[0], w.shape[0])],)
+            for module, part in zip(spec.hf, parts):
+                out[names.hf_layer(layer, module)] = part.contiguous()
     return out
 
 
@@ -233,6 +265,19 @@ def merge_shards(shards: Sequence[Mapping[str, torch.Tensor]], config: dict[str,
             continue
         out[name] = _merge_split(shape, name, [s[name] for s in shards], *plan)
     return out
+
+
+def dequantized_weights(config: dict[str, Any], rank_weights: Sequence[Mapping[str, torch.Tensor]],
+                        dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The IR's unsharded float tensors: each rank's W4A16_AWQ linears dequantized to ``dtype`` first
+    (:func:`~llmc.checkpoint.int4.dequantize_rank`), then the tensor-parallel shards merged as plain tensors."""
+    shape = ModelShape.from_config(config)
+    if shape.is_w4a16:
+        rank_weights = [dequantize_rank(w, int(shape.group_size or 0), dtype) for w in rank_weights]
+    if len(rank_weights) == 1:
+        return dict(rank_weights[0])
+    plain = {**config, "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
+    return merge_shards(rank_weights, plain)
 
 
 def _merge_split(

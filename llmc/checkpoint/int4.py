@@ -12,8 +12,11 @@ q = 0. With this scale ``+max|w|`` maps to 7 exactly and -8 is never produced; t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from llmc.checkpoint import names
 from llmc.errors import CheckpointError
 
 INT4_MIN, INT4_MAX = -8, 7
@@ -91,6 +94,30 @@ def dequantize_w4a16(
     full_scales = scales.float().repeat_interleave(group_size, dim=1)  # [O, K]
     w = q.float() * full_scales * prequant.float()[None, :]
     return w.to(dtype)
+
+
+def dequantize_rank(weights: Mapping[str, torch.Tensor], group_size: int, dtype: torch.dtype = torch.float32
+                    ) -> dict[str, torch.Tensor]:
+    """One rank's IR tensors with every W4A16_AWQ linear replaced by its effective weight in ``dtype``.
+
+    A linear's packed int8 ``.weight`` and its ``weights_scaling_factor`` / ``prequant_scaling_factor`` become one
+    ``.weight`` [O, K] (:func:`dequantize_w4a16`); every other tensor is kept as it is. CheckpointError names a
+    scale a packed weight lacks.
+    """
+    out = {}
+    for name, tensor in weights.items():
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR):
+            continue  # consumed together with their packed weight below
+        if suffix == names.WEIGHT and tensor.dtype == torch.int8:
+            scales, prequant = (f"{prefix}.{s}" for s in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR))
+            for needed in (scales, prequant):
+                if needed not in weights:
+                    raise CheckpointError(f"W4A16_AWQ checkpoint lacks {needed!r} for the packed weight {name!r}. "
+                                          f"Fix: re-run the quantization step of `llmc build --force`")
+            tensor = dequantize_w4a16(tensor, weights[scales], weights[prequant], group_size, dtype=dtype)
+        out[name] = tensor
+    return out
 
 
 def _check_groups(in_features: int, group_size: int) -> None:

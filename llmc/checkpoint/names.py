@@ -102,8 +102,3 @@ def linear_of(name: str) -> LinearSpec | None:
     if parsed is None:
         return None
     return LINEAR_BY_TRT.get(parsed[1])
-
-
-def is_quantizable(name: str) -> bool:
-    """True for tensors of the five linear modules W4A16_AWQ quantizes (qkv, dense, fc, gate, proj)."""
-    return linear_of(name) is not None

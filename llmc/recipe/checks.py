@@ -53,17 +53,25 @@ def model_shape(hf_config: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def _check_architecture(recipe: Recipe, cfg: dict[str, Any]) -> None:
+def is_supported_architecture(cfg: dict[str, Any]) -> bool:
+    """True for a HF config of one of SUPPORTED_ARCHITECTURES: by ``architectures``, else by ``model_type``."""
     archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
-    model_type = cfg.get("model_type")
-    supported = sorted(SUPPORTED_ARCHITECTURES)
-    ok = (any(a in SUPPORTED_ARCHITECTURES for a in archs) if archs
-          else model_type in SUPPORTED_ARCHITECTURES.values())
-    if not ok:
-        name = ", ".join(archs) if archs else f"model_type {model_type!r}"
-        raise _error(recipe, "model.source", f"unsupported architecture {name}",
-                     f"llmc compiles Llama-family decoders ({', '.join(supported)}); point model.source at one "
-                     f"(e.g. SmolLM2, Llama 3)")
+    if archs:
+        return any(a in SUPPORTED_ARCHITECTURES for a in archs)
+    return cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values()
+
+
+def architecture_name(cfg: dict[str, Any]) -> str:
+    """How error messages name a config's architecture: its ``architectures``, else its ``model_type``."""
+    archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
+    return ", ".join(archs) if archs else f"model_type {cfg.get('model_type')!r}"
+
+
+def _check_architecture(recipe: Recipe, cfg: dict[str, Any]) -> None:
+    if not is_supported_architecture(cfg):
+        raise _error(recipe, "model.source", f"unsupported architecture {architecture_name(cfg)}",
+                     f"llmc compiles Llama-family decoders ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); point "
+                     f"model.source at one (e.g. SmolLM2, Llama 3)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _error(recipe, "model.source", f"unsupported activation {cfg.get('hidden_act')!r} (Llama uses silu)",
                      "use a Llama-family model with a SiLU-gated MLP")

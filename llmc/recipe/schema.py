@@ -13,7 +13,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 Dtype = Literal["float16", "bfloat16", "float32"]
 KVDtype = Literal["auto", "float16", "bfloat16", "fp8"]

@@ -24,17 +24,23 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmc.engine.base import load_runner
+from llmc.engine.tensorrt_llm.engine import TrtllmEngine
+from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.errors import EngineError, QueueFullError, RequestError
+from llmc.manifest import read_manifest
+from llmc.recipe import Recipe
+from llmc.request.detokenize import byte_fallback_token_ids
+from llmc.request.inputs import Prompt, check_prompt_length, max_prompt_chars, prompt_to_token_ids
+from llmc.request.metrics import MetricsLog, RequestMetrics, StepMetrics
+from llmc.request.outputs import Completion, RequestOutput, StreamEvent
+from llmc.request.params import SamplingParams
 from llmc.runtime.compute import run_compute
-from llmc.runtime.detokenize import byte_fallback_token_ids
 from llmc.runtime.engine_loop import EngineLoop
-from llmc.runtime.inputs import Prompt, check_prompt_length, max_prompt_chars, prompt_to_token_ids
 from llmc.runtime.kv_cache import BlockManager
-from llmc.runtime.metrics import MetricsLog, RequestMetrics, StepMetrics
-from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
-from llmc.runtime.params import SamplingParams
+from llmc.runtime.request_events import RequestEvents
 from llmc.runtime.scheduler import Request, Scheduler
-from llmc.runtime.types import ModelRunnerOutput, SchedulerOutput
+from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StreamEvent], None]
@@ -43,17 +49,22 @@ Sink = Callable[[StreamEvent], None]
 class Engine:
     """A loaded engine serving requests with continuous batching over a paged KV cache.
 
-    ``runner`` implements the runner contract (``block_size``, ``num_blocks``, ``vocab_size``,
-    ``execute(SchedulerOutput) -> ModelRunnerOutput``). Default sampling parameters are the recipe's
+    ``runner`` is a :class:`~llmc.engine.types.StepRunner` (``block_size``, ``num_blocks``, ``vocab_size``,
+    ``execute(SchedulerOutput) -> ModelRunnerOutput``); EngineError for any other runner (a TensorRT-LLM runner
+    batches by itself: ``Engine.from_dir`` opens such a build). Default sampling parameters are the recipe's
     ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
     with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first;
     ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it).
     """
 
-    def __init__(self, runner: Any, tokenizer: Any, recipe: Any, eos_token_ids: Sequence[int],
+    def __init__(self, runner: StepRunner, tokenizer: Any, recipe: Recipe, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
                  num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter,
                  prefix_caching: bool | None = None):
+        if not isinstance(runner, StepRunner):
+            raise EngineError(f"Engine drives step runners (block_size, num_blocks, execute), not a "
+                              f"{type(runner).__name__}. Fix: open the build folder with Engine.from_dir, which "
+                              f"picks the engine its backend needs")
         self.runner = runner
         self.tokenizer = tokenizer
         self.recipe = recipe
@@ -89,15 +100,9 @@ class Engine:
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one.
         ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (torch backend only)."""
-        from llmc.builder.load import load_tokenizer
-        from llmc.builder.manifest import read_manifest
-        from llmc.engine.base import load_runner
-
         build_dir = Path(path)
         manifest = read_manifest(build_dir)
         if manifest.backend == "tensorrt_llm":
-            from llmc.engine.tensorrt_llm.engine import TrtllmEngine
-
             if prefix_caching is not None:  # TensorRT-LLM fixes KV-cache reuse when its engine is built
                 raise RequestError("prefix_caching", "a tensorrt_llm build reuses KV blocks as its recipe's "
                                    "serving.enable_kv_cache_reuse says; change it there and rebuild")
@@ -236,8 +241,7 @@ class Engine:
     def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
         if self._metrics_log is None:
             return
-        decode = sum(1 for s in scheduled.sequences
-                     if len(s.token_ids) == 1 and s.num_computed >= len(s.prompt_token_ids))
+        decode = sum(1 for s in scheduled.sequences if s.is_decode)
         self._metrics_log.log_step(StepMetrics(
             step=scheduled.step,
             time=start,
@@ -275,7 +279,7 @@ class Engine:
                 events[ids[-1]] = []
             done = 0
             while done < len(ids):
-                event = self._next_event(inbox)
+                event = self.next_event(inbox)
                 events[event.request_id].append(event)
                 done += event.finished
         except BaseException:
@@ -292,45 +296,19 @@ class Engine:
 
         Closing the iterator early aborts the request (its blocks are freed). Raises EngineError if the
         request fails in the step loop."""
-        inbox: queue.Queue[StreamEvent] = queue.Queue()
-        request_id = self.add_request(prompt, params, request_id, priority, sink=inbox.put)
-        finished = False
-        try:
-            while not finished:
-                event = self._next_event(inbox)
-                finished = event.finished
+        with RequestEvents(self, prompt, params, request_id, priority) as events:
+            for event in events:
                 _raise_if_error(event)
                 yield event
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                       priority: int = 0) -> AsyncIterator[StreamEvent]:
         """Async version of :meth:`stream`. Tokenization runs in a worker thread, never on the event loop;
         with ``start()`` the background loop steps, otherwise steps run in a worker thread."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[StreamEvent] = asyncio.Queue()
-
-        def sink(event: StreamEvent) -> None:
-            loop.call_soon_threadsafe(inbox.put_nowait, event)
-
-        request_id = await asyncio.to_thread(self.add_request, prompt, params, request_id, priority, sink)
-        finished = False
-        try:
-            while not finished:
-                if inbox.empty() and not self._loop.running:
-                    await asyncio.to_thread(self.step)
-                    await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
-                    if inbox.empty():
-                        continue
-                event = await inbox.get()
-                finished = event.finished
+        async with RequestEvents(self, prompt, params, request_id, priority) as events:
+            async for event in events:
                 _raise_if_error(event)
                 yield event
-        finally:
-            if not finished:
-                self.abort(request_id)
 
     def _submit_when_room(self, prompt: Prompt, params: SamplingParams | None, sink: Sink) -> str:
         """add_request, waiting (or stepping) while the waiting queue is full."""
@@ -343,8 +321,18 @@ class Engine:
                 else:
                     self.step()
 
-    def _next_event(self, inbox: queue.Queue) -> StreamEvent:
-        """The next event from ``inbox``, stepping the engine ourselves when no background loop runs."""
+    async def anext_event(self, inbox: asyncio.Queue[StreamEvent]) -> StreamEvent:
+        """The next event a sink put into ``inbox`` (see :meth:`next_event`), from a coroutine: steps run in a
+        worker thread when no background loop runs."""
+        while inbox.empty() and not self._loop.running:
+            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
+            await asyncio.to_thread(self.step)
+            await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
+        return await inbox.get()
+
+    def next_event(self, inbox: queue.Queue) -> StreamEvent:
+        """The next event a request's sink (``inbox.put``) delivered, stepping the engine in this thread when no
+        background loop runs."""
         while True:
             try:
                 return inbox.get_nowait()
@@ -355,8 +343,7 @@ class Engine:
                     return inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
-            if not self.scheduler.has_unfinished():
-                raise EngineError("the engine has no unfinished request but a stream is still waiting (a bug)")
+            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
             self.step()
 
     # ------------------------------------------------------------------------------------- lifecycle

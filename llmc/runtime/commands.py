@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 
 def _overrides(**given) -> dict:

@@ -86,9 +86,6 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` token slots."""
         return -(-num_tokens // self.block_size)
 
-    def has_seq(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
-
     def block_table(self, seq_id: str) -> tuple[int, ...]:
         """The sequence's block ids in token order (opaque to the scheduler, consumed by the runner)."""
         return tuple(self._seqs[seq_id].block_ids)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
-from llmc.runtime.outputs import StreamEvent
-from llmc.runtime.params import SamplingParams
+from llmc.request.outputs import StreamEvent
+from llmc.request.params import SamplingParams
+from llmc.runtime.request_events import RequestEvents
 from llmc.serve.metrics import ServerMetrics
 
 
@@ -101,42 +102,34 @@ class EngineClient:
             raise ServerDrainingError()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
-        inbox: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        request_id = uuid.uuid4().hex
-        await self._submit(prompt, params, request_id, lambda e: loop.call_soon_threadsafe(inbox.put_nowait, e))
-        self.in_flight.add(request_id)
-        finished = False
-        reason = "abort"
+        events = RequestEvents(self.engine, prompt, params, uuid.uuid4().hex)
         try:
-            while not finished:
-                try:
-                    event = await asyncio.wait_for(inbox.get(), max(deadline - loop.time(), 0.0))
-                except asyncio.TimeoutError:
-                    reason = "timeout"
-                    raise RequestTimeoutError(self.request_timeout_s) from None
-                finished = event.finished
-                if finished:
-                    self.metrics.record(event)
-                    if event.finish_reason == "error":
-                        raise EngineError(f"the request failed in the engine: {event.error}")
-                yield event
-        finally:
-            self.in_flight.discard(request_id)
-            if not finished and self.engine.abort(request_id):
-                self.metrics.requests.labels(reason).inc()
-
-    async def _submit(self, prompt: Any, params: SamplingParams, request_id: str, sink: Any) -> None:
-        """``add_request`` in a worker thread; a cancellation during it still aborts the queued request."""
-        task = asyncio.ensure_future(asyncio.to_thread(self.engine.add_request, prompt, params, request_id, 0, sink))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:  # the client left while the request was being queued: abort and count it
-            task.add_done_callback(lambda t: t.exception() is None and self.engine.abort(request_id))
+            await events.asubmit()
+        except asyncio.CancelledError:  # the client left while the request was being queued (it is aborted)
             self.metrics.requests.labels("abort").inc()
             raise
         except QueueFullError:
             self.metrics.rejected.labels("queue_full").inc()
             raise
+        self.in_flight.add(events.request_id)
+        reason = "abort"
+        try:
+            iterator = aiter(events)
+            while not events.finished:
+                try:
+                    event = await asyncio.wait_for(anext(iterator), max(deadline - loop.time(), 0.0))
+                except asyncio.TimeoutError:
+                    reason = "timeout"
+                    raise RequestTimeoutError(self.request_timeout_s) from None
+                if event.finished:
+                    self.metrics.record(event)
+                    if event.finish_reason == "error":
+                        raise EngineError(f"the request failed in the engine: {event.error}")
+                yield event
+        finally:
+            self.in_flight.discard(events.request_id)
+            if events.close():
+                self.metrics.requests.labels(reason).inc()
 
     async def drain(self, grace_s: float) -> None:
         """Stop accepting requests, wait up to ``grace_s`` for in-flight ones, then abort the rest."""

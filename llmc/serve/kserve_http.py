@@ -14,7 +14,7 @@ from aiohttp import web
 
 from llmc import __version__
 from llmc.errors import LlmcError
-from llmc.runtime.outputs import StreamEvent
+from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict,
                                  parse_generate_fields)

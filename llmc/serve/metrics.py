@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from llmc.runtime.outputs import StreamEvent
+from llmc.request.outputs import StreamEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Latency buckets in seconds, from sub-millisecond decode steps to multi-second prefills on CPU.

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from llmc.errors import LlmcError
-from llmc.runtime.outputs import StreamEvent
+from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.protocol import client_names

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> one typed llmc request (pure functions, no HTTP): ``/v1/completions`` and
 ``/v1/chat/completions``.
 
-Request fields map onto :class:`~llmc.runtime.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
+Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``strict_max_tokens``). Fields OpenAI clients commonly send and llmc does not use (``user``, ``logit_bias:
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from llmc.serve.protocol import check_param_limits, client_names
 
 PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 Kind = Literal["string", "strings", "int", "uint", "float", "bool"]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from llmc.errors import BuildError
+from llmc.recipe import Recipe
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config, render_inputs
 from llmc.serve.protocol import ENSEMBLE_INPUTS
 from llmc.serve.trtllm_backend import check_trtllm_model
@@ -37,7 +38,7 @@ def template_root() -> Path:
                      f"and {here / 'model_repo'}); reinstall llmc")
 
 
-def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: Any = None,
+def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: Recipe | None = None,
                         eos_token_ids: Sequence[int] | None = None, build_path: str | Path | None = None,
                         engine_path: str | Path | None = None) -> Path:
     """Write the Triton model repository of a build folder to ``out_dir`` (replaced if present); returns it.
@@ -51,7 +52,7 @@ def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: A
     """
     build_dir, out_dir = Path(build_dir), Path(out_dir)
     if recipe is None:
-        from llmc.builder.manifest import read_manifest
+        from llmc.manifest import read_manifest
 
         manifest = read_manifest(build_dir)
         recipe, eos_token_ids = manifest.recipe_obj(), manifest.eos_token_ids
@@ -77,7 +78,7 @@ def generate_model_repo(build_dir: str | Path, out_dir: str | Path, *, recipe: A
     return out_dir
 
 
-def template_values(recipe: Any, eos: Sequence[int], build_path: Path, engine_path: str | Path | None,
+def template_values(recipe: Recipe, eos: Sequence[int], build_path: Path, engine_path: str | Path | None,
                     pad_id: int) -> dict[str, Any]:
     """Every ``${placeholder}`` of the templates, from the recipe (serving, engine, kv_cache, model)."""
     serving, count = recipe.serving, recipe.serving.instance_count

@@ -14,11 +14,15 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
 from llmc.errors import ServeError
+from llmc.engine.tensorrt_llm.engine import CONCURRENCY_HINT, TrtllmEngine
+from llmc.engine.types import StepRunner
+from llmc.errors import EngineError
+from llmc.manifest import read_manifest
+from llmc.runtime.api import Engine
 from llmc.serve.engine_client import EngineClient
 from llmc.serve.app import create_app
 from llmc.serve.state import ServerState
@@ -42,11 +46,22 @@ class ServeOptions:
     body_timeout_s: float = 60.0
 
 
-def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None) -> Any:
-    """``Engine.from_dir`` with the recipe's ``serving.max_queue_size`` optionally overridden."""
-    from llmc.runtime.api import Engine
+def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None) -> Engine:
+    """The engine ``llmc serve`` runs: ``Engine.from_dir`` with ``serving.max_queue_size`` optionally overridden.
 
-    engine = Engine.from_dir(build_dir, device=device)
+    Raises EngineError for a TensorRT-LLM build, from its manifest, before loading anything.
+    """
+    if read_manifest(Path(build_dir)).backend == "tensorrt_llm":
+        raise EngineError(_not_servable(build_dir))
+    return with_max_queue_size(Engine.from_dir(build_dir, device=device), max_queue_size)
+
+
+def with_max_queue_size(engine: Engine | TrtllmEngine, max_queue_size: int | None) -> Engine:
+    """``engine`` ready for the server, with ``serving.max_queue_size`` overridden when given (a new Engine over
+    the same runner and tokenizer). EngineError when its runner is not a step runner llmc's scheduler can drive
+    (a TensorRT-LLM build: its requests are batched by Triton's tensorrt_llm backend instead)."""
+    if not isinstance(engine, Engine) or not isinstance(engine.runner, StepRunner):
+        raise EngineError(_not_servable(getattr(engine.recipe, "name", "this build")))
     if max_queue_size is None or max_queue_size == engine.recipe.serving.max_queue_size:
         return engine
     recipe = engine.recipe
@@ -54,17 +69,21 @@ def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int
     return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids)
 
 
-def make_state(engine: Any, options: ServeOptions) -> ServerState:
+def _not_servable(build: object) -> str:
+    return f"{build} is a TensorRT-LLM build, which llmc serve cannot run. Fix: {CONCURRENCY_HINT}"
+
+
+def make_state(engine: Engine, options: ServeOptions) -> ServerState:
     """The handlers' shared state for a loaded engine."""
     client = EngineClient(engine, options.request_timeout_s)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
                        options.api_key, body_timeout_s=options.body_timeout_s)
 
 
-async def serve_async(engine: Any, options: ServeOptions, stop: asyncio.Event,
+async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,
                       on_ready: Callable[[], None] | None = None) -> None:
     """Serve until ``stop`` is set, then drain and shut down. ``engine`` must not be started yet."""
-    from llmc.serve.grpc_server import start_grpc_server
+    from llmc.serve.grpc_server import start_grpc_server  # optional: tritonclient's protos (the serve extra)
 
     state = make_state(engine, options)
     engine.start()
@@ -93,7 +112,7 @@ async def serve_async(engine: Any, options: ServeOptions, stop: asyncio.Event,
         await runner.cleanup()
 
 
-def serve(engine: Any, options: ServeOptions, on_ready: Callable[[], None] | None = None) -> None:
+def serve(engine: Engine, options: ServeOptions, on_ready: Callable[[], None] | None = None) -> None:
     """Blocking entry point of ``llmc serve``: returns after a graceful SIGTERM/SIGINT shutdown."""
 
     async def main() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError
 from llmc.serve.protocol import client_names, loads_json_object
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from llmc.engine.tensorrt_llm.stop_words import to_stop_words_list
 from llmc.errors import RequestError
-from llmc.runtime.detokenize import IncrementalDetokenizer, byte_fallback_token_ids
-from llmc.runtime.inputs import chat_to_token_ids
+from llmc.request.detokenize import IncrementalDetokenizer, byte_fallback_token_ids
+from llmc.request.inputs import chat_to_token_ids
 
 
 def _flag(value: str) -> bool:
@@ -53,7 +53,7 @@ class TokenizerSettings:
         )
 
     def load_tokenizer(self) -> Any:
-        from llmc.builder.load import load_tokenizer
+        from llmc.tokenizer import load_tokenizer
 
         return load_tokenizer(Path(self.tokenizer_dir))
 

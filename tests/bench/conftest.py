@@ -26,7 +26,7 @@ def bench_build_dir(tmp_path_factory, tiny_hf_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(smollm2_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_hf_dir)
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from llmc.bench.client import make_client, run_client
 from llmc.bench.commands import bench_cmd
 from llmc.bench.workload import BenchPlan, BenchPrompt
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.bench.stub_servers import StreamStats, start_grpc_server, start_sse_server
 
 DELAY, GAP, OSL = 0.1, 0.01, 5

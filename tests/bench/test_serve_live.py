@@ -6,7 +6,7 @@ import pytest
 
 from llmc.bench.client import make_client, run_client
 from llmc.bench.workload import LengthDist, plan_levels, synthetic_workload
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.serve.conftest import start_server
 
 OSL = 4

@@ -13,7 +13,7 @@ from llmc.bench.workload import (DISTINCT_HEAD, BenchPrompt, LengthDist, RandomT
                                  bench_params, file_workload, plan_levels, prompt_length_summary, prompt_source,
                                  synthetic_workload)
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.bench.word_tokenizer import word_level_tokenizer
 
 

@@ -20,7 +20,7 @@ SMOLLM2_SPECIAL = set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <re
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_hf_dir)
 
@@ -63,7 +63,7 @@ def test_special_token_ids_of_smollm2(tokenizer, template):
 
 
 def test_unflagged_chat_marker_in_template_counts_as_special(tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_hf_dir)
     tok.add_tokens(["<|turn|>"], special_tokens=False)

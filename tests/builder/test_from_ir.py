@@ -14,17 +14,16 @@ import textwrap
 import pytest
 from click.testing import CliRunner
 
-import llmc.builder.load
-import llmc.builder.pipeline
-import llmc.builder.quantize
-import llmc.engine.base
 from llmc.builder.commands import build_cmd
+import llmc.builder.from_ir
+import llmc.builder.pipeline
 from llmc.builder.pipeline import build
 from llmc.engine.tensorrt_llm.build import build_engines
 from llmc.engine.tensorrt_llm.engine import TrtllmEngine
 from llmc.errors import BackendUnavailableError, BuildError
 from llmc.recipe import load_recipe, recipe_from_dict
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
+import llmc.source.load
 from tests.engine.tensorrt_llm.doubles import RecordingBuildApi, RecordingModelRunnerCpp
 from tests.runtime.engine_helpers import TINY_LIMITS
 
@@ -63,8 +62,8 @@ def fp16_torch_build(tmp_path_factory, tiny_hf_dir):
 def test_tensorrt_llm_build_without_tensorrt_llm_stops_before_any_work(tiny_hf_dir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # importing it fails, on any machine
 
-    monkeypatch.setattr(llmc.builder.load, "resolve_source", _must_not_run)
-    monkeypatch.setattr(llmc.builder.quantize, "quantize_checkpoint", _must_not_run)
+    monkeypatch.setattr(llmc.source.load, "resolve_source", _must_not_run)
+    monkeypatch.setattr(llmc.builder.pipeline, "quantize_checkpoint", _must_not_run)
     recipe = load_recipe(_write_recipe(tmp_path / "r.yaml", tiny_hf_dir, quantization="{method: awq, group_size: 64}"))
     with pytest.raises(BackendUnavailableError) as exc:
         build(recipe, tmp_path / "out" / "tiny-trt")
@@ -80,7 +79,7 @@ def test_tensorrt_llm_build_without_tensorrt_llm_stops_before_any_work(tiny_hf_d
 def test_quantizing_without_the_quant_extra_stops_before_any_work(tiny_hf_dir, tmp_path, monkeypatch, versions,
                                                                    found):
     monkeypatch.setattr(llmc.builder.pipeline, "_package_version", versions.get)
-    monkeypatch.setattr(llmc.builder.load, "resolve_source", _must_not_run)
+    monkeypatch.setattr(llmc.source.load, "resolve_source", _must_not_run)
     recipe = load_recipe(_write_recipe(tmp_path / "r.yaml", tiny_hf_dir, backend="torch",
                                        quantization="{method: awq, group_size: 64}"))
     with pytest.raises(BuildError, match=rf"needs the quant extra .*{found}.*pip install 'llmc\[quant\]'"):
@@ -90,7 +89,7 @@ def test_quantizing_without_the_quant_extra_stops_before_any_work(tiny_hf_dir, t
 
 def test_from_ir_compiles_the_engine_on_the_gpu_box(fp16_torch_build, tmp_path, monkeypatch):
     api = RecordingBuildApi()
-    monkeypatch.setattr(llmc.engine.base, "compile_engine",
+    monkeypatch.setattr(llmc.builder.from_ir, "compile_engine",
                         lambda recipe, ckpt, engine: build_engines(recipe, ckpt, engine, importer=api.importer))
     before = _tree_digest(fp16_torch_build)
     recipe_path = _write_recipe(tmp_path / "trt.yaml", "/models/not-on-this-box")  # the source is not needed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.builder import awq_lib
+from llmc.builder import llmcompressor_driver, llmcompressor_patches
 from llmc.builder.quantize import export_int4, load_float32_model, quantize_checkpoint
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
@@ -15,8 +15,8 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 
 
-def options(rounding: str, mask: bool = True, gptq_mask: bool = False) -> awq_lib.Int4Options:
-    return awq_lib.Int4Options(method="awq", group_size=GROUP, scale_dtype=torch.float16, n_grid=4,
+def options(rounding: str, mask: bool = True, gptq_mask: bool = False) -> llmcompressor_driver.Int4Options:
+    return llmcompressor_driver.Int4Options(method="awq", group_size=GROUP, scale_dtype=torch.float16, n_grid=4,
                                batch_size=4, use_loss_mask=mask, rounding=rounding, gptq_use_loss_mask=gptq_mask)
 
 
@@ -26,7 +26,7 @@ def runs(tiny_hf_dir, calib):
     out = {}
     for rounding in ("nearest", "gptq"):
         model = load_float32_model(tiny_hf_dir)
-        summary = awq_lib.run_oneshot(model, options(rounding), calib)
+        summary = llmcompressor_driver.run_oneshot(model, options(rounding), calib)
         out[rounding] = (model, summary)
     return out
 
@@ -41,8 +41,8 @@ def test_gptq_keeps_awq_scales_and_rounds_every_layer(runs):
         for proj in PROJECTIONS:
             name = f"model.layers.{layer}.{proj}"
             assert torch.equal(n_mods[name].weight_scale, g_mods[name].weight_scale), name  # same scales
-            q_n = awq_lib.extract_int4(nearest, GROUP)[name][0]
-            q_g = awq_lib.extract_int4(gptq, GROUP)[name][0]
+            q_n = llmcompressor_driver.extract_int4(nearest, GROUP)[name][0]
+            q_g = llmcompressor_driver.extract_int4(gptq, GROUP)[name][0]
             changed += int((q_n != q_g).sum())
     assert changed > 0  # GPTQ chose other int4 values than rounding to nearest
     for key in ("model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
@@ -59,8 +59,8 @@ def test_gptq_lowers_the_layer_output_error_on_calibration_tokens(runs, calib):
         x_attn = layer_n.input_layernorm(hidden)
         for proj in ("q_proj", "k_proj", "v_proj"):
             w = getattr(layer_n.self_attn, proj).weight  # the float AWQ-scaled weight (nearest fake-quantizes)
-            q_n = awq_lib.library_dequantized_weight(getattr(layer_n.self_attn, proj))
-            q_g = awq_lib.library_dequantized_weight(getattr(layer_g.self_attn, proj))
+            q_n = llmcompressor_driver.library_dequantized_weight(getattr(layer_n.self_attn, proj))
+            q_g = llmcompressor_driver.library_dequantized_weight(getattr(layer_g.self_attn, proj))
             err_n = float(torch.linalg.norm(x_attn @ (w - q_n).T))
             err_g = float(torch.linalg.norm(x_attn @ (w - q_g).T))
             assert err_g < 0.95 * err_n, (proj, err_g, err_n)
@@ -75,7 +75,7 @@ def test_gptq_ir_reproduces_the_library_weights_bit_for_bit(runs, source, tiny_h
         prefix = f"transformer.layers.{layer}.mlp.proj"
         q = unpack_int4(rank0[f"{prefix}.weight"]).float()
         scales = rank0[f"{prefix}.weights_scaling_factor"].float().repeat_interleave(GROUP, dim=1)
-        library = awq_lib.library_dequantized_weight(modules[f"model.layers.{layer}.mlp.down_proj"])
+        library = llmcompressor_driver.library_dequantized_weight(modules[f"model.layers.{layer}.mlp.down_proj"])
         assert torch.equal(q * scales, library)
         assert torch.equal(library, modules[f"model.layers.{layer}.mlp.down_proj"].weight)  # GPTQ wrote q * s
 
@@ -84,9 +84,9 @@ def _gptq_int4(tiny_hf_dir, calib, gptq_mask):
     """AWQ (masked) + GPTQ on the two spiked models of test_quantize: (base, planted) int4 tensors and norms."""
     results = []
     for model in _spiked_models(tiny_hf_dir):
-        awq_lib.run_oneshot(model, options("gptq", gptq_mask=gptq_mask), calib)
+        llmcompressor_driver.run_oneshot(model, options("gptq", gptq_mask=gptq_mask), calib)
         norm = model.state_dict()["model.layers.0.post_attention_layernorm.weight"].clone()
-        results.append((awq_lib.extract_int4(model, GROUP), norm))
+        results.append((llmcompressor_driver.extract_int4(model, GROUP), norm))
     return results
 
 
@@ -120,7 +120,7 @@ def test_quantize_checkpoint_defaults_to_gptq_for_awq_and_reports_it(source, tin
 
 def test_progress_counts_both_calibration_passes():
     events = []
-    shim = awq_lib._tqdm_shim(lambda *e: events.append(e), ("awq", "gptq"))
+    shim = llmcompressor_patches._tqdm_shim(lambda *e: events.append(e), ("awq", "gptq"))
     for _ in range(2):
         for i in range(1, 4):
             list(shim(range(2), desc=f"({i}/3): Calibrating"))
@@ -129,5 +129,5 @@ def test_progress_counts_both_calibration_passes():
     assert events[0][0] == "awq pass 1/2: calibrating 1/3"
     assert events[-1][0] == "gptq pass 2/2: calibrating 3/3"
     single = []
-    list(awq_lib._tqdm_shim(lambda *e: single.append(e))(range(1), desc="(2/31): Calibrating"))
+    list(llmcompressor_patches._tqdm_shim(lambda *e: single.append(e))(range(1), desc="(2/31): Calibrating"))
     assert single == [("calibrating 2/31", 1, 31)]

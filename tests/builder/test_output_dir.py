@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.builder import manifest as mf
+from llmc import manifest as mf
 from llmc.builder.output_dir import TMP_MARKER, remove_stale_temp_dirs, replace_dir
 from llmc.builder.pipeline import build
 from llmc.errors import BuildError
@@ -103,7 +103,7 @@ def test_full_disk_is_one_error_and_no_partial_output(tmp_path, tiny_hf_dir, mon
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "x.safetensors"))
 
-    monkeypatch.setattr("llmc.builder.export.export_checkpoint", full)
+    monkeypatch.setattr("llmc.builder.pipeline.export_checkpoint", full)
     out = tmp_path / "out" / "tiny"
     with pytest.raises(BuildError, match="No space left on device") as info:
         build(load_recipe(write_recipe(tmp_path, tiny_hf_dir)), out_dir=out)

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from llmc.builder import load, manifest as mf, pipeline
+from llmc import manifest as mf
+from llmc.builder import pipeline
 from llmc.builder.pipeline import build
 from llmc.errors import BuildError, RecipeError, SourceError
 from llmc.recipe import load_recipe, recipe_hash, recipe_to_dict
+from llmc.source import load
 from tests import factories
 
 ENGINE = "engine: {max_batch_size: 2, max_input_len: 64, max_seq_len: 128, max_num_tokens: 128}"
@@ -82,7 +84,7 @@ def test_up_to_date_skip_then_force_and_recipe_change_rebuild(tmp_path, tiny_hf_
     first = build(recipe, out_dir=out)
     compiled = []
     real = __import__("llmc.engine.base", fromlist=["compile_engine"]).compile_engine
-    monkeypatch.setattr("llmc.engine.base.compile_engine", lambda *a: compiled.append(1) or real(*a))
+    monkeypatch.setattr("llmc.builder.pipeline.compile_engine", lambda *a: compiled.append(1) or real(*a))
     again = build(recipe, out_dir=out)
     assert again.up_to_date and again.manifest == first.manifest and compiled == []
     forced = build(recipe, out_dir=out, force=True)
@@ -120,7 +122,7 @@ def test_failure_mid_build_leaves_no_folder(tmp_path, tiny_hf_dir, monkeypatch):
     def broken(*args):
         raise RuntimeError("engine compiler crashed")
 
-    monkeypatch.setattr("llmc.engine.base.compile_engine", broken)
+    monkeypatch.setattr("llmc.builder.pipeline.compile_engine", broken)
     recipe = load_recipe(write_recipe(tmp_path, tiny_hf_dir))
     out = tmp_path / "out" / "tiny"
     with pytest.raises(RuntimeError, match="engine compiler crashed"):
@@ -132,7 +134,7 @@ def test_failure_keeps_the_previous_build_intact(tmp_path, tiny_hf_dir, monkeypa
     recipe = load_recipe(write_recipe(tmp_path, tiny_hf_dir))
     out = tmp_path / "out" / "tiny"
     before = build(recipe, out_dir=out).manifest
-    monkeypatch.setattr("llmc.engine.base.compile_engine", lambda *a: 1 / 0)
+    monkeypatch.setattr("llmc.builder.pipeline.compile_engine", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         build(recipe, out_dir=out, force=True)
     assert mf.read_manifest(out) == before and siblings(out) == ["tiny"]

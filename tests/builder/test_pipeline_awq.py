@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from llmc.builder.pipeline import build
 from llmc.cli import cli
 from llmc.recipe import load_recipe
+from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
-from llmc.runtime.params import SamplingParams
 
 
 def write_recipe(tmp_path, hf_dir, max_mean_kl=10.0, name="tiny-awq"):

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from llmc.builder import awq_lib
+from llmc.builder import llmcompressor_driver
 from llmc.builder.calibrate import build_calibration_set
 from llmc.builder.quantize import export_int4, load_float32_model, quantize_checkpoint
 from llmc.checkpoint.io import read_checkpoint
@@ -27,22 +27,22 @@ def tiny_recipe(hf_dir, method="awq", mask=True, group_size=GROUP, **calibration
 
 @pytest.fixture(scope="module")
 def source(tiny_hf_dir):
-    from llmc.builder.load import resolve_source
+    from llmc.source.load import resolve_source
 
     return resolve_source(tiny_recipe(tiny_hf_dir).model)
 
 
 @pytest.fixture(scope="module")
 def calib(source, tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     recipe = tiny_recipe(tiny_hf_dir)
     return build_calibration_set(recipe.quantization.calibration, load_tokenizer(tiny_hf_dir),
                                  exclude_special_tokens=True, chat_template=source.chat_template)
 
 
-def options(method="awq", mask=True, n_grid=4) -> awq_lib.Int4Options:
-    return awq_lib.Int4Options(method=method, group_size=GROUP, scale_dtype=torch.float16, n_grid=n_grid,
+def options(method="awq", mask=True, n_grid=4) -> llmcompressor_driver.Int4Options:
+    return llmcompressor_driver.Int4Options(method=method, group_size=GROUP, scale_dtype=torch.float16, n_grid=n_grid,
                                batch_size=4, use_loss_mask=mask)
 
 
@@ -51,7 +51,7 @@ def awq_run(source, calib, tiny_hf_dir, tmp_path_factory):
     """The library's model after a masked AWQ run, and the IR exported from it."""
     model = load_float32_model(tiny_hf_dir)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    awq_lib.run_oneshot(model, options(), calib)
+    llmcompressor_driver.run_oneshot(model, options(), calib)
     ckpt = tmp_path_factory.mktemp("awq") / "checkpoint"
     export_int4(model, source, tiny_recipe(tiny_hf_dir), ckpt)
     return model, original, ckpt
@@ -83,7 +83,7 @@ def test_ir_names_shapes_dtypes_and_quantization_block(awq_run):
 def test_nibble_order_row_2j_low_row_2j_plus_1_high(awq_run):
     model, _, ckpt = awq_run
     _, (rank0,) = read_checkpoint(ckpt)
-    q, _, _ = awq_lib.extract_int4(model, GROUP)["model.layers.1.mlp.down_proj"]
+    q, _, _ = llmcompressor_driver.extract_int4(model, GROUP)["model.layers.1.mlp.down_proj"]
     packed = rank0["transformer.layers.1.mlp.proj.weight"].view(torch.uint8).to(torch.int16)  # [O/2, K]
     low, high = packed & 0xF, packed >> 4
     signed = lambda n: torch.where(n >= 8, n - 16, n)  # noqa: E731 - 4-bit two's complement
@@ -103,8 +103,9 @@ def test_ir_reproduces_library_dequantized_weights_bit_for_bit(awq_run):
         q = unpack_int4(rank0[f"{qkv}.weight"]).float()  # [O, K]
         scales = rank0[f"{qkv}.weights_scaling_factor"].float().repeat_interleave(GROUP, dim=1)  # [O, K]
         ir_weight = q * scales
-        library = torch.cat([awq_lib.library_dequantized_weight(modules[f"model.layers.{layer}.self_attn.{p}"])
-                             for p in ("q_proj", "k_proj", "v_proj")])
+        library = torch.cat([
+            llmcompressor_driver.library_dequantized_weight(modules[f"model.layers.{layer}.self_attn.{p}"])
+            for p in ("q_proj", "k_proj", "v_proj")])
         assert library.dtype == torch.float32
         assert torch.equal(ir_weight, library)
 
@@ -139,11 +140,11 @@ def _spiked_models(tiny_hf_dir):
 
 
 def _awq_result(model, calib, mask):
-    awq_lib.run_oneshot(model, options(mask=mask), calib)
-    state = awq_lib.plain_state_dict(model)
+    llmcompressor_driver.run_oneshot(model, options(mask=mask), calib)
+    state = llmcompressor_driver.plain_state_dict(model)
     state.pop("model.embed_tokens.weight")  # differs by construction (the planted rows)
     state.pop("lm_head.weight", None)
-    return state, awq_lib.extract_int4(model, GROUP)
+    return state, llmcompressor_driver.extract_int4(model, GROUP)
 
 
 def _max_relative_change(a: dict, b: dict) -> float:

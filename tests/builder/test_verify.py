@@ -26,7 +26,7 @@ def tiny_recipe(hf_dir, method="awq", max_mean_kl=0.15, max_ppl_ratio=None):
 
 @pytest.fixture(scope="module")
 def source(tiny_hf_dir):
-    from llmc.builder.load import resolve_source
+    from llmc.source.load import resolve_source
 
     return resolve_source(tiny_recipe(tiny_hf_dir).model)
 
@@ -83,7 +83,7 @@ def test_one_corrupted_layer_fails_the_gate(source, tiny_hf_dir, awq_checkpoint,
 
 def test_ir_to_hf_state_dict_round_trips_a_16bit_export(source, tiny_hf_dir, tmp_path):
     from llmc.builder.export import export_checkpoint
-    from llmc.builder.load import load_state_dict
+    from llmc.source.load import load_state_dict
 
     recipe = recipe_from_dict({"name": "tiny", "model": {"source": str(tiny_hf_dir), "dtype": "float32"}})
     export_checkpoint(source, recipe, tmp_path / "ckpt")
@@ -125,8 +125,8 @@ def test_summarize_and_thresholds():
 
 
 def test_heldout_windows_too_few_tokens_is_a_build_error(tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
     from llmc.errors import BuildError
+    from llmc.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_hf_dir)
     assert verify.heldout_windows(tok, 1000).shape == (2, 512)

@@ -6,6 +6,7 @@ import pytest
 
 from llmc.checkpoint.config import ModelShape, trtllm_config_from_hf, with_tp_size
 from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
 from tests.checkpoint.helpers import LLAMA3_8B_HF, LLAMA3_ROPE, SMOLLM2_HF, tiny_hf
 
 # Field names exactly as shared/reference/tensorrt-llm.md lists them.
@@ -88,3 +89,34 @@ def test_model_shape_per_rank_sizes():
 def test_bad_inputs_raise_typed_errors(hf, dtype, tp, quant, error, words):
     with pytest.raises(error, match=words):
         trtllm_config_from_hf(hf, dtype, tp, quant)
+
+
+def test_the_converter_takes_every_architecture_the_recipe_checks_accept():
+    """One list (``llmc.recipe.checks.SUPPORTED_ARCHITECTURES``): a Mistral-layout model that passes the recipe
+    checks converts too, always as the IR's LlamaForCausalLM."""
+    for arch, model_type in SUPPORTED_ARCHITECTURES.items():
+        config = trtllm_config_from_hf(tiny_hf(model_type=model_type, architectures=[arch]), "float16")
+        assert config["architecture"] == "LlamaForCausalLM"
+    for config in (tiny_hf(model_type="llama", architectures=["Qwen2ForCausalLM"]), tiny_hf(model_type="qwen2")):
+        assert not is_supported_architecture(config)
+        with pytest.raises(SourceError, match="unsupported architecture"):
+            trtllm_config_from_hf(config, "float16")
+
+
+def test_model_shape_is_the_one_parser_with_tensorrt_llms_defaults():
+    config = trtllm_config_from_hf(tiny_hf(rms_norm_eps=1e-5, rope_theta=50000.0), "float16")
+    shape = ModelShape.from_config(config)
+    assert (shape.norm_epsilon, shape.rotary_base, shape.rotary_scaling) == (1e-5, 50000.0, None)
+    assert shape.max_position_embeddings == 256
+    optional = ("num_key_value_heads", "head_size", "norm_epsilon", "rotary_base", "rotary_scaling", "mapping")
+    bare = ModelShape.from_config({k: v for k, v in config.items() if k not in optional})
+    assert (bare.num_kv_heads, bare.head_size, bare.tp_size) == (shape.num_heads, 64 // 4, 1)
+    assert (bare.norm_epsilon, bare.rotary_base, bare.rotary_scaling) == (1e-5, 10000.0, None)
+
+
+def test_model_shape_refuses_kv_heads_that_do_not_divide_the_heads():
+    config = trtllm_config_from_hf(tiny_hf(), "float16")
+    with pytest.raises(CheckpointError, match="not a multiple of num_key_value_heads 3"):
+        ModelShape.from_config({**config, "num_key_value_heads": 3})
+    with pytest.raises(CheckpointError, match="max_position_embeddings.*Fix: re-export"):
+        ModelShape.from_config({k: v for k, v in config.items() if k != "max_position_embeddings"})

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from llmc.checkpoint.config import trtllm_config_from_hf
-from llmc.checkpoint.convert import hf_to_trtllm, merge_shards, shard
-from llmc.checkpoint.int4 import unpack_int4
+from llmc.checkpoint.convert import (
+    dequantized_weights, hf_to_trtllm, merge_shards, pad_for_groupwise, shard, trtllm_to_hf,
+)
+from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
 from llmc.errors import CheckpointError, SourceError
 from tests.checkpoint.helpers import LLAMA3_8B_HF, SMOLLM2_HF, hf_state_dict, rtn_quantized, tiny_hf
 
@@ -171,3 +173,35 @@ def test_w4a16_qkv_needs_one_prequant():
     del quantized["model.layers.0.self_attn.k_proj"]
     with pytest.raises(CheckpointError, match="no quantized tensors"):
         hf_to_trtllm(sd, cfg, quantized)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dequantized_weights_are_the_w4a16_layers_weights_merged(tp):
+    hf = tiny_hf(num_key_value_heads=2)
+    sd = hf_state_dict(hf)
+    quantized = rtn_quantized(sd, hf, 16)
+    cfg = trtllm_config_from_hf(hf, "float32", tp, {"quant_algo": "W4A16_AWQ", "group_size": 16})
+    ir = hf_to_trtllm(sd, cfg, quantized)
+    full = dequantized_weights(cfg, [shard(ir, cfg, r) for r in range(tp)])
+    q, scales, prequant = quantized["model.layers.1.mlp.down_proj"]
+    assert torch.equal(full[L.format(1) + "mlp.proj.weight"], dequantize_w4a16(pack_int4(q), scales, prequant, 16))
+    assert not any(k.endswith("scaling_factor") for k in full)
+    assert torch.equal(full[L.format(0) + "input_layernorm.weight"], ir[L.format(0) + "input_layernorm.weight"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trtllm_to_hf_inverts_hf_to_trtllm(tied):
+    hf = tiny_hf(num_key_value_heads=2, tie_word_embeddings=tied)
+    sd = hf_state_dict(hf)
+    back = trtllm_to_hf(hf_to_trtllm(sd, trtllm_config_from_hf(hf, "float32")), hf)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_trtllm_to_hf_cuts_the_groupwise_padding():
+    hf = tiny_hf(intermediate_size=96)
+    sd = hf_state_dict(hf)
+    cfg = trtllm_config_from_hf(hf, "float32")
+    ir, padded_cfg, record = pad_for_groupwise(hf_to_trtllm(sd, cfg), cfg, 1, 64)
+    assert record["intermediate_size"] == {"original": 96, "padded": 128}
+    back = trtllm_to_hf(ir, hf)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from llmc.builder.export import export_checkpoint, write_w4a16_checkpoint
-from llmc.builder.load import SourceModel, load_state_dict
 from llmc.checkpoint.config import trtllm_config_from_hf
 from llmc.checkpoint.convert import hf_to_trtllm, merge_shards, pad_for_groupwise
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
 from llmc.checkpoint.io import read_checkpoint
 from llmc.errors import BuildError, CheckpointError
 from llmc.recipe import recipe_from_dict
+from llmc.source.load import SourceModel, load_state_dict
 from tests import factories
 from tests.checkpoint.helpers import hf_state_dict, rtn_quantized, tiny_hf
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, quantize_rtn, unpack_int4
+from llmc.checkpoint.int4 import dequantize_rank, dequantize_w4a16, pack_int4, quantize_rtn, unpack_int4
 from llmc.errors import CheckpointError
 
 
@@ -81,3 +81,19 @@ def test_dequantize_rejects_inconsistent_shapes():
         dequantize_w4a16(packed, torch.ones(4, 2), torch.ones(7), group_size=4)
     with pytest.raises(CheckpointError, match="does not divide"):
         dequantize_w4a16(packed, torch.ones(4, 2), torch.ones(8), group_size=3)
+
+
+def test_dequantize_rank_replaces_each_packed_linear_and_keeps_the_rest():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (4, 8), generator=gen, dtype=torch.int8)
+    scales, prequant, norm = torch.rand(4, 2, generator=gen), torch.rand(8, generator=gen), torch.rand(8)
+    p = "transformer.layers.0.mlp.fc."
+    weights = {p + "weight": pack_int4(q), p + "weights_scaling_factor": scales,
+               p + "prequant_scaling_factor": prequant, "transformer.layers.0.input_layernorm.weight": norm}
+    out = dequantize_rank(weights, group_size=4, dtype=torch.float16)
+    assert set(out) == {p + "weight", "transformer.layers.0.input_layernorm.weight"}
+    assert torch.equal(out[p + "weight"], dequantize_w4a16(pack_int4(q), scales, prequant, 4, dtype=torch.float16))
+    assert out["transformer.layers.0.input_layernorm.weight"] is norm
+    del weights[p + "prequant_scaling_factor"]
+    with pytest.raises(CheckpointError, match=r"lacks 'transformer.layers.0.mlp.fc.prequant_scaling_factor'"):
+        dequantize_rank(weights, group_size=4)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from llmc.checkpoint.config import trtllm_config_from_hf
 from llmc.checkpoint.convert import hf_to_trtllm, shard
-from llmc.checkpoint.io import expected_tensor_specs, read_checkpoint, read_safetensors_header, write_checkpoint
+from llmc.checkpoint.io import expected_tensor_specs, read_checkpoint, write_checkpoint
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError
 from tests.checkpoint.helpers import LLAMA3_8B_HF, SMOLLM2_HF, hf_state_dict, tiny_hf
 

@@ -23,8 +23,8 @@ def test_name_templates_and_parsing():
     assert names.parse_trt_layer_name("transformer.layers.12.attention.qkv.weights_scaling_factor") == (
         12, "attention.qkv", "weights_scaling_factor")  # fmt: skip
     assert names.parse_trt_layer_name(names.LM_HEAD) is None
-    assert names.is_quantizable("transformer.layers.0.mlp.proj.prequant_scaling_factor")
-    assert not names.is_quantizable("transformer.layers.0.input_layernorm.weight")
-    assert not names.is_quantizable("transformer.layers.0.attention.kv_cache_scaling_factor")
-    assert not names.is_quantizable(names.LM_HEAD) and not names.is_quantizable(names.VOCAB_EMBEDDING)
+    assert names.linear_of("transformer.layers.0.mlp.proj.prequant_scaling_factor") is names.PROJ
+    assert names.linear_of("transformer.layers.0.input_layernorm.weight") is None
+    assert names.linear_of("transformer.layers.0.attention.kv_cache_scaling_factor") is None
+    assert names.linear_of(names.LM_HEAD) is None and names.linear_of(names.VOCAB_EMBEDDING) is None
     assert names.HF_IGNORED.match("model.layers.0.self_attn.rotary_emb.inv_freq")

@@ -11,7 +11,7 @@ import yaml
 
 from llmc.errors import RecipeError
 from llmc.recipe import Recipe, load_recipe, recipe_from_dict, recipe_hash, recipe_to_dict
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.recipe.conftest import RECIPES_DIR
 
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))

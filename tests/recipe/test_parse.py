@@ -6,7 +6,7 @@ import pytest
 
 from llmc.errors import RecipeError
 from llmc.recipe import load_recipe
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 # (key path, bad value, key path named in the error, text the fix or problem must contain)
 BAD_VALUES = [

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from llmc.errors import EngineError, QueueFullError, RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.runtime.engine_helpers import hf_greedy, make_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

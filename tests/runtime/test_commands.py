@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli import cli, main
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from tests.runtime.engine_helpers import make_engine
 
 

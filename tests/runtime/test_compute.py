@@ -54,17 +54,17 @@ def test_engine_runs_every_model_step_on_the_compute_thread(tiny_build_dir):
 
 
 def test_engine_loads_and_warms_up_on_the_compute_thread(tiny_build_dir, monkeypatch):
-    import llmc.engine.base as base
+    import llmc.runtime.api as api
     from llmc.runtime.api import Engine
 
     threads = []
-    load_runner = base.load_runner
+    load_runner = api.load_runner
 
     def recording_load(*args, **kwargs):
         threads.append(threading.get_ident())
         return load_runner(*args, **kwargs)
 
-    monkeypatch.setattr(base, "load_runner", recording_load)
+    monkeypatch.setattr(api, "load_runner", recording_load)
     engine = Engine.from_dir(tiny_build_dir, device="cpu")
     engine.shutdown()
     assert threads == [compute_thread_ident()]

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from llmc.engine.types import ModelRunnerOutput, SchedulerOutput
 from llmc.errors import QueueFullError, RequestError
+from llmc.request.params import SamplingParams
 from llmc.runtime.kv_cache import BlockManager
-from llmc.runtime.params import SamplingParams
 from llmc.runtime.scheduler import Request, RequestStatus, Scheduler
-from llmc.runtime.types import ModelRunnerOutput, SchedulerOutput
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ import struct
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from llmc.serve.grpc_server import request_fields
 from llmc.serve.openai_protocol import PARAM_MAP, UNSUPPORTED, parse_openai_request
 from llmc.serve.protocol import EXTRA_PARAMS, SPECS, GenerateRequest, loads_json_object, parse_generate_fields

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmc.runtime.metrics import RequestMetrics
-from llmc.runtime.outputs import StreamEvent
+from llmc.request.metrics import RequestMetrics
+from llmc.request.outputs import StreamEvent
 from llmc.serve.metrics import ServerMetrics
 
 

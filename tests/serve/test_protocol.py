@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 from llmc.serve.protocol import parse_generate_fields
 from llmc.serve.tensors import decode_raw, deserialize_bytes, serialize_bytes, tensors_to_fields
 

@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from llmc.builder.manifest import read_manifest
 from llmc.errors import BuildError
+from llmc.manifest import read_manifest
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config
 from llmc.serve.protocol import ENSEMBLE_INPUTS
 from llmc.serve.repo import TRTLLM_MODELS, generate_model_repo

@@ -1,4 +1,9 @@
-"""``llmc serve`` start-up failures: a port in use is one ``error:`` line and exit status 2, never a traceback."""
+"""``llmc serve`` loading a build: the ``--max-queue-size`` override, TensorRT-LLM builds refused in one line, and a
+port in use as one ``error:`` line (exit 2, never a traceback).
+
+A TensorRT-LLM build used to reach ``Engine(engine.runner, ...)`` with TensorRT-LLM's runner, which has no
+``num_blocks``: an AttributeError traceback instead of an answer.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,45 @@ import sys
 
 import pytest
 
+from llmc.cli import main
+from llmc.engine.tensorrt_llm.runner import TrtllmRunner
+from llmc.errors import EngineError
+from llmc.runtime.api import Engine
+from llmc.serve.run import load_engine, with_max_queue_size
 from tests.serve.conftest import free_port
+from tests.engine.tensorrt_llm.test_engine import open_engine, trt_build_dir  # noqa: F401 - a fixture
+
+TRITON_FIX = r"TensorRT-LLM build, which llmc serve cannot run\. Fix: .*tritonserver --model-repository"
+
+
+def test_max_queue_size_overrides_the_recipe(tiny_build_dir):
+    engine = load_engine(tiny_build_dir, "cpu", max_queue_size=3)
+    try:
+        assert engine.recipe.serving.max_queue_size == 3 and engine.scheduler.waiting.max_size == 3
+    finally:
+        engine.shutdown()
+
+
+def test_a_tensorrt_llm_engine_with_max_queue_size_is_one_clear_error(trt_build_dir):  # noqa: F811
+    engine, _ = open_engine(trt_build_dir, [[5]])  # TensorRT-LLM's runner over the ModelRunnerCpp test double
+    assert isinstance(engine.runner, TrtllmRunner)
+    for size in (4, None):
+        with pytest.raises(EngineError, match=TRITON_FIX):
+            with_max_queue_size(engine, size)
+
+
+def test_engine_refuses_a_runner_it_cannot_step(trt_build_dir):  # noqa: F811
+    engine, _ = open_engine(trt_build_dir, [[5]])
+    with pytest.raises(EngineError, match="Engine drives step runners .* not a TrtllmRunner. Fix: open the build"):
+        Engine(engine.runner, engine.tokenizer, engine.recipe, engine.eos_token_ids)
+
+
+def test_llmc_serve_on_a_tensorrt_llm_build_says_so_in_one_line(trt_build_dir, capsys):  # noqa: F811
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(trt_build_dir), "--max-queue-size", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "tritonserver --model-repository" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("which", ["http", "grpc"])

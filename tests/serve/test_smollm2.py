@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
-from llmc.runtime.params import SamplingParams
 from scripts.client_grpc_stream import stream_once
 from tests.serve.conftest import start_server
 from tests.serve.test_server import sse

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from llmc.builder.load import load_tokenizer
 from llmc.engine.tensorrt_llm.stop_words import from_stop_words_list
 from llmc.serve.repo import template_root
 from llmc.serve.tokenization import RequestTokenizer, StreamDetokenizers, TokenizerSettings
+from llmc.tokenizer import load_tokenizer
 
 TEXTS = ["Hello there, how are you doing today?", "天气很好，我们去公园散步吧。", "emoji 🎉🚀 and café naïve ✓"]
 

@@ -10,7 +10,7 @@ import importlib.util
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from llmc.builder.manifest import read_manifest
+from llmc.manifest import read_manifest
 from llmc.serve.repo import generate_model_repo, template_root
 from llmc.serve.trtllm_backend import INPUT_NAMES, REQUIRED_PARAMETERS, check_trtllm_model
 

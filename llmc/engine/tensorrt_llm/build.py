@@ -35,9 +35,10 @@ from llmc.engine.tensorrt_llm.checks import check_recipe
 from llmc.engine.tensorrt_llm.ir import check_ir, hf_view, read_ir_config
 from llmc.engine.tensorrt_llm.manifest import FORMAT_VERSION, EngineManifest
 from llmc.engine.tensorrt_llm.versions import Importer, probe_module, require_tensorrt_llm
+from llmc.recipe import Recipe
 
 
-def apply_kv_cache_quantization(recipe: Any, checkpoint_dir: Path, ir_config: dict) -> dict:
+def apply_kv_cache_quantization(recipe: Recipe, checkpoint_dir: Path, ir_config: dict) -> dict:
     """Write the recipe's KV-cache quantization into the IR's config.json when it differs (line 32)."""
     updated = trt_config.kv_cache_quantization(ir_config.get("quantization"), recipe.kv_cache.dtype)
     if updated == ir_config.get("quantization"):
@@ -69,7 +70,7 @@ def gpu_identity() -> tuple[str | None, str | None]:
     return torch.cuda.get_device_name(0), f"{major}.{minor}"
 
 
-def build_engines(recipe: Any, checkpoint_dir: Path, engine_dir: Path,
+def build_engines(recipe: Recipe, checkpoint_dir: Path, engine_dir: Path,
                   importer: Importer = importlib.import_module) -> dict:
     """Compile one TensorRT engine per rank from the IR in ``checkpoint_dir`` into ``engine_dir``.
 

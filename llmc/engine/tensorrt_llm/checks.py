@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from llmc.errors import RecipeError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
+from llmc.recipe import Recipe
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)  # line 23: the checkpoint format llmc writes
 ENGINE_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint dtype float16 | bfloat16
 # Groupwise int4 GEMM granularity: features are padded to multiples of max(64, g) (line 61), and
 # TensorRT-LLM's groupwise W4A16 kernels take group sizes 64 and 128 (not in the reference: see
@@ -31,7 +32,7 @@ def local_compute_capability() -> int | None:
     return major * 10 + minor
 
 
-def check_recipe(recipe: Any, hf_config: dict | None,
+def check_recipe(recipe: Recipe, hf_config: dict | None,
                  local_sm: Callable[[], int | None] = local_compute_capability) -> None:
     """Refuse recipes TensorRT-LLM 1.0 - 1.2 cannot build, before any work.
 
@@ -50,7 +51,7 @@ def check_recipe(recipe: Any, hf_config: dict | None,
         _check_groupwise_features(recipe, hf_config, file)
 
 
-def _check_dtype(recipe: Any, file: str | None) -> None:
+def _check_dtype(recipe: Recipe, file: str | None) -> None:
     if recipe.model.dtype not in ENGINE_DTYPES:
         raise RecipeError(
             file, "model.dtype",
@@ -60,7 +61,7 @@ def _check_dtype(recipe: Any, file: str | None) -> None:
         )
 
 
-def _check_limits(recipe: Any, file: str | None) -> None:
+def _check_limits(recipe: Recipe, file: str | None) -> None:
     limits = recipe.engine
     if limits.max_seq_len < limits.max_input_len:
         raise RecipeError(
@@ -71,7 +72,7 @@ def _check_limits(recipe: Any, file: str | None) -> None:
         )
 
 
-def _check_group_size(recipe: Any, file: str | None) -> None:
+def _check_group_size(recipe: Recipe, file: str | None) -> None:
     quant = recipe.quantization
     if quant.method not in INT4_METHODS or quant.group_size in AWQ_GROUP_SIZES:
         return
@@ -84,7 +85,7 @@ def _check_group_size(recipe: Any, file: str | None) -> None:
     )
 
 
-def _check_int4_sm(recipe: Any, file: str | None, local_sm: Callable[[], int | None]) -> None:
+def _check_int4_sm(recipe: Recipe, file: str | None, local_sm: Callable[[], int | None]) -> None:
     if recipe.quantization.method not in INT4_METHODS:
         return
     target = recipe.tensorrt_llm.target_sm
@@ -102,18 +103,19 @@ def _check_int4_sm(recipe: Any, file: str | None, local_sm: Callable[[], int | N
 
 
 def _check_architecture(hf_config: dict, file: str | None) -> None:
+    # line 23: the IR is always written as LlamaForCausalLM, from any of the Llama-layout sources llmc converts
     archs = hf_config.get("architectures") or []
-    if any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if is_supported_architecture(hf_config):
         return
     raise RecipeError(
         file, "model.source",
         f"architecture {archs or 'unknown'} is not supported by llmc's tensorrt_llm backend "
-        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+        f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
         "use a Llama-family model, or backend: torch",
     )
 
 
-def _check_tensor_parallel(recipe: Any, hf_config: dict, file: str | None) -> None:
+def _check_tensor_parallel(recipe: Recipe, hf_config: dict, file: str | None) -> None:
     tp = recipe.engine.tp_size
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
@@ -130,7 +132,7 @@ def _check_tensor_parallel(recipe: Any, hf_config: dict, file: str | None) -> No
     )
 
 
-def _check_groupwise_features(recipe: Any, hf_config: dict, file: str | None) -> None:
+def _check_groupwise_features(recipe: Recipe, hf_config: dict, file: str | None) -> None:
     """line 60-61: groupwise layers need features that are multiples of max(64, g) * tp. The exporter can
     pad intermediate_size; hidden and attention features cannot be padded without changing the model."""
     quant = recipe.quantization

@@ -14,9 +14,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from llmc.checkpoint.config import W4A16_AWQ
 from llmc.errors import CheckpointError
+from llmc.recipe import Recipe
 
-AWQ_ALGO = "W4A16_AWQ"  # line 30: quant_algo of the AWQ int4 weight-only checkpoint
 FP8_KV_ALGO = "FP8"  # line 32: kv_cache_quant_algo for an FP8 KV cache
 KV_SCALE_SUFFIX = "attention.kv_cache_scaling_factor"  # line 32: per-layer fp32 tensor of shape [1]
 PLUGIN_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint/engine dtypes
@@ -56,10 +57,10 @@ def use_fused_mlp_allowed(quant_algo: str | None) -> bool:
     Whether the fused gate-up GEMM takes the groupwise int4 weights of W4A16_AWQ is unverified here, so llmc
     keeps the unfused MLP for AWQ and writes False, so build_config.json shows what is actually built.
     """
-    return quant_algo != AWQ_ALGO
+    return quant_algo != W4A16_AWQ  # line 30: quant_algo of the AWQ int4 weight-only checkpoint
 
 
-def build_config_dict(recipe: Any, checkpoint_config: dict) -> dict:
+def build_config_dict(recipe: Recipe, checkpoint_config: dict) -> dict:
     """The BuildConfig (with its nested PluginConfig) for ``recipe`` over this checkpoint IR.
 
     ``checkpoint_config`` is the IR's config.json (its ``dtype`` and ``quantization`` decide the

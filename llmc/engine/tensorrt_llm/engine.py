@@ -16,10 +16,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmc.engine.tensorrt_llm.runner import TrtllmRunner
+from llmc.engine.types import BatchRunner
 from llmc.errors import EngineError
-from llmc.runtime.inputs import Prompt, check_prompt_length, prompt_to_token_ids
-from llmc.runtime.outputs import Completion, StreamEvent
-from llmc.runtime.params import SamplingParams
+from llmc.manifest import read_manifest
+from llmc.recipe import Recipe
+from llmc.request.inputs import Prompt, check_prompt_length, prompt_to_token_ids
+from llmc.request.outputs import Completion, StreamEvent
+from llmc.request.params import SamplingParams
 
 CONCURRENCY_HINT = (
     "TensorRT-LLM engines batch requests inside Triton's tensorrt_llm backend: run "
@@ -33,21 +37,18 @@ class TrtllmEngine:
 
     backend = "tensorrt_llm"
 
-    def __init__(self, runner: Any, recipe: Any):
+    def __init__(self, runner: BatchRunner, recipe: Recipe):
         self.runner = runner
         self.recipe = recipe
         self.tokenizer = runner.tokenizer
         self.eos_token_ids = runner.eos_token_ids
         self.default_params = recipe.runtime.sampling
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size = runner.vocab_size
 
     @classmethod
     def from_build_dir(cls, build_dir: str | Path, model_runner_cls: Any = None,
                        found_versions: dict[str, str | None] | None = None) -> TrtllmEngine:
         """Open a build folder whose manifest says ``backend: tensorrt_llm`` (versions checked first)."""
-        from llmc.builder.manifest import read_manifest
-        from llmc.engine.tensorrt_llm.runner import TrtllmRunner
-
         build_dir = Path(build_dir)
         recipe = read_manifest(build_dir).recipe_obj()
         runner = TrtllmRunner.from_build_dir(build_dir, model_runner_cls=model_runner_cls,

@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint.config import ModelShape
-from llmc.checkpoint.io import check_rank_tensors, read_config, read_safetensors_header, rank_file
-from llmc.engine.tensorrt_llm.config import AWQ_ALGO, require_kv_cache_scales
+from llmc.checkpoint.config import W4A16_AWQ, ModelShape
+from llmc.checkpoint.io import check_rank_tensors, read_config, rank_file
+from llmc.checkpoint.safetensors_header import read_safetensors_header
+from llmc.engine.tensorrt_llm.config import require_kv_cache_scales
 from llmc.errors import CheckpointError
+from llmc.recipe import Recipe
 
 
 def read_ir_config(checkpoint_dir: Path) -> dict:
@@ -42,7 +44,7 @@ def groupwise_multiple(group_size: int, tp_size: int) -> int:
 def check_groupwise_features(ir_config: dict) -> None:
     """CheckpointError unless every W4A16_AWQ layer's in/out features are multiples of max(64, g) * tp."""
     shape = ModelShape.from_config(ir_config)
-    if shape.quant_algo != AWQ_ALGO:
+    if shape.quant_algo != W4A16_AWQ:
         return
     multiple = groupwise_multiple(int(shape.group_size), shape.tp_size)
     for module in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
@@ -56,7 +58,7 @@ def check_groupwise_features(ir_config: dict) -> None:
             )
 
 
-def check_ir(recipe: Any, checkpoint_dir: Path, ir_config: dict) -> list[set[str]]:
+def check_ir(recipe: Recipe, checkpoint_dir: Path, ir_config: dict) -> list[set[str]]:
     """Check the IR in ``checkpoint_dir`` against the recipe and the tensor contract, reading headers only.
 
     Returns each rank's tensor names. Raises :class:`CheckpointError` naming the file and the fix.

@@ -2,7 +2,7 @@
 
 TensorRT-LLM batches and samples inside its C++ executor; llmc keeps the parts users see identical
 to the torch backend by running every token TensorRT-LLM returns through the torch engine's own
-per-request output pipeline, :class:`llmc.runtime.outputs.RequestOutput` (stop ids ->
+per-request output pipeline, :class:`llmc.request.outputs.RequestOutput` (stop ids ->
 IncrementalDetokenizer -> StopStringMatcher -> length limits), which yields the same
 :class:`StreamEvent` objects with the same finish reasons and metrics.
 
@@ -40,9 +40,12 @@ from llmc.engine.tensorrt_llm.manifest import check_engine_versions
 from llmc.engine.tensorrt_llm.sampling import generate_kwargs
 from llmc.engine.tensorrt_llm.versions import Importer, require_tensorrt_llm
 from llmc.errors import RequestError
-from llmc.runtime.metrics import RequestMetrics
-from llmc.runtime.outputs import Completion, RequestOutput, StreamEvent
-from llmc.runtime.params import SamplingParams
+from llmc.manifest import read_manifest
+from llmc.recipe import Recipe
+from llmc.request.metrics import RequestMetrics
+from llmc.request.outputs import Completion, RequestOutput, StreamEvent
+from llmc.request.params import SamplingParams
+from llmc.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class TrtllmRunnerConfig:
     enable_chunked_context: bool
 
     @classmethod
-    def from_recipe(cls, recipe: Any, engine_dir: Path, rank: int = 0) -> TrtllmRunnerConfig:
+    def from_recipe(cls, recipe: Recipe, engine_dir: Path, rank: int = 0) -> TrtllmRunnerConfig:
         return cls(Path(engine_dir), rank, recipe.engine.max_batch_size, recipe.engine.max_input_len,
                    recipe.engine.max_seq_len, recipe.kv_cache.memory_fraction,
                    recipe.serving.enable_chunked_context)
@@ -126,6 +129,7 @@ class TrtllmRunner:
             require_tensorrt_llm(importer)
             model_runner_cls = importer("tensorrt_llm.runtime").ModelRunnerCpp
         self.config, self.tokenizer = config, tokenizer
+        self.vocab_size = len(tokenizer)  # the ids the tokenizer can produce: what requests are checked against
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_token_ids[0]
@@ -139,9 +143,6 @@ class TrtllmRunner:
                        importer: Importer = importlib.import_module) -> TrtllmRunner:
         """Open ``build_dir`` (llmc build folder): refuse engines built under other TensorRT versions
         (:func:`check_engine_versions`; ``found_versions`` defaults to the installed ones), then load."""
-        from llmc.builder.load import load_tokenizer
-        from llmc.builder.manifest import read_manifest
-
         build_dir = Path(build_dir)
         engine_dir = build_dir / "engine"
         if model_runner_cls is None:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 UNSUPPORTED_DEFAULTS = {"ignore_eos": False}
 

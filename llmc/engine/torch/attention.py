@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
-from llmc.errors import EngineError
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
 
 # Steps whose longest prefill chunk is at most this many tokens run attention through llmc's CPU kernel, token
 # by token; longer chunks go to SDPA, whose matmuls win there (one 128-token prompt, 9/3 heads of 64: kernel
@@ -85,20 +84,16 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Turn the scheduler's per-sequence work into packed tensors on ``device`` (built on the host, copied once).
 
-    Raises EngineError when a sequence's block table is too short for its tokens (a scheduler bug).
+    The scheduler guarantees every sequence has new tokens and blocks for them (asserted: a failure is a bug).
     """
     query_lens = tuple(len(s.token_ids) for s in seqs)
     num_computed = tuple(s.num_computed for s in seqs)
     context_lens = [c + q for c, q in zip(num_computed, query_lens)]
     for s, ctx in zip(seqs, context_lens):
-        if not s.token_ids:
-            raise EngineError(f"request {s.request_id} was scheduled with no new tokens. Fix: drop it from the step")
-        if len(s.block_ids) * block_size < ctx:
-            raise EngineError(
-                f"request {s.request_id}: {len(s.token_ids)} new tokens after {s.num_computed} cached need "
-                f"{-(-ctx // block_size)} blocks of {block_size}, the scheduler gave {len(s.block_ids)}. "
-                f"Fix: the scheduler must allocate blocks before scheduling tokens"
-            )
+        assert s.token_ids, f"request {s.request_id} was scheduled with no new tokens"
+        assert len(s.block_ids) * block_size >= ctx, (
+            f"request {s.request_id}: {len(s.token_ids)} new tokens after {s.num_computed} cached need "
+            f"{-(-ctx // block_size)} blocks of {block_size}, the scheduler gave {len(s.block_ids)}")
     max_blocks = max(-(-ctx // block_size) for ctx in context_lens)
     tables = [list(s.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in seqs]
     positions: list[int] = []
@@ -111,7 +106,7 @@ def build_attention_metadata(
     for q in query_lens:
         cu.append(cu[-1] + q)
     logits_idx = [cu[i + 1] - 1 for i, s in enumerate(seqs) if s.sample]
-    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    decodes = [i for i, s in enumerate(seqs) if s.is_decode]
 
     def dev(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -138,7 +133,7 @@ def build_attention_metadata(
         query_lens=query_lens,
         query_starts=tuple(cu[:-1]),
         num_computed=num_computed,
-        prefill_seqs=tuple(i for i, q in enumerate(query_lens) if q > 1),
+        prefill_seqs=tuple(i for i, s in enumerate(seqs) if not s.is_decode),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
         max_decode_context_len=max((context_lens[i] for i in decodes), default=0),

@@ -14,18 +14,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
-from llmc.engine.torch.loader import DTYPES
 from llmc.engine.torch.model import ModelConfig
 from llmc.errors import CheckpointError, EngineError
+from llmc.recipe import Recipe
 
 BACKEND = "torch"
 ENGINE_JSON = "engine.json"
 FORMAT_VERSION = 1
 
 
-def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: str | Path) -> dict[str, Any]:
+def compile_torch_engine(recipe: Recipe, checkpoint_dir: str | Path, engine_dir: str | Path) -> dict[str, Any]:
     """Write ``engine_dir/engine.json`` for the IR in ``checkpoint_dir``; returns a report dict.
 
     Raises CheckpointError when the IR config is missing or describes a model the torch engine cannot run,
@@ -37,7 +38,7 @@ def compile_torch_engine(recipe: Any, checkpoint_dir: str | Path, engine_dir: st
         raise CheckpointError(f"{config_path} is missing. Fix: export the checkpoint IR before compiling the engine")
     ir_config = json.loads(config_path.read_text())
     model = ModelConfig.from_checkpoint_config(ir_config)
-    kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, DTYPES[model.dtype])
+    kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(model.dtype))
     bytes_per_token = kv_bytes_per_token(model, kv_dtype)
     engine = {
         "backend": BACKEND,

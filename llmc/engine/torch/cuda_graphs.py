@@ -18,7 +18,7 @@ import torch
 
 from llmc.engine.torch.attention import AttentionMetadata
 from llmc.engine.torch.model import KVCache, LlamaForCausalLM
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
 
 
 def decode_rows(seqs: tuple[ScheduledSequence, ...], rows: int, block_size: int, max_blocks: int,
@@ -124,7 +124,7 @@ class DecodeGraphs:
     def can_run(self, seqs: tuple[ScheduledSequence, ...]) -> bool:
         """True for a step where every sequence decodes one token and samples, within the captured sizes."""
         return (0 < len(seqs) <= self.max_batch_size and bool(self._graphs)
-                and all(len(s.token_ids) == 1 and s.sample for s in seqs)
+                and all(s.is_decode and s.sample for s in seqs)
                 and all(-(-(s.num_computed + 1) // self.block_size) <= self.max_blocks for s in seqs))
 
     def run(self, seqs: tuple[ScheduledSequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:

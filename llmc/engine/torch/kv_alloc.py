@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch.model import KVCache, ModelConfig
 from llmc.errors import EngineError
 
-KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = ("float16", "bfloat16")  # the recipe's kv_cache.dtype values the torch backend stores
 
 
 def kv_cache_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -24,7 +25,7 @@ def kv_cache_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtyp
             f"kv_cache.dtype {recipe_kv_dtype!r} is not supported by the torch backend. "
             f"Fix: set kv_cache.dtype to auto, float16 or bfloat16 (or use backend: tensorrt_llm for fp8)"
         )
-    return KV_DTYPES[recipe_kv_dtype]
+    return torch_dtype(recipe_kv_dtype)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

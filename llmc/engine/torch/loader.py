@@ -18,8 +18,8 @@ import torch
 
 from llmc.checkpoint import names
 from llmc.checkpoint.config import W4A16_AWQ
-from llmc.checkpoint.convert import merge_shards
-from llmc.checkpoint.int4 import dequantize_w4a16, unpack_int4
+from llmc.checkpoint.convert import dequantized_weights, merge_shards, torch_dtype
+from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
 from llmc.engine.torch import cpu_ext, triton_support
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
@@ -27,17 +27,16 @@ from llmc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CUDA_KERNELS_ENV = "LLMC_CUDA_KERNELS"  # "0": dequantize int4 layers and skip the fused kernels on CUDA (A/B)
 
 
 def compute_dtype(ir_dtype: str, device: torch.device | str, dtype: torch.dtype | str | None = None) -> torch.dtype:
     """The dtype the engine computes in: ``dtype`` if given, else the IR dtype on CUDA and float32 on CPU."""
     if dtype is not None:
-        return DTYPES[dtype] if isinstance(dtype, str) else dtype
+        return torch_dtype(dtype) if isinstance(dtype, str) else dtype
     if torch.device(device).type == "cpu":
         return torch.float32
-    return DTYPES[ir_dtype]
+    return torch_dtype(ir_dtype)
 
 
 def load_model(
@@ -85,9 +84,7 @@ def load_model(
         model = _load_int4_cuda(raw_config, rank_weights, config, target_dtype, device, int(quant["group_size"]),
                                 fold_prequant)
         return _finish_cuda(model)
-    if quant.get("quant_algo") == W4A16_AWQ:
-        rank_weights = [_dequantize_rank(w, int(quant["group_size"]), target_dtype) for w in rank_weights]
-    weights = _merge(rank_weights, raw_config)
+    weights = dequantized_weights(raw_config, rank_weights, target_dtype)  # W4A16_AWQ dequantized, TP merged
     weights = _select_model_weights(weights, config)
     _check_shapes(weights, config)
     with torch.device("meta"):
@@ -101,9 +98,9 @@ def load_model(
     for layer in model.transformer.layers:
         layer.mlp.fuse_fc_gate()  # one GEMM for fc + gate (plain float layers only)
     if on_cpu and config.dtype in ("float16", "bfloat16") and cpu_ext.load() is not None:
-        model.use_16bit_logits(DTYPES[config.dtype])
+        model.use_16bit_logits(torch_dtype(config.dtype))
         if quant.get("quant_algo") is None:
-            _use_dense16_kernel(model, DTYPES[config.dtype])
+            _use_dense16_kernel(model, torch_dtype(config.dtype))
     if on_cuda:
         return _finish_cuda(model)
     return model.eval().requires_grad_(False)
@@ -215,48 +212,6 @@ def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
             fast = Dense16Linear.over(module.weight, dtype) if type(module) is torch.nn.Linear else None
             if fast is not None:
                 setattr(parent, child, fast)
-
-
-def _merge(rank_weights: list[dict[str, torch.Tensor]], config: dict) -> dict[str, torch.Tensor]:
-    """Full weights from the TP shards (already dequantized, so merged as plain 16/32-bit tensors)."""
-    if len(rank_weights) == 1:
-        return dict(rank_weights[0])
-    plain_config = {**config, "quantization": {"quant_algo": None, "kv_cache_quant_algo": None}}
-    return merge_shards(rank_weights, plain_config)
-
-
-def _dequantize_rank(
-    weights: dict[str, torch.Tensor], group_size: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Replace every W4A16_AWQ linear (packed int4 + scales + prequant) by its effective weight in ``dtype``."""
-    out = {}
-    for name, tensor in weights.items():
-        parsed = names.parse_trt_layer_name(name)
-        suffix = parsed[2] if parsed else None
-        if suffix in (names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR):
-            continue  # consumed together with their packed weight below
-        if suffix == names.WEIGHT and tensor.dtype == torch.int8:
-            out[name] = _dequantize_linear(weights, parsed[0], parsed[1], group_size, dtype)
-        else:
-            out[name] = tensor
-    return out
-
-
-def _dequantize_linear(
-    weights: dict[str, torch.Tensor], layer: int, module: str, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Effective weight [O, K] of one W4A16_AWQ linear, computed in float32 and cast once to ``dtype``."""
-    parts = [names.trt_layer(layer, module, s) for s in
-             (names.WEIGHT, names.WEIGHTS_SCALING_FACTOR, names.PREQUANT_SCALING_FACTOR)]
-    for needed in parts[1:]:
-        if needed not in weights:
-            raise CheckpointError(
-                f"W4A16_AWQ checkpoint lacks {needed!r} for the packed weight {parts[0]!r}. "
-                f"Fix: re-run the quantization step of `llmc build --force`"
-            )
-    packed, scales, prequant = (weights[p] for p in parts)
-    # The layer computes (x * prequant) @ (q * scale)^T = x @ ((q * scale) * prequant[None, :])^T.
-    return dequantize_w4a16(packed, scales, prequant, group_size, dtype=dtype)
 
 
 def _select_model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

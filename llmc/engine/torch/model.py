@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmc.checkpoint.config import ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
@@ -42,36 +43,25 @@ class ModelConfig:
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
-        """Validate and read an IR config dict; unsupported features raise CheckpointError."""
-        _check_supported(cfg)
-        try:
-            num_heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            config = cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_size=int(cfg.get("head_size") or hidden // num_heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                norm_epsilon=float(cfg.get("norm_epsilon", 1e-5)),
-                rotary_base=float(cfg.get("rotary_base", 10000.0)),
-                rope_scaling=RopeScaling.from_config(cfg.get("rotary_scaling")),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                dtype=str(cfg.get("dtype", "float16")),
-            )
-        except KeyError as e:
-            raise CheckpointError(
-                f"checkpoint config.json lacks the field {e.args[0]!r}. Fix: re-export the checkpoint with llmc build"
-            ) from None
-        if config.num_heads % config.num_kv_heads:
-            raise CheckpointError(
-                f"num_attention_heads={config.num_heads} is not a multiple of num_key_value_heads="
-                f"{config.num_kv_heads}. Fix: check the model's config.json"
-            )
-        return config
+        """Read an IR config dict through the one parser (:class:`~llmc.checkpoint.config.ModelShape`, whose
+        defaults apply); CheckpointError for a bad config or a feature this engine does not implement."""
+        shape = ModelShape.from_config(cfg)
+        _check_supported(cfg, shape)
+        return cls(
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_size=shape.head_size,
+            intermediate_size=shape.intermediate_size,
+            norm_epsilon=shape.norm_epsilon,
+            rotary_base=shape.rotary_base,
+            rope_scaling=RopeScaling.from_config(shape.rotary_scaling),
+            max_position_embeddings=shape.max_position_embeddings,
+            tie_word_embeddings=shape.tie_word_embeddings,
+            dtype=shape.dtype,
+        )
 
     @property
     def qkv_size(self) -> int:
@@ -79,14 +69,12 @@ class ModelConfig:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_size
 
 
-def _check_supported(cfg: dict) -> None:
+def _check_supported(cfg: dict, shape: ModelShape) -> None:
     """CheckpointError unless the config describes what this engine implements (bias-free SiLU Llama, NeoX RoPE)."""
     supported = {
         "architecture": "LlamaForCausalLM",
         "hidden_act": "silu",
         "position_embedding_type": "rope_gpt_neox",
-        "attn_bias": False,
-        "mlp_bias": False,
     }
     for key, expected in supported.items():
         if cfg.get(key, expected) != expected:
@@ -94,6 +82,10 @@ def _check_supported(cfg: dict) -> None:
                 f"checkpoint config {key}={cfg.get(key)!r} is not supported by the torch engine (expects "
                 f"{expected}). Fix: use a Llama-family model"
             )
+    for key in ("attn_bias", "mlp_bias"):
+        if getattr(shape, key):
+            raise CheckpointError(f"checkpoint config {key}=True is not supported by the torch engine (expects "
+                                  f"False). Fix: use a Llama-family model")
 
 
 class RMSNorm(nn.Module):

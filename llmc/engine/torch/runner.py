@@ -12,16 +12,19 @@ from pathlib import Path
 
 import torch
 
+from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
-from llmc.engine.torch.loader import DTYPES, load_model, weight_bytes
+from llmc.engine.torch.loader import load_model, weight_bytes
+from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
+from llmc.engine.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from llmc.errors import EngineError
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from llmc.manifest import read_manifest
+from llmc.request.params import SamplingParams
 
 WARMUP_REQUEST_ID = "__llmc_warmup__"
 CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
@@ -51,9 +54,6 @@ class TorchModelRunner:
 
     def __init__(self, build_dir: str | Path, device: torch.device | str = "cpu", num_blocks: int | None = None,
                  cuda_graphs: bool = True):
-        from llmc.builder.manifest import read_manifest
-        from llmc.runtime.sampler import Sampler
-
         build_dir = Path(build_dir)
         manifest = read_manifest(build_dir)
         recipe = manifest.recipe_obj()
@@ -65,7 +65,7 @@ class TorchModelRunner:
         self.weight_bytes = weight_bytes(self.model)  # {dtype: bytes} of the weights as held on the device
         # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
         # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
-        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, DTYPES[config.dtype])
+        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))
         self.block_size = recipe.kv_cache.tokens_per_block
         self.vocab_size = config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_dtype)

@@ -27,11 +27,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from llmc.engine.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, is_decode
 from llmc.errors import RequestError
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.scheduler.queue import WaitingQueue
 from llmc.runtime.scheduler.request import Request, RequestStatus
-from llmc.runtime.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 
 class Scheduler:
@@ -139,8 +139,8 @@ class Scheduler:
         planned: list[tuple[Request, int, bool]] = []
         preempted: list[str] = []
         order = sorted(self.running, key=lambda r: r.rank)
-        decodes = [r for r in order if r.num_remaining == 1]
-        prefills = [r for r in order if r.num_remaining > 1]
+        decodes = [r for r in order if is_decode(r.num_remaining)]
+        prefills = [r for r in order if not is_decode(r.num_remaining)]
         if decodes and self.max_mixed_tokens:
             budget = min(budget, max(self.max_mixed_tokens, len(decodes)))
         for request in decodes + prefills:
@@ -243,7 +243,3 @@ class Scheduler:
                 new_tokens[request.request_id] = int(token)
         self._last_scheduled = []
         return new_tokens
-
-    def scheduled_request_ids(self) -> list[str]:
-        """Ids of the requests in the step planned by the last :meth:`schedule` (until :meth:`update`)."""
-        return [r.request_id for r, _, _ in self._last_scheduled]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -13,8 +13,8 @@ import pytest
 from llmc.engine.tensorrt_llm.engine import TrtllmEngine
 from llmc.engine.tensorrt_llm.manifest import EngineManifest
 from llmc.errors import BackendUnavailableError, EngineError, RequestError
+from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
-from llmc.runtime.params import SamplingParams
 from tests.engine.tensorrt_llm.doubles import RecordingModelRunnerCpp
 from tests.runtime.engine_helpers import TINY_LIMITS, build_engine_dir
 
@@ -47,7 +47,7 @@ def test_from_dir_without_tensorrt_llm_says_what_is_needed(trt_build_dir):
 
 
 def test_text_prompt_is_tokenized_like_the_torch_engine_and_streams_events(trt_build_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     words = load_tokenizer(trt_build_dir / "tokenizer").encode(" the cat sat", add_special_tokens=False)
     engine, cls = open_engine(trt_build_dir, [words + [2]])

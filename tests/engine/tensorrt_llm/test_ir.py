@@ -11,7 +11,7 @@ import torch
 
 from llmc.checkpoint.convert import pad_for_groupwise
 from llmc.checkpoint.int4 import pack_int4
-from llmc.checkpoint.io import read_safetensors_header
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.engine.tensorrt_llm.ir import check_groupwise_features, check_ir
 from llmc.errors import CheckpointError
 from tests.engine.tensorrt_llm.helpers import TINY_TRT_YAML, write_recipe, write_tiny_ir

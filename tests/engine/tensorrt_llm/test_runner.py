@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.builder.load import load_tokenizer
 from llmc.engine.tensorrt_llm.manifest import EngineManifest
 from llmc.engine.tensorrt_llm.runner import TrtllmRunner, TrtllmRunnerConfig
 from llmc.errors import EngineError, RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
+from llmc.tokenizer import load_tokenizer
 from tests.engine.tensorrt_llm.doubles import RecordingModelRunnerCpp
 
 EOS = (2, 0)  # <|im_end|> first (end_id), <|endoftext|> second (a stop word)

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import torch
 
-from llmc.builder.load import load_state_dict
-from llmc.builder.manifest import Manifest, write_manifest
 from llmc.checkpoint import names
 from llmc.checkpoint.config import trtllm_config_from_hf
 from llmc.checkpoint.convert import hf_to_trtllm, shard
@@ -20,9 +18,11 @@ from llmc.engine.base import compile_engine
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.kv_alloc import allocate_kv_cache
 from llmc.engine.torch.model import LlamaForCausalLM
+from llmc.engine.types import ScheduledSequence, SchedulerOutput
+from llmc.manifest import Manifest, write_manifest
 from llmc.recipe import recipe_from_dict, recipe_to_dict
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ScheduledSequence, SchedulerOutput
+from llmc.request.params import SamplingParams
+from llmc.source.load import load_state_dict
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from llmc.engine.torch.attention import build_attention_metadata, paged_attention
-from llmc.errors import EngineError
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
+from llmc.request.params import SamplingParams
 
 P = SamplingParams(temperature=0.0)
 
@@ -46,9 +45,11 @@ def test_metadata_of_a_pure_decode_step():
     assert not prefill_only.all_decode and prefill_only.decode_tables.shape == (0, 0)
 
 
-def test_metadata_rejects_a_block_table_too_short():
-    with pytest.raises(EngineError, match="blocks"):
+def test_metadata_asserts_the_schedulers_guarantees():
+    with pytest.raises(AssertionError, match="need 2 blocks of 4, the scheduler gave 1"):
         build_attention_metadata([seq("a", 5, 0, [1])], block_size=4, device="cpu")
+    with pytest.raises(AssertionError, match="no new tokens"):
+        build_attention_metadata([seq("a", 0, 0, [1])], block_size=4, device="cpu")
 
 
 def dense_causal(q, k, v, scale):

@@ -37,17 +37,42 @@ def test_engine_json_describes_the_engine(tiny_hf_dir, tiny_ir_dir, tmp_path):
     assert read_engine_config(engine_dir) == engine
 
 
-def test_engines_build_the_cpu_kernels_at_compile_time(tiny_hf_dir, tmp_path):
+def test_the_compile_step_itself_builds_the_cpu_kernels(tiny_hf_dir, tmp_path):
+    """``llmc build`` loads llmc's CPU kernels (building them on a machine's first build, or finding torch's
+    cached build) so that the first ``llmc generate`` does not: starting from a process that has not loaded them,
+    the compile step is what loads them, for int4 and 16-bit engines alike, and its report says what it got."""
     from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
 
     quantized, _ = rtn_quantize_hf(tiny_hf_dir, group_size=32)
-    ir = write_ir(tiny_hf_dir, tmp_path / "checkpoint", quantized=quantized, group_size=32)
-    report = compile_engine(recipe(tiny_hf_dir), ir, tmp_path / "engine")
-    assert report["cpu_kernels"] == cpu_ext.status()  # built (or found cached) here, or why not
-    assert cpu_ext.load() is not None or torch.backends.cpu.get_cpu_capability() != "AVX512"
-    # 16-bit engines too: their CPU decode attention is one of the kernels.
-    plain_ir = write_ir(tiny_hf_dir, tmp_path / "plain_checkpoint")
-    assert compile_engine(recipe(tiny_hf_dir), plain_ir, tmp_path / "plain_engine")["cpu_kernels"] == cpu_ext.status()
+    irs = {"int4": write_ir(tiny_hf_dir, tmp_path / "checkpoint", quantized=quantized, group_size=32),
+           "16-bit": write_ir(tiny_hf_dir, tmp_path / "plain_checkpoint")}
+    try:
+        for name, ir in irs.items():
+            cpu_ext.load.cache_clear()  # as in a fresh process: the kernels are not loaded
+            report = compile_engine(recipe(tiny_hf_dir), ir, tmp_path / f"engine-{name}")
+            assert cpu_ext.load.cache_info().currsize == 1, name  # loaded by compile_engine, not by this test
+            built = cpu_ext.load() is not None
+            assert report["cpu_kernels"] == ("llmc AVX-512 float32 kernels" if built else
+                                             f"PyTorch's ops ({cpu_ext._why_not})")
+            assert built or torch.backends.cpu.get_cpu_capability() != "AVX512"
+    finally:
+        cpu_ext.load.cache_clear()
+
+
+def test_a_failed_kernel_build_is_reported_by_the_compile_step(tiny_hf_dir, tiny_ir_dir, tmp_path, monkeypatch):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # so a build is attempted
+    cpu_ext.load.cache_clear()
+    try:
+        report = compile_engine(recipe(tiny_hf_dir), tiny_ir_dir, tmp_path / "engine")
+    finally:
+        cpu_ext.load.cache_clear()  # later tests load the real kernels again
+    assert report["cpu_kernels"] == "PyTorch's ops (building it failed (RuntimeError: no C++ compiler found))"
 
 
 def test_fp8_kv_cache_is_refused_by_the_torch_backend(tiny_hf_dir, tiny_ir_dir, tmp_path):

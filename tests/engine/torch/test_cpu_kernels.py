@@ -10,8 +10,8 @@ from llmc.engine.torch import cpu_ext
 from llmc.engine.torch import attention
 from llmc.engine.torch.attention import decode_attention, build_attention_metadata, reference_decode_attention
 from llmc.engine.torch.loader import load_model
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
+from llmc.request.params import SamplingParams
 from tests.engine.torch.helpers import write_ir
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"

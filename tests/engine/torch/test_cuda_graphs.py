@@ -11,8 +11,8 @@ import torch
 from llmc.engine.torch.attention import decode_attention, build_attention_metadata, gather_blocks
 from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes
 from llmc.engine.torch.triton_attention import kernel_available, num_splits
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
+from llmc.request.params import SamplingParams
 from tests.engine.torch.helpers import MiniScheduler, make_build_dir
 from tests.engine.torch.test_gpu import random_llama
 

@@ -7,8 +7,8 @@ import torch
 
 from llmc.engine.base import load_runner
 from llmc.engine.torch.runner import TorchModelRunner
+from llmc.engine.types import ScheduledSequence, SchedulerOutput
 from llmc.errors import EngineError
-from llmc.runtime.types import ScheduledSequence, SchedulerOutput
 from tests.engine.torch.helpers import GREEDY, MiniScheduler, make_build_dir
 
 

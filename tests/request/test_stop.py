@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.stop import StopStringMatcher, check_stop_token
+from llmc.request.params import SamplingParams
+from llmc.request.stop import StopStringMatcher, check_stop_token
 
 
 def test_eos_and_request_stop_ids():

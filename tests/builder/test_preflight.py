@@ -7,9 +7,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from llmc.builder.preflight import validate_cmd
 from llmc.recipe import load_recipe, recipe_to_dict
-from llmc.recipe.commands import validate_cmd
-from tests.recipe.conftest import RECIPES_DIR
+from tests.recipe.conftest import RECIPES_DIR, write_recipe  # noqa: F401 - a fixture of the recipe tests
 
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
 BERT_CONFIG = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_size": 768,

@@ -1,4 +1,4 @@
-"""Adapter to llm-compressor (>=0.14,<0.15): run AWQ / round-to-nearest int4 and read the results back.
+"""llmc's driver of llm-compressor 0.14: run AWQ, GPTQ and round-to-nearest int4, and read the results back.
 
 Everything that knows llm-compressor's API lives here:
 - :func:`int4_recipe` builds the modifiers: ``AWQModifier`` (the scale search) followed by the int4 quantizer
@@ -19,28 +19,29 @@ Everything that knows llm-compressor's API lives here:
 - :func:`extract_int4` reads each quantized Linear back as (q int8 [O, K], scales [O, K/g], prequant [K]).
   llm-compressor folds every AWQ scale into the previous op (RMSNorm weights, v_proj / up_proj rows), so
   prequant is all ones and the folded weights are in the model's state dict.
-- :func:`library_context` holds the narrow patches this needs on a CPU-only torch (see its docstring).
+- every run happens inside :func:`llmc.builder.llmcompressor_patches.library_context` (the narrow, version-
+  checked patches this needs); the two modifier subclasses here override private methods, so they check the
+  installed release the same way (:func:`~llmc.builder.llmcompressor_patches.require_series`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from llmc.builder.calibrate import CalibrationSet
+from llmc.builder.llmcompressor_patches import (
+    LLMCOMPRESSOR_SERIES, ProgressFn, installed_version, library_context, require_series,
+)
 
 GPTQ_ACTORDER = "static"  # GPTQ's column order (see int4_recipe); the IR format needs no g_idx with it
-ProgressFn = Callable[[str, int, int], None]  # (what is running, e.g. "calibrating 3/31", done, total)
 
 # Tensors the quantization lifecycle attaches to a module; not model weights.
 QUANT_PARAM = re.compile(r"\.(weight|input|output)_(scale|zero_point|global_scale|g_idx)$")
-_STAGE = re.compile(r"\((\d+)/(\d+)\): (\w+)")
 
 
 @functools.cache
@@ -49,7 +50,9 @@ def _awq_modifier_class() -> type:
 
     The activation statistic still averages every calibration token (masked); only the error that ranks the
     grid's candidates is measured on a subset, which is what makes 128 x 512 calibration fit in minutes on CPU.
+    It overrides the private ``_run_samples`` and reads ``_parent_args_cache``.
     """
+    require_series(LLMCOMPRESSOR_SERIES, "AWQ subset search (AWQModifier._run_samples)")
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
     class SubsetSearchAWQModifier(AWQModifier):
@@ -73,8 +76,9 @@ def _gptq_modifier_class() -> type:
     row. With ``mask_hessian=True`` the hook multiplies the layer input by the current batch's mask first (the
     sequential pipeline records ``current_batch_idx``), so a masked position contributes nothing. It also keeps
     the names of the modules where the Hessian could not be inverted and the library fell back to
-    round-to-nearest (``summary()["fallback_to_nearest"]``), which the library only logs.
+    round-to-nearest (``summary()["fallback_to_nearest"]``), which the library only logs (private attributes).
     """
+    require_series(LLMCOMPRESSOR_SERIES, "masked GPTQ Hessian (GPTQModifier private state)")
     from llmcompressor.core import active_session
     from llmcompressor.modifiers.gptq import GPTQModifier
     from pydantic import PrivateAttr
@@ -190,111 +194,6 @@ def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: Calibration
         return modifiers[-1].summary() if options.rounding == "gptq" else {}
 
 
-@contextlib.contextmanager
-def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] = ("awq",)) -> Iterator[None]:
-    """Narrow, reversible patches around one llm-compressor run (library imports belong inside it).
-
-    - llm-compressor's and compressed-tensors' loguru messages are disabled for the duration and re-enabled
-      afterwards. llm-compressor configures its logger and logs on first import, so that import runs with
-      ``LLM_COMPRESSOR_LOG_DISABLED=true`` set just for the import, and its other imports run inside.
-    - ``IntermediatesCache.pin_memory`` becomes a no-op when no accelerator is present: AWQ pins cached
-      activations before its grid search, and ``Tensor.pin_memory()`` raises on a CPU-only torch build.
-      Pinning only speeds up host-to-GPU copies, so skipping it changes nothing else.
-    - the libraries' tqdm bars (sequential pipeline, AWQ, cache, applying the scheme) are replaced by a silent
-      shim that reports ``(phase, done, total)`` per decoder layer to ``progress`` (the build's rich bar). The
-      library walks the layers once per calibration pass (``passes``: AWQ, then GPTQ when it rounds); the bar
-      counts all passes and the phase names the pass.
-    - GPTQ's per-module ``CompressionLogger`` logs at a loguru level ("METRIC") that only the library's own
-      logger setup registers; with that setup off it is replaced by a silent stand-in.
-    """
-    from unittest import mock
-
-    from loguru import logger
-
-    with mock.patch.dict(os.environ, {"LLM_COMPRESSOR_LOG_DISABLED": "true"}):
-        import llmcompressor  # noqa: F401 - its first import configures its logger (here: off) and logs
-
-    with contextlib.ExitStack() as stack:
-        for name in ("llmcompressor", "compressed_tensors"):
-            logger.disable(name)
-            stack.callback(logger.enable, name)
-        import compressed_tensors.quantization.lifecycle.apply as apply_mod
-        import llmcompressor.modifiers.gptq.base as gptq_base
-        import llmcompressor.modifiers.transform.awq.base as awq_base
-        import llmcompressor.pipelines.cache as cache_mod
-        import llmcompressor.pipelines.sequential.pipeline as seq_mod
-
-        if not torch.accelerator.is_available():
-            stack.enter_context(mock.patch.object(cache_mod.IntermediatesCache, "pin_memory", _no_pin))
-        stack.enter_context(mock.patch.object(gptq_base, "CompressionLogger", _QuietCompressionLogger))
-        shim = _tqdm_shim(progress, passes)
-        for module in (seq_mod, awq_base, cache_mod, apply_mod):
-            stack.enter_context(mock.patch.object(module, "tqdm", shim))
-        yield
-
-
-def _no_pin(self: Any, batch_index: int, input_names: list[str] | None = None) -> None:
-    """Stand-in for ``IntermediatesCache.pin_memory`` on machines without an accelerator."""
-
-
-class _QuietCompressionLogger:
-    """Stand-in for llm-compressor's ``CompressionLogger`` (a context manager that logs time and loss)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-
-    def set_results(self, name: str | None = None, loss: float | None = None) -> None:
-        return None
-
-    def __enter__(self) -> "_QuietCompressionLogger":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _tqdm_shim(progress: ProgressFn | None, passes: tuple[str, ...] = ("awq",)) -> Callable[..., Any]:
-    """A tqdm replacement that prints nothing and turns "(i/N): Calibrating" stages into progress calls.
-
-    Stage 1 of a walk after the first starts the next of ``passes``; progress counts the stages of all passes.
-    """
-    seen = {"pass": -1}
-
-    class _Bar:
-        def __init__(self, iterable: Any = None, desc: str | None = None, total: int | None = None, **_: Any):
-            self.iterable = iterable if iterable is not None else ()
-            match = _STAGE.match(desc or "")
-            if match is not None and progress is not None:
-                done, total_stages, phase = int(match.group(1)) - 1, int(match.group(2)), match.group(3)
-                if done == 0:
-                    seen["pass"] = min(seen["pass"] + 1, len(passes) - 1)
-                index = max(seen["pass"], 0)
-                label = f"{phase.lower()} {done + 1}/{total_stages}"
-                if len(passes) > 1:
-                    label = f"{passes[index]} pass {index + 1}/{len(passes)}: {label}"
-                progress(label, index * total_stages + done, len(passes) * total_stages)
-
-        def __iter__(self) -> Iterator[Any]:
-            return iter(self.iterable)
-
-        def __enter__(self) -> "_Bar":
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            return None
-
-        def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-        def update(self, n: int = 1) -> None:
-            return None
-
-        def close(self) -> None:
-            return None
-
-    return _Bar
-
-
 def extract_int4(model: torch.nn.Module, group_size: int) -> dict[str, tuple[torch.Tensor, ...]]:
     """Every quantized Linear as {HF module path: (q int8 [O, K] in [-8, 7], scales [O, K/g] f32, prequant [K])}.
 
@@ -335,12 +234,5 @@ def plain_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that produced the int4 weights (for the build report)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    result = {}
-    for package in ("llmcompressor", "compressed-tensors", "torch", "transformers"):
-        try:
-            result[package] = version(package)
-        except PackageNotFoundError:
-            result[package] = "not installed"
-    return result
+    return {package: installed_version(package) or "not installed"
+            for package in ("llmcompressor", "compressed-tensors", "torch", "transformers")}

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llmc.runtime.detokenize import IncrementalDetokenizer
-from llmc.runtime.metrics import RequestMetrics
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.stop import StopStringMatcher, check_stop_token
+from llmc.request.detokenize import IncrementalDetokenizer
+from llmc.request.metrics import RequestMetrics
+from llmc.request.params import SamplingParams
+from llmc.request.stop import StopStringMatcher, check_stop_token
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 

@@ -8,12 +8,13 @@ was accepted (before queueing), to the first generated token.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 TTFT_BUCKETS = ("<=128", "129-512", ">512")
 
@@ -87,8 +88,8 @@ class StepMetrics:
     running: int
     waiting: int
     scheduled_tokens: int
-    prefill_tokens: int
-    decode_tokens: int
+    prefill_tokens: int  # scheduled_tokens - decode_tokens
+    decode_tokens: int  # sequences that computed one new token (llmc.engine.types.is_decode)
     kv_blocks_used: int
     kv_blocks_free: int
     preemptions: int = 0
@@ -144,24 +145,13 @@ def read_metrics_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
-    """``{"p50": ..., "p95": ..., "p99": ...}`` by linear interpolation between closest ranks.
-
-    This is numpy's default ("linear", Hyndman-Fan type 7): rank ``(n - 1) * q / 100`` of the sorted values,
-    interpolated. Empty input gives ``None`` for every key (JSON ``null``). Keys are ``f"p{q:g}"``.
-    """
-    data = sorted(float(v) for v in values)
-    out: dict[str, float | None] = {}
-    for q in qs:
-        assert 0 <= q <= 100, q
-        key = f"p{q:g}"
-        if not data:
-            out[key] = None
-            continue
-        rank = (len(data) - 1) * q / 100
-        lo = math.floor(rank)
-        hi = min(lo + 1, len(data) - 1)
-        out[key] = data[lo] + (data[hi] - data[lo]) * (rank - lo)
-    return out
+    """``{"p50": ..., "p95": ..., "p99": ...}`` of ``values``: ``numpy.percentile`` (its default "linear" method,
+    Hyndman-Fan type 7). Empty input gives ``None`` for every key (JSON ``null``). Keys are ``f"p{q:g}"``."""
+    data = np.asarray(list(values), dtype=np.float64)
+    keys = [f"p{q:g}" for q in qs]
+    if data.size == 0:
+        return dict.fromkeys(keys)
+    return {key: float(value) for key, value in zip(keys, np.percentile(data, list(qs)))}
 
 
 def ttft_bucket(prompt_tokens: int) -> str:

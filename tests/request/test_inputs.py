@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.inputs import max_prompt_chars, prompt_to_token_ids
+from llmc.request.inputs import max_prompt_chars, prompt_to_token_ids
 
 
 class CountingTokenizer:

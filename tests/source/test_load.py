@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from llmc.builder import load, sources
-from llmc.builder.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
-from llmc.builder.sources import read_source_config
+from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import SourceError
 from llmc.recipe import ModelSource, ModelSpec
+from llmc.source import load, sources
+from llmc.source.load import SourceModel, convert_gguf_cached, expected_tensor_names, load_state_dict, resolve_source
+from llmc.source.sources import read_source_config
 from tests import factories
 
 
@@ -108,7 +109,7 @@ def test_embedded_source_is_converted_once_and_cached(smollm2_hf_dir):
     assert src.hf_dir.name == src.sha256[:16]
     assert src.eos_token_ids == (2,)  # <|im_end|>, not the converted tokenizer's <|im_start|>
     assert any("dropped eos candidate 1" in w for w in src.eos_warnings)
-    names = set(sources.read_safetensors_header(smollm2_hf_dir / "model.safetensors")) - {"__metadata__"}
+    names = set(read_safetensors_header(smollm2_hf_dir / "model.safetensors")) - {"__metadata__"}
     cfg = json.loads((smollm2_hf_dir / "config.json").read_text())
     assert names == set(expected_tensor_names(cfg))  # tied: no lm_head.weight
     assert "quantization_config" not in cfg
@@ -223,6 +224,12 @@ def test_folder_without_config(tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(SourceError, match="no config.json"):
         resolve_source(path_source(tmp_path / "m"))
+
+
+def test_corrupt_safetensors_header_is_a_source_error(tiny_copy):
+    (tiny_copy / "model.safetensors").write_bytes((10).to_bytes(8, "little") + b"not json!!")
+    with pytest.raises(SourceError, match=r"not a readable safetensors file.*Fix: re-export the weights"):
+        resolve_source(path_source(tiny_copy))
 
 
 def test_magic_byte_sniffing(tiny_hf_dir, tmp_path):

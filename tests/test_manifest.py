@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llmc.builder import manifest as mf
+from llmc import manifest as mf
 from llmc.errors import EngineError
 
 

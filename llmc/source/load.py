@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmc.builder import sources
-from llmc.builder.eos import EosResolution, reconcile_eos, read_generation_eos
-from llmc.errors import SourceError
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.checkpoint.safetensors_header import read_safetensors_header
+from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
+from llmc.source import sources
+from llmc.source.eos import EosResolution, reconcile_eos, read_generation_eos
+from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +165,10 @@ def validate_hf_folder(hf_dir: Path) -> None:
     files = safetensors_files(hf_dir)
     present: set[str] = set()
     for f in files:
-        present.update(k for k in sources.read_safetensors_header(f) if k != "__metadata__")
+        try:
+            present.update(k for k in read_safetensors_header(f) if k != "__metadata__")
+        except CheckpointError as exc:
+            raise SourceError(f"model source {hf_dir}: {exc}. Fix: re-export the weights with safetensors") from None
     missing = [name for name in expected_tensor_names(config) if name not in present]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -172,15 +181,9 @@ def validate_hf_folder(hf_dir: Path) -> None:
 
 def check_architecture(config: dict[str, Any], where: Path) -> None:
     """SourceError unless the config is a Llama-family causal LM (``llmc.recipe.checks`` lists them)."""
-    from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
-
-    archs = [a for a in (config.get("architectures") or []) if isinstance(a, str)]
-    ok = (any(a in SUPPORTED_ARCHITECTURES for a in archs) if archs
-          else config.get("model_type") in SUPPORTED_ARCHITECTURES.values())
-    if not ok:
-        name = ", ".join(archs) if archs else f"model_type {config.get('model_type')!r}"
+    if not is_supported_architecture(config):
         raise SourceError(
-            f"model source {where}: architecture {name} is not supported; llmc builds Llama-family decoders "
+            f"model source {where}: architecture {architecture_name(config)} is not supported; llmc builds Llama-family decoders "
             f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Fix: use a Llama-architecture model "
             f"(e.g. SmolLM2, Llama 3, TinyLlama)"
         )
@@ -221,38 +224,10 @@ def expected_tensor_names(config: dict[str, Any]) -> list[str]:
 
 def load_state_dict(hf_dir: Path) -> dict[str, Any]:
     """Every tensor of an HF folder's safetensors files (never pickle), by HF name."""
-    from safetensors.torch import load_file
-
     state: dict[str, Any] = {}
     for f in safetensors_files(Path(hf_dir)):
         state.update(load_file(str(f)))
     return state
-
-
-def load_tokenizer(hf_dir: Path) -> Any:
-    """The fast tokenizer saved in ``hf_dir`` (tokenizer.json), without remote code.
-
-    A folder saved by transformers 5 names its class ``TokenizersBackend``, which transformers 4 (the one
-    TensorRT-LLM 1.0 - 1.2 pins) does not know; its ``tokenizer.json`` is the whole tokenizer, so
-    transformers 4 loads it as ``PreTrainedTokenizerFast`` (tokens, special tokens and the chat template are
-    the same: tests/test_install_beside_trtllm.py compares them across the two versions).
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    try:
-        return AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
-    except ValueError as exc:
-        if _NEWER_TOKENIZER_CLASS in str(exc) and (Path(hf_dir) / "tokenizer.json").is_file():
-            return PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
-        raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
-                          f"and tokenizer_config.json") from exc
-    except OSError as exc:
-        raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
-                          f"and tokenizer_config.json") from exc
-
-
-# The tokenizer class transformers 5 writes into tokenizer_config.json (transformers 4 raises on it).
-_NEWER_TOKENIZER_CLASS = "TokenizersBackend"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -295,8 +270,7 @@ def convert_gguf_cached(gguf_path: Path, sha256: str, cache_dir: Path) -> tuple[
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a Llama GGUF file into an HF folder (float32 safetensors, config, tokenizer, template)."""
-    import torch
-    from safetensors.torch import save_file
+    # Heavy: transformers' model classes pull in much of transformers (and Triton where it is installed).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sources.read_gguf_config(gguf_path)  # architecture check before the slow part

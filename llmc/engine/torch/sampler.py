@@ -4,7 +4,7 @@ Pipeline per row (each stage skipped when no row in the batch needs it):
 
 1. sanitize: float32, NaN -> -inf, +inf -> the largest finite float;
 2. ``min_tokens``: stop ids (request ids, plus eos unless ``ignore_eos``) get -inf while fewer than
-   ``min_tokens`` tokens were generated (consistent with :func:`llmc.runtime.stop.check_stop_token`);
+   ``min_tokens`` tokens were generated (consistent with :func:`llmc.request.stop.check_stop_token`);
 3. penalties (OpenAI / vLLM semantics): repetition over prompt + output ids, presence and frequency over
    output ids, counted on the device with ``scatter_add`` from padded id tensors;
 4. temperature-0 rows take the argmax here; the others are shifted so their maximum is 0 and divided by the
@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.types import ScheduledSequence
 
 _MASK64 = (1 << 64) - 1
 _FLOAT_MAX = torch.finfo(torch.float32).max

@@ -1,18 +1,20 @@
-"""``llmc validate RECIPE``: check a recipe (and its model, when the source is present) without building."""
+"""``llmc validate RECIPE``: the builder's checks before any work -- the recipe, its model (when the source is
+present) and its backend -- without building."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
+from llmc.engine.tensorrt_llm.checks import check_recipe as check_trtllm_recipe
 from llmc.errors import LlmcError
 from llmc.recipe.checks import check_recipe_against_model, kv_cache_bytes_per_token
 from llmc.recipe.load import load_recipe, recipe_hash, recipe_to_dict
 from llmc.recipe.schema import Recipe
+from llmc.source.sources import read_source_config
 
 GIB = 1 << 30
 
@@ -44,30 +46,15 @@ def validate_against_sources(recipe: Recipe) -> dict[str, Any] | None:
 
     Raises RecipeError (or another LlmcError, e.g. an unreadable source) on the first problem.
     """
-    read_source_config = _optional_function("llmc.builder.load", "read_source_config") or \
-        _optional_function("llmc.builder.sources", "read_source_config")
-    hf_config = read_source_config(recipe.model.source) if read_source_config is not None else None
+    hf_config = read_source_config(recipe.model.source)
     if hf_config is None:
         click.echo(f"warning: model source not found at {recipe.model.source}: model-dependent checks run at "
                    f"build time", err=True)
     else:
         check_recipe_against_model(recipe, hf_config)
     if recipe.backend == "tensorrt_llm":
-        check_trtllm = _optional_function("llmc.engine.tensorrt_llm.checks", "check_recipe")
-        if check_trtllm is not None:
-            check_trtllm(recipe, hf_config)
+        check_trtllm_recipe(recipe, hf_config)
     return hf_config
-
-
-def _optional_function(module_name: str, attr: str) -> Callable[..., Any] | None:
-    """``module_name.attr`` when that module exists (imported lazily), else None. Other import errors raise."""
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name == module_name:
-            return None
-        raise
-    return getattr(module, attr, None)
 
 
 def summary_rows(recipe: Recipe, hf_config: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from llmc.builder.eos import chat_markers, reconcile_eos, reconcile_eos_ids
-from llmc.builder.load import load_tokenizer
+from llmc.source.eos import chat_markers, reconcile_eos, reconcile_eos_ids
+from llmc.tokenizer import load_tokenizer
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
@@ -106,10 +106,13 @@ def test_chat_markers_phi3_style_end():
     assert markers.end == "<|end|>"
 
 
-def test_unrenderable_template_falls_back_to_known_markers():
+def test_unrenderable_template_falls_back_to_known_markers_with_a_warning(caplog):
     broken = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}{{ undefined_fn() }}"
-    markers = chat_markers(broken, {"<|im_end|>": 2})
+    with caplog.at_level(logging.WARNING, logger="llmc.source.eos"):
+        markers = chat_markers(broken, {"<|im_end|>": 2})
     assert markers.end == "<|im_end|>"
+    (record,) = [r for r in caplog.records if r.name == "llmc.source.eos"]
+    assert record.levelno == logging.WARNING and "could not be rendered" in record.message
 
 
 def test_no_template_no_markers():
@@ -120,7 +123,7 @@ def test_real_smollm2_tokenizer_reports_im_start_but_reconciles_to_im_end(smollm
     tokenizer = load_tokenizer(smollm2_hf_dir)
     assert tokenizer.eos_token == "<|im_start|>"  # the GGUF conversion's wrong eos, which reconciliation fixes
     template = (smollm2_hf_dir / "chat_template.jinja").read_text()
-    with caplog.at_level(logging.WARNING, logger="llmc.builder.eos"):
+    with caplog.at_level(logging.WARNING, logger="llmc.source.eos"):
         res = reconcile_eos(tokenizer, config_eos=2, generation_eos=2, chat_template=template, bos_token_id=1)
     assert res.eos_token_ids == (2,)
     assert res.chat_end_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 
 def check_stop_token(

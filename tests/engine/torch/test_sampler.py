@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from llmc.runtime.params import SamplingParams
-from llmc.runtime.sampler import Sampler, apply_penalties
-from llmc.runtime.types import ScheduledSequence
+from llmc.engine.torch.sampler import Sampler, apply_penalties
+from llmc.engine.types import ScheduledSequence
+from llmc.request.params import SamplingParams
 
 
 def seq(params: SamplingParams, prompt=(), output=(), rid="r") -> ScheduledSequence:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import EngineError
+from llmc.recipe import Recipe, recipe_from_dict
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -50,10 +51,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def recipe_obj(self) -> Any:
+    def recipe_obj(self) -> Recipe:
         """The recipe as a frozen ``Recipe`` (``llmc.recipe.recipe_from_dict``, input files not re-checked)."""
-        from llmc.recipe import recipe_from_dict
-
         return recipe_from_dict(self.recipe, check_inputs=False)
 
     def to_dict(self) -> dict[str, Any]:

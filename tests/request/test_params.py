@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from llmc.errors import RequestError
-from llmc.runtime.params import SamplingParams
+from llmc.request.params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 log = logging.getLogger(__name__)
 
 _SENTINEL_USER = "\x00llmc-user\x00"
@@ -152,8 +154,6 @@ def special_tokens_of(tokenizer: Any) -> dict[str, int]:
 
 def _render(template: str, messages: list[dict[str, str]]) -> str:
     """Render a chat template in a sandbox with the variables HF templates commonly use."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(msg: str) -> None:
         raise ValueError(msg)
 
@@ -187,7 +187,8 @@ def chat_markers(template: str | None, specials: dict[str, int]) -> ChatMarkers:
     try:
         text = _render(template, messages)
     except Exception as exc:  # any template error: fall back to the static scan below
-        log.debug("chat template could not be rendered (%s); scanning it for known markers", exc)
+        log.warning("the chat template could not be rendered (%s); its end-of-turn token is guessed from known "
+                    "markers instead: check the build's eos ids (llmc inspect)", exc)
         found = [m for m in _KNOWN_END_MARKERS if m in template and m in specials]
         return ChatMarkers(end=found[0] if found else None, start=None)
     end = None

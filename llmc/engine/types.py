@@ -1,0 +1,109 @@
+"""The one typed contract between the runtime and an engine backend's model runner.
+
+The scheduler is device-free: it decides *which tokens of which sequences* are computed this step and
+where their KV entries live (block ids). The model runner turns that into tensors, runs the forward
+pass over the paged KV cache, samples on the device and returns the sampled token ids.
+
+There are no prefill/decode modes: every sequence has ``num_computed`` tokens in the KV cache and
+``token_ids`` new tokens to compute this step (a chunk of its prompt, or the last sampled token). A step
+with exactly one new token is a *decode* (:func:`is_decode`, the one definition every layer uses).
+
+Runners come in two kinds (:class:`ModelRunner`): a :class:`StepRunner` executes the steps llmc's scheduler
+plans (the torch backend); a :class:`BatchRunner` takes whole requests because its backend schedules and
+samples by itself (TensorRT-LLM's executor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from llmc.request.outputs import Completion, StreamEvent
+from llmc.request.params import SamplingParams
+
+
+def is_decode(num_new_tokens: int) -> bool:
+    """True for a sequence that computes exactly one new token this step (its last sampled one, or the last
+    token of a prompt whose earlier chunks ran already): the decode-first order of the scheduler, the batched
+    attention path, the CUDA-graph steps and the step metrics all key on this."""
+    return num_new_tokens == 1
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's work for one engine step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens to run this step, positions num_computed .. num_computed+len-1
+    num_computed: int  # tokens already in the KV cache (their positions are 0 .. num_computed-1)
+    block_ids: tuple[int, ...]  # the sequence's whole block table, covering num_computed + len(token_ids)
+    sample: bool  # True when the logits at the last new token are sampled (False: a non-final prefill chunk)
+    params: SamplingParams
+    # Tokens the penalties see: the prompt and the tokens generated so far (in order).
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token this step (:func:`is_decode`)."""
+        return is_decode(len(self.token_ids))
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step; ``sequences`` is in batch order."""
+
+    step: int
+    sequences: tuple[ScheduledSequence, ...]
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Sampled token per sequence that had ``sample=True``, keyed by request id."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # Optional per-sampled-sequence log-probability of the chosen token.
+    logprobs: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """What every backend's loaded model tells the layers above it."""
+
+    vocab_size: int  # token ids (prompts, stop ids, logit biases) must lie in 0 .. vocab_size - 1
+
+
+@runtime_checkable
+class StepRunner(ModelRunner, Protocol):
+    """A runner that executes the steps llmc's scheduler plans over its paged KV cache (the torch backend)."""
+
+    block_size: int  # tokens per KV block
+    num_blocks: int  # KV blocks the block manager may hand out: block ids 0 .. num_blocks - 1
+
+    def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; return the sampled token of every sequence with ``sample=True``."""
+        ...
+
+
+@runtime_checkable
+class BatchRunner(ModelRunner, Protocol):
+    """A runner whose backend batches, schedules and samples by itself (TensorRT-LLM's executor): it takes
+    prompts as token ids and yields llmc's events, run through llmc's own output pipeline."""
+
+    tokenizer: Any  # the build's Hugging Face tokenizer
+    eos_token_ids: tuple[int, ...]
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """One :class:`Completion` per prompt, in order."""
+        ...
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams | None = None,
+               request_id: str = "trt-0") -> Iterator[StreamEvent]:
+        """One request's events as tokens arrive; the last has ``finished=True``."""
+        ...
