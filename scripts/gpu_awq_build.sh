@@ -77,10 +77,9 @@ step "IR conformance (W4A16_AWQ checkpoint) and a greedy run of the engine"
 $py - "$work/build-awq" <<'PY'
 import json, sys, time
 from pathlib import Path
-from llmc.builder.manifest import read_manifest
+from llmc.manifest import read_manifest
 from llmc.engine.tensorrt_llm.ir import check_ir
-from llmc.runtime.api import Engine
-from llmc.runtime.params import SamplingParams
+from llmc import Engine, SamplingParams
 build = Path(sys.argv[1])
 config = json.loads((build / "checkpoint" / "config.json").read_text())
 assert config["quantization"]["quant_algo"] == "W4A16_AWQ" and config["quantization"]["group_size"] == 128

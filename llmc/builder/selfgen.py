@@ -2,7 +2,7 @@
 llmc's own runtime.
 
 The source model is exported as a 16-bit IR into a temporary build folder (checkpoint, torch engine, tokenizer,
-manifest) and opened with :class:`llmc.runtime.api.Engine`, so generation uses continuous batching over the
+manifest) and opened with :class:`llmc.Engine`, so generation uses continuous batching over the
 paged KV cache on the build's device. Every seed prompt (:mod:`llmc.builder.seed_prompts`) is asked in a
 chat-formatted conversation and answered with sampling (``calibration.self_generation``: temperature, top_p,
 max_new_tokens; each request seeded from the recipe's calibration seed, so a build is reproducible); with
@@ -103,11 +103,11 @@ def open_generator(source: Any, recipe: Any, folder: Path, device: torch.device)
     The KV cache holds exactly one full batch (``max_batch_size`` x ``max_seq_len``), not a memory fraction, so
     the generator's GPU memory stays proportional to the batch.
     """
-    from llmc.builder import manifest as mf
+    from llmc import manifest as mf
     from llmc.builder.export import export_checkpoint
     from llmc.builder.pipeline import export_tokenizer, make_manifest
     from llmc.engine.base import compile_engine
-    from llmc.runtime.api import Engine
+    from llmc import Engine
 
     gen = generator_recipe(recipe)
     export_checkpoint(source, gen, folder / "checkpoint")
@@ -128,7 +128,7 @@ def generate_conversations(engine: Any, tokens: int, spec: Any, seed: int, chat:
     text stops close to ``tokens`` (generation is the expensive part on a CPU). Request i of round r samples
     with seed (seed, r, i, turn), so the text does not depend on how requests were batched.
     """
-    from llmc.runtime.params import SamplingParams
+    from llmc.request.params import SamplingParams
 
     prompts = all_prompts()
     conversations: list[Conversation] = []

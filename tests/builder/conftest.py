@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_hf_dir):
-    from llmc.builder.load import load_tokenizer
+    from llmc.tokenizer import load_tokenizer
 
     return load_tokenizer(tiny_hf_dir)
 

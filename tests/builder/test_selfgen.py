@@ -80,7 +80,7 @@ def test_seed_prompts_cover_the_categories():
 
 
 def test_the_model_writes_its_text_through_llmcs_runtime(tiny_hf_dir):
-    from llmc.builder.load import resolve_source
+    from llmc.source.load import resolve_source
 
     recipe = recipe_from_dict({"name": "tiny", "model": {"source": str(tiny_hf_dir)}, "quantization": {
         "method": "awq", "group_size": 32, "calibration": {"dataset": "self", "seed": 5, "self_generation": {
