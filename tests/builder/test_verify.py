@@ -192,7 +192,6 @@ def test_no_readable_domain_is_a_build_error(source, tiny_hf_dir, tmp_path, monk
 
     from llmc.builder import heldout
     from llmc.errors import BuildError
-    from llmc.tokenizer import load_tokenizer
 
     monkeypatch.setattr(heldout, "domain_text", lambda name: "too short")
     recipe = tiny_recipe(tiny_hf_dir)
