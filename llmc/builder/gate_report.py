@@ -1,4 +1,5 @@
-"""Accuracy-gate metrics and their presentation: per-token KL / perplexity / top-1 summaries, thresholds, tables.
+"""Accuracy-gate metrics and their presentation: per-token KL / perplexity / top-1 summaries per domain, the
+build / RTN ratios, the mean over domains, bounds, tables.
 
 Pure functions over the scores :mod:`llmc.builder.verify` computes, so they are tested without models.
 """
@@ -31,7 +32,8 @@ def window_scores(input_ids: torch.Tensor, logits_16: torch.Tensor, logits_int4:
                   ) -> tuple[torch.Tensor, ...]:
     """(kl [L], nll_16 [L-1], nll_int4 [L-1], top1_16 [L], top1_int4 [L]) of one window.
 
-    input_ids [L]; logits [L, V] (any float dtype; computed in float64 for a stable KL).
+    input_ids [L]; logits [L, V] (any float dtype, any device; computed in float64 for a stable KL). The results
+    are CPU tensors.
     """
     logp = torch.log_softmax(logits_16.double(), dim=-1)  # [L, V]
     logq = torch.log_softmax(logits_int4.double(), dim=-1)  # [L, V]
@@ -39,7 +41,13 @@ def window_scores(input_ids: torch.Tensor, logits_16: torch.Tensor, logits_int4:
     targets = input_ids[1:].unsqueeze(-1)  # [L-1, 1]
     nll_16 = -logp[:-1].gather(-1, targets).squeeze(-1)  # [L-1]
     nll_int4 = -logq[:-1].gather(-1, targets).squeeze(-1)
-    return kl, nll_16, nll_int4, logp.argmax(-1), logq.argmax(-1)
+    return tuple(t.cpu() for t in (kl, nll_16, nll_int4, logp.argmax(-1), logq.argmax(-1)))
+
+
+def stack_scores(windows: torch.Tensor, parts: Sequence[tuple[torch.Tensor, ...]]) -> Scores:
+    """The :class:`Scores` of ``windows`` [W, L] from their per-window :func:`window_scores`."""
+    kl, nll_16, nll_q, top_16, top_q = (torch.stack(column) for column in zip(*parts))
+    return Scores(windows, kl, nll_16, nll_q, top_16, top_q)
 
 
 def summarize(scores: Scores) -> dict[str, float | int]:
@@ -82,37 +90,84 @@ def _token(tokenizer: Any, token_id: int) -> str:
     return repr(tokenizer.decode([token_id]))
 
 
-def check_thresholds(metrics: dict[str, Any], max_mean_kl: float, max_ppl_ratio: float | None,
-                     special_failures: Sequence[str]) -> list[str]:
-    """Human-readable reasons the gate fails (empty when it passes)."""
+def domain_metrics(by_model: dict[str, Scores]) -> dict[str, Any]:
+    """One domain's figures: tokens, 16-bit perplexity, the int4 (and RTN) metrics, the int4 / RTN ratios."""
+    int4 = summarize(by_model["int4"])
+    out: dict[str, Any] = {"tokens": int4.pop("tokens"), "windows": int4.pop("windows"),
+                           "ppl_16bit": int4.pop("ppl_16bit"), "int4": int4}
+    if "rtn" in by_model:
+        rtn = summarize(by_model["rtn"])
+        out["rtn"] = {k: v for k, v in rtn.items() if k not in ("tokens", "windows", "ppl_16bit")}
+        out["kl_vs_rtn"] = round(int4["kl_mean"] / max(out["rtn"]["kl_mean"], 1e-12), 4)
+        out["ppl_vs_rtn"] = round(int4["ppl_int4"] / out["rtn"]["ppl_int4"], 4)
+    return out
+
+
+def mean_over_domains(domains: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Unweighted means over the scored domains: int4 (and RTN) KL, perplexity ratio, top-1, and the KL and
+    perplexity ratios to RTN (the mean KL ratio is mean int4 KL / mean RTN KL)."""
+    def mean(values: list[float]) -> float:
+        return round(sum(values) / len(values), 5)
+
+    rows = list(domains.values())
+    out: dict[str, Any] = {"domains": len(rows)}
+    for model in ("int4", "rtn"):
+        if all(model in r for r in rows):
+            out[model] = {k: mean([r[model][k] for r in rows]) for k in ("kl_mean", "ppl_ratio", "top1_agreement")}
+    if "rtn" in out:
+        out["kl_vs_rtn"] = round(out["int4"]["kl_mean"] / max(out["rtn"]["kl_mean"], 1e-12), 4)
+        out["ppl_vs_rtn"] = mean([r["ppl_vs_rtn"] for r in rows])
+    return out
+
+
+def check_domains(domains: dict[str, dict[str, Any]], gate: Any) -> list[str]:
+    """Human-readable reasons the gate fails (empty when every domain is within every bound of ``gate``)."""
     failures = []
-    if metrics["kl_mean"] > max_mean_kl:
-        failures.append(f"mean KL {metrics['kl_mean']:.4f} > max_mean_kl {max_mean_kl:g}")
-    if max_ppl_ratio is not None and metrics["ppl_ratio"] > max_ppl_ratio:
-        failures.append(f"perplexity ratio {metrics['ppl_ratio']:.3f} > max_ppl_ratio {max_ppl_ratio:g}")
-    failures += [f"chat end token: {f}" for f in special_failures]
+    for name, d in domains.items():
+        m = d["int4"]
+        if m["kl_mean"] > gate.max_mean_kl:
+            failures.append(f"{name}: mean KL {m['kl_mean']:.4f} > max_mean_kl {gate.max_mean_kl:g}")
+        if gate.max_ppl_ratio is not None and m["ppl_ratio"] > gate.max_ppl_ratio:
+            failures.append(f"{name}: perplexity ratio {m['ppl_ratio']:.3f} > max_ppl_ratio {gate.max_ppl_ratio:g}")
+        if gate.max_kl_vs_rtn is not None and d.get("kl_vs_rtn", 0) > gate.max_kl_vs_rtn:
+            failures.append(f"{name}: mean KL {d['kl_vs_rtn']:.3f} x RTN's > max_kl_vs_rtn {gate.max_kl_vs_rtn:g}")
+        if gate.max_ppl_vs_rtn is not None and d.get("ppl_vs_rtn", 0) > gate.max_ppl_vs_rtn:
+            failures.append(f"{name}: perplexity {d['ppl_vs_rtn']:.3f} x RTN's > max_ppl_vs_rtn "
+                            f"{gate.max_ppl_vs_rtn:g}")
     return failures
 
 
-def metrics_table(report: dict[str, Any]) -> Table:
-    """Rich table of the gate's metrics next to their thresholds."""
-    m, t = report["metrics"], report["thresholds"]
-    table = Table(title=f"accuracy gate: {'PASS' if report['passed'] else 'FAIL'} "
-                        f"({m['tokens']} held-out tokens)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("threshold", justify="right")
-    table.add_row("perplexity 16-bit", f"{m['ppl_16bit']:.3f}", "")
-    table.add_row("perplexity int4", f"{m['ppl_int4']:.3f}", "")
-    ratio_limit = t["max_ppl_ratio"]
-    table.add_row("perplexity ratio", f"{m['ppl_ratio']:.3f}", f"<= {ratio_limit:g}" if ratio_limit else "-")
-    table.add_row("KL mean", f"{m['kl_mean']:.4f}", f"<= {t['max_mean_kl']:g}")
-    table.add_row("KL p99", f"{m['kl_p99']:.4f}", "")
-    table.add_row("KL max", f"{m['kl_max']:.4f}", "")
-    table.add_row("top-1 agreement", f"{m['top1_agreement']:.3f}", "")
+def worst_domain(domains: dict[str, dict[str, Any]]) -> str:
+    """The domain with the largest int4 mean KL."""
+    return max(domains, key=lambda name: domains[name]["int4"]["kl_mean"])
+
+
+def domains_table(report: dict[str, Any]) -> Table:
+    """Rich table: per domain, perplexity of the 16-bit, RTN and int4 models, RTN's and int4's mean KL, their
+    ratio and int4's top-1 agreement; then the mean over domains."""
+    t = report["thresholds"]
+    limits = [f"KL <= {t['max_mean_kl']:g}"]
+    limits += [f"ppl ratio <= {t['max_ppl_ratio']:g}"] if t["max_ppl_ratio"] else []
+    limits += [f"KL <= {t['max_kl_vs_rtn']:g} x RTN"] if t["max_kl_vs_rtn"] else []
+    limits += [f"ppl <= {t['max_ppl_vs_rtn']:g} x RTN"] if t["max_ppl_vs_rtn"] else []
     chat = report["special_token_check"]
-    table.add_row("chat end token kept", f"{chat['ended_int4']}/{chat['ended_16bit']}", "all")
+    table = Table(title=f"accuracy gate: {'PASS' if report['passed'] else 'FAIL'} ({'; '.join(limits)}, per domain; "
+                        f"chat end token kept {chat['ended_int4']}/{chat['ended_16bit']})")
+    for column in ("domain", "tokens", "ppl 16", "ppl RTN", "ppl int4", "KL RTN", "KL int4", "KL/RTN", "top-1"):
+        table.add_column(column, justify="left" if column == "domain" else "right", no_wrap=True)
+    for name, d in report["domains"].items():
+        r = d.get("rtn", {})
+        table.add_row(name, str(d["tokens"]), f"{d['ppl_16bit']:.2f}", _fmt(r.get("ppl_int4"), ".2f"),
+                      f"{d['int4']['ppl_int4']:.2f}", _fmt(r.get("kl_mean"), ".3f"), f"{d['int4']['kl_mean']:.3f}",
+                      _fmt(d.get("kl_vs_rtn"), ".2f"), f"{d['int4']['top1_agreement']:.3f}")
+    m = report["mean"]
+    table.add_row("mean", "", "", "", "", _fmt(m.get("rtn", {}).get("kl_mean"), ".3f"), f"{m['int4']['kl_mean']:.3f}",
+                  _fmt(m.get("kl_vs_rtn"), ".2f"), f"{m['int4']['top1_agreement']:.3f}")
     return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def worst_positions_text(rows: Sequence[dict[str, Any]]) -> str:

@@ -70,17 +70,36 @@ def _replace(stack: contextlib.ExitStack, owner: Any, name: str, value: Any, ser
 
 
 @contextlib.contextmanager
-def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] = ("awq",)) -> Iterator[None]:
+def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] = ("awq",),
+                    device: torch.device | None = None, timer: Any = None) -> Iterator[None]:
     """Narrow, reversible patches around one llm-compressor run (library imports belong inside it), each undone
-    when the context exits: :func:`quiet_library_logs`, :func:`skip_pin_memory` (only without an accelerator),
-    :func:`quiet_compression_logger` and :func:`report_progress`."""
+    when the context exits: :func:`quiet_library_logs`, :func:`set_execution_device` (``device``, default the
+    CPU), :func:`skip_pin_memory` (only on the CPU), :func:`quiet_compression_logger` and :func:`report_progress`
+    (``timer.start(pass)`` at each calibration pass, when given)."""
+    device = device if device is not None else torch.device("cpu")
     with contextlib.ExitStack() as stack:
         quiet_library_logs(stack)
-        if not torch.accelerator.is_available():
+        set_execution_device(stack, device)
+        if device.type == "cpu":
             skip_pin_memory(stack)
         quiet_compression_logger(stack)
-        report_progress(stack, progress, passes)
+        report_progress(stack, progress, passes, timer)
         yield
+
+
+def set_execution_device(stack: contextlib.ExitStack, device: torch.device) -> None:
+    """The sequential and data-free pipelines compute on ``device``.
+
+    They pick it with ``get_main_device()``, which answers CUDA whenever torch sees any accelerator; with
+    ``set_onload_device(model, device)`` every module then stays where it was loaded and is copied to ``device``
+    when it runs (one decoder layer at a time in the sequential pipeline). So ``cpu`` stays on the CPU on a GPU
+    machine, and ``cuda`` runs there."""
+    import llmcompressor.pipelines.data_free.pipeline as free_mod
+    import llmcompressor.pipelines.sequential.pipeline as seq_mod
+
+    for module in (seq_mod, free_mod):
+        _replace(stack, module, "get_main_device", lambda: device, LLMCOMPRESSOR_SERIES,
+                 f"execution device of {module.__name__}")
 
 
 def quiet_library_logs(stack: contextlib.ExitStack) -> None:
@@ -105,9 +124,9 @@ def quiet_library_logs(stack: contextlib.ExitStack) -> None:
 
 
 def skip_pin_memory(stack: contextlib.ExitStack) -> None:
-    """``IntermediatesCache.pin_memory`` becomes a no-op: AWQ pins cached activations before its grid search, and
-    ``Tensor.pin_memory()`` raises on a CPU-only torch build. Pinning only speeds up host-to-GPU copies, so
-    skipping it changes nothing else."""
+    """``IntermediatesCache.pin_memory`` becomes a no-op (on the CPU): AWQ pins cached activations before its grid
+    search, and ``Tensor.pin_memory()`` raises on a CPU-only torch build. Pinning only speeds up host-to-GPU
+    copies, so skipping it changes nothing else."""
     import llmcompressor.pipelines.cache as cache_mod
 
     _replace(stack, cache_mod.IntermediatesCache, "pin_memory", _no_pin, LLMCOMPRESSOR_SERIES,
@@ -123,17 +142,18 @@ def quiet_compression_logger(stack: contextlib.ExitStack) -> None:
              "silent GPTQ CompressionLogger")
 
 
-def report_progress(stack: contextlib.ExitStack, progress: ProgressFn | None, passes: tuple[str, ...]) -> None:
+def report_progress(stack: contextlib.ExitStack, progress: ProgressFn | None, passes: tuple[str, ...],
+                    timer: Any = None) -> None:
     """The libraries' tqdm bars (sequential pipeline, AWQ, cache, applying the scheme) become a silent shim that
     reports ``(phase, done, total)`` per decoder layer to ``progress`` (the build's rich bar). The library walks
     the layers once per calibration pass (``passes``: AWQ, then GPTQ when it rounds); the bar counts all passes
-    and the phase names the pass."""
+    and the phase names the pass; ``timer.start(pass)`` marks where each pass begins."""
     import compressed_tensors.quantization.lifecycle.apply as apply_mod
     import llmcompressor.modifiers.transform.awq.base as awq_base
     import llmcompressor.pipelines.cache as cache_mod
     import llmcompressor.pipelines.sequential.pipeline as seq_mod
 
-    shim = _tqdm_shim(progress, passes)
+    shim = _tqdm_shim(progress, passes, timer)
     for module in (seq_mod, awq_base, cache_mod):
         _replace(stack, module, "tqdm", shim, LLMCOMPRESSOR_SERIES, f"progress shim of {module.__name__}.tqdm")
     _replace(stack, apply_mod, "tqdm", shim, COMPRESSED_TENSORS_SERIES, f"progress shim of {apply_mod.__name__}.tqdm")
@@ -159,10 +179,12 @@ class _QuietCompressionLogger:
         return None
 
 
-def _tqdm_shim(progress: ProgressFn | None, passes: tuple[str, ...] = ("awq",)) -> Callable[..., Any]:
+def _tqdm_shim(progress: ProgressFn | None, passes: tuple[str, ...] = ("awq",), timer: Any = None
+               ) -> Callable[..., Any]:
     """A tqdm replacement that prints nothing and turns "(i/N): Calibrating" stages into progress calls.
 
-    Stage 1 of a walk after the first starts the next of ``passes``; progress counts the stages of all passes.
+    Stage 1 of a walk after the first starts the next of ``passes``; progress counts the stages of all passes;
+    ``timer.start(pass)`` is called when a pass begins.
     """
     seen = {"pass": -1}
 
@@ -170,15 +192,20 @@ def _tqdm_shim(progress: ProgressFn | None, passes: tuple[str, ...] = ("awq",)) 
         def __init__(self, iterable: Any = None, desc: str | None = None, total: int | None = None, **_: Any):
             self.iterable = iterable if iterable is not None else ()
             match = _STAGE.match(desc or "")
-            if match is not None and progress is not None:
-                done, total_stages, phase = int(match.group(1)) - 1, int(match.group(2)), match.group(3)
-                if done == 0:
-                    seen["pass"] = min(seen["pass"] + 1, len(passes) - 1)
-                index = max(seen["pass"], 0)
-                label = f"{phase.lower()} {done + 1}/{total_stages}"
-                if len(passes) > 1:
-                    label = f"{passes[index]} pass {index + 1}/{len(passes)}: {label}"
-                progress(label, index * total_stages + done, len(passes) * total_stages)
+            if match is None:
+                return
+            done, total_stages, phase = int(match.group(1)) - 1, int(match.group(2)), match.group(3)
+            if done == 0 and phase == "Calibrating":
+                seen["pass"] = min(seen["pass"] + 1, len(passes) - 1)
+                if timer is not None:
+                    timer.start(passes[seen["pass"]])
+            if progress is None:
+                return
+            index = max(seen["pass"], 0)
+            label = f"{phase.lower()} {done + 1}/{total_stages}"
+            if len(passes) > 1:
+                label = f"{passes[index]} pass {index + 1}/{len(passes)}: {label}"
+            progress(label, index * total_stages + done, len(passes) * total_stages)
 
         def __iter__(self) -> Iterator[Any]:
             return iter(self.iterable)

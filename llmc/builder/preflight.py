@@ -90,15 +90,23 @@ def _quant_text(recipe: Recipe) -> str:
     text = f"{q.method} int{q.bits}, group {q.group_size}, {q.effective_rounding} rounding"
     if q.method == "awq":
         c = q.calibration
-        source = c.dataset if c.path is None else f"file {c.path}"
+        mix = c.effective_sources
+        total = sum(s.weight for s in mix)
+        source = " + ".join((s.dataset if s.path is None else f"file {s.path}")
+                            + (f" {s.weight / total:.0%}" if len(mix) > 1 else "") for s in mix)
         text += (f"; calibration {source} {c.n_samples} x {c.seq_len} tokens"
                  f"{', chat template' if c.chat_template else ''}, special tokens "
-                 f"{'excluded' if q.exclude_special_tokens else 'included'}")
+                 f"{'excluded' if q.exclude_special_tokens else 'included'}; device {q.device}")
     gate = q.gate
     if gate.enabled:
-        text += f"; gate mean KL <= {gate.max_mean_kl:g} over {gate.n_tokens} tokens"
+        text += (f"; gate on {', '.join(gate.domains)} ({gate.n_tokens} tokens each): mean KL <= "
+                 f"{gate.max_mean_kl:g}")
         if gate.max_ppl_ratio is not None:
             text += f", perplexity ratio <= {gate.max_ppl_ratio:g}"
+        if gate.max_kl_vs_rtn is not None:
+            text += f", KL <= {gate.max_kl_vs_rtn:g} x RTN"
+        if gate.max_ppl_vs_rtn is not None:
+            text += f", perplexity <= {gate.max_ppl_vs_rtn:g} x RTN"
     return text
 
 

@@ -46,6 +46,7 @@ import torch
 
 from llmc.builder import llmcompressor_driver
 from llmc.builder.calibrate import CalibrationSet, build_calibration_set, check_calibration_spec
+from llmc.builder.devices import PassTimer, describe_device, free_gpu_memory, resolve_build_device
 from llmc.builder.export import kv_cache_quant_algo, write_w4a16_checkpoint
 from llmc.checkpoint.convert import torch_dtype
 from llmc.errors import BuildError
@@ -57,8 +58,8 @@ from llmc.tokenizer import load_tokenizer
 AWQ_N_GRID = 16
 AWQ_DUO_SCALING = "both"
 AWQ_SEARCH_SAMPLES = 8
-GPTQ_DAMPENING = 0.01
 CALIBRATION_BATCH = 4
+LIBRARY_PASSES = ("awq", "gptq", "rtn")
 
 
 class StepProgress(Protocol):
@@ -70,36 +71,47 @@ class StepProgress(Protocol):
 
 
 def quantize_checkpoint(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Path,
-                        progress: StepProgress | None = None) -> dict[str, Any]:
+                        progress: StepProgress | None = None, device: torch.device | None = None) -> dict[str, Any]:
     """Quantize ``source`` (a SourceModel) per ``recipe.quantization`` and write the W4A16_AWQ IR.
 
-    Bad input (method, group size vs. the model's features, calibration dataset/file/sizes) raises RecipeError
-    before any model is loaded. ``progress`` (optional) gets a per-layer bar. Returns the report: method,
-    group size, mask on/off, calibration summary, seconds per phase, CPU seconds, library versions.
+    Bad input (method, group size vs. the model's features, calibration dataset/file/sizes, ``device: cuda``
+    without a GPU) raises RecipeError / BuildError before any model is loaded. ``device``: where the work runs
+    (default: ``quantization.device`` resolved). ``progress`` (optional) gets a per-layer bar. Returns the
+    report: method, group size, mask on/off, calibration summary (and the self-generation report), the device,
+    seconds and peak GPU memory of each pass, CPU seconds, library versions.
     """
     quant = recipe.quantization
     recipe_file = str(recipe.path) if getattr(recipe, "path", None) else None
     check_inputs(recipe, source.hf_config, recipe_file)
+    device = device if device is not None else resolve_build_device(quant.device)
     started, cpu_started = time.perf_counter(), time.process_time()
-    seconds: dict[str, float] = {}
-    calib = None
+    timer = PassTimer(device)
+    calib, writer = None, None
     if quant.method == "awq":
         _note(progress, "calibration data")
-        calib = make_calibration_set(source, recipe, recipe_file)
-        seconds["calibration_data"] = _lap(started)
+        timer.start("calibration_data")
+        if any(s.dataset == "self" for s in quant.calibration.effective_sources):
+            from llmc.builder.selfgen import SelfTextWriter
+
+            writer = SelfTextWriter(source, recipe, device, progress)
+        calib = make_calibration_set(source, recipe, recipe_file, writer)
+        free_gpu_memory(device)
     _note(progress, "loading model")
-    t = time.perf_counter()
+    timer.start("load_model")
     model = load_float32_model(source.hf_dir)
-    seconds["load_model"] = _lap(t)
-    t = time.perf_counter()
-    gptq = llmcompressor_driver.run_oneshot(model, int4_options(recipe), calib, progress=_layer_progress(progress))
-    seconds["quantize"] = _lap(t)
+    timer.stop()
+    gptq = llmcompressor_driver.run_oneshot(model, int4_options(recipe), calib, progress=_layer_progress(progress),
+                                            device=device, timer=timer)
+    free_gpu_memory(device)
     _note(progress, "writing checkpoint")
-    t = time.perf_counter()
+    timer.start("export")
     written = export_int4(model, source, recipe, checkpoint_dir)
-    seconds["export"] = _lap(t)
-    seconds["total"] = _lap(started)
-    return make_report(recipe, calib, seconds, time.process_time() - cpu_started, written, gptq)
+    timer.stop()
+    report = make_report(recipe, calib, timer.passes, time.perf_counter() - started,
+                         time.process_time() - cpu_started, written, gptq)
+    report["device"] = {"requested": quant.device, **describe_device(device)}
+    report["self_generation"] = writer.report if writer is not None else None
+    return report
 
 
 def int4_options(recipe: Recipe) -> llmcompressor_driver.Int4Options:
@@ -110,7 +122,7 @@ def int4_options(recipe: Recipe) -> llmcompressor_driver.Int4Options:
         duo_scaling=AWQ_DUO_SCALING, n_grid=AWQ_N_GRID,
         search_batches=math.ceil(AWQ_SEARCH_SAMPLES / CALIBRATION_BATCH), batch_size=CALIBRATION_BATCH,
         use_loss_mask=bool(quant.exclude_special_tokens), rounding=quant.effective_rounding,
-        gptq_dampening=GPTQ_DAMPENING, gptq_use_loss_mask=bool(quant.gptq_exclude_special_tokens),
+        gptq_dampening=quant.gptq_dampening, gptq_use_loss_mask=bool(quant.gptq_exclude_special_tokens),
     )
 
 
@@ -125,14 +137,17 @@ def check_inputs(recipe: Recipe, hf_config: dict[str, Any], recipe_file: str | N
         check_calibration_spec(quant.calibration, recipe_file)
 
 
-def make_calibration_set(source: SourceModel, recipe: Recipe, recipe_file: str | None) -> CalibrationSet:
-    """The recipe's calibration windows, tokenized with the source's tokenizer and chat template."""
+def make_calibration_set(source: SourceModel, recipe: Recipe, recipe_file: str | None, self_text: Any = None
+                         ) -> CalibrationSet:
+    """The recipe's calibration windows, tokenized with the source's tokenizer and chat template (``self_text``:
+    the model's own text for dataset ``self``, a :class:`llmc.builder.selfgen.SelfTextWriter`)."""
     quant = recipe.quantization
     return build_calibration_set(
         quant.calibration, load_tokenizer(source.hf_dir),
         exclude_special_tokens=bool(quant.exclude_special_tokens), chat_template=source.chat_template,
         add_special_tokens=bool(recipe.model.add_special_tokens),
         extra_special_ids=(*source.special_token_ids, *source.eos_token_ids), recipe_file=recipe_file,
+        self_text=self_text,
     )
 
 
@@ -153,11 +168,19 @@ def export_int4(model: torch.nn.Module, source: SourceModel, recipe: Recipe, che
                                   recipe.engine.tp_size, checkpoint_dir, kv_cache_quant_algo(recipe.kv_cache.dtype))
 
 
-def make_report(recipe: Recipe, calib: CalibrationSet | None, seconds: dict[str, float], cpu_seconds: float,
-                written: dict[str, Any], gptq: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON-able quantization report for build_report.json."""
+def make_report(recipe: Recipe, calib: CalibrationSet | None, passes: list[dict[str, Any]], total_seconds: float,
+                cpu_seconds: float, written: dict[str, Any], gptq: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON-able quantization report for build_report.json.
+
+    ``passes``: ``{name, seconds, peak_gpu_memory_bytes}`` in order (calibration_data, load_model, awq, gptq |
+    rtn, export); ``seconds`` repeats their times by name, with ``quantize`` = the library passes together.
+    """
     quant = recipe.quantization
     awq = quant.method == "awq"
+    seconds = {p["name"]: p["seconds"] for p in passes}
+    seconds["quantize"] = round(sum(p["seconds"] for p in passes if p["name"] in LIBRARY_PASSES), 2)
+    seconds["total"] = round(total_seconds, 2)
+    peaks = [p["peak_gpu_memory_bytes"] for p in passes if p["peak_gpu_memory_bytes"] is not None]
     return {
         "method": quant.method,
         "bits": 4,
@@ -168,8 +191,10 @@ def make_report(recipe: Recipe, calib: CalibrationSet | None, seconds: dict[str,
         "calibration": calib.summary() if calib is not None else None,
         "awq": {"duo_scaling": AWQ_DUO_SCALING, "n_grid": AWQ_N_GRID, "search_samples": AWQ_SEARCH_SAMPLES,
                 "batch_size": CALIBRATION_BATCH} if awq else None,
-        "gptq": {**gptq, "dampening": GPTQ_DAMPENING, "actorder": llmcompressor_driver.GPTQ_ACTORDER} if gptq else None,
+        "gptq": {**gptq, "dampening": quant.gptq_dampening, "actorder": llmcompressor_driver.GPTQ_ACTORDER} if gptq else None,
+        "passes": passes,
         "seconds": seconds,
+        "peak_gpu_memory_bytes": max(peaks) if peaks else None,
         "cpu_seconds": round(cpu_seconds, 1),
         "checkpoint": written,
         "library": llmcompressor_driver.library_versions(),
@@ -192,5 +217,3 @@ def _note(progress: StepProgress | None, text: str) -> None:
         progress.note(text)
 
 
-def _lap(start: float) -> float:
-    return round(time.perf_counter() - start, 2)

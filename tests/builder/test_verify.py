@@ -54,15 +54,26 @@ def quiet() -> Console:
 
 
 @pytest.mark.slow
-def test_gate_passes_for_awq_and_reports_metrics(source, tiny_hf_dir, awq_checkpoint):
-    report = verify.accuracy_gate(source, tiny_recipe(tiny_hf_dir), awq_checkpoint, console=quiet())
-    m = report["metrics"]
-    assert report["passed"] and report["failures"] == []
-    assert m["tokens"] == 512 and m["windows"] == 1
-    assert 0 <= m["kl_mean"] <= m["kl_p99"] <= m["kl_max"] and m["kl_mean"] < 0.15
-    assert 0 < m["top1_agreement"] <= 1 and m["ppl_16bit"] > 1 and m["ppl_int4"] > 1
-    assert len(report["worst_positions"]) == gate_report.WORST_POSITIONS
-    assert report["worst_positions"][0]["kl"] == pytest.approx(m["kl_max"], abs=1e-3)
+def test_gate_scores_every_domain_against_16bit_and_rtn(source, tiny_hf_dir, awq_checkpoint):
+    console = Console(record=True, width=120, file=open("/dev/null", "w"))
+    report = verify.accuracy_gate(source, tiny_recipe(tiny_hf_dir), awq_checkpoint, console=console)
+    assert report["passed"] and report["failures"] == [] and report["skipped_domains"] == {}
+    assert list(report["domains"]) == ["pydoc", "prose", "code", "chat", "chinese"]
+    for name, d in report["domains"].items():
+        m, r = d["int4"], d["rtn"]
+        assert d["tokens"] == 512 and d["windows"] == 1 and d["ppl_16bit"] > 1
+        assert 0 <= m["kl_mean"] <= m["kl_p99"] <= m["kl_max"] and 0 < m["top1_agreement"] <= 1
+        assert r["kl_mean"] > 0 and d["kl_vs_rtn"] == pytest.approx(m["kl_mean"] / r["kl_mean"], rel=1e-3)
+        assert d["ppl_vs_rtn"] == pytest.approx(m["ppl_int4"] / r["ppl_int4"], rel=1e-3)
+        worst = report["worst_positions"][name]
+        assert len(worst) == gate_report.WORST_POSITIONS and worst[0]["kl"] == pytest.approx(m["kl_max"], abs=1e-3)
+    mean = report["mean"]
+    assert mean["domains"] == 5
+    assert mean["int4"]["kl_mean"] == pytest.approx(
+        sum(d["int4"]["kl_mean"] for d in report["domains"].values()) / 5, abs=1e-5)
+    assert report["device"]["type"] == "cpu" and report["dtype"] == "float32" and report["peak_gpu_memory_bytes"] is None
+    table = console.export_text()
+    assert all(name in table for name in report["domains"]) and "KL/RTN" in table and "mean" in table
 
 
 @pytest.mark.slow
@@ -72,13 +83,51 @@ def test_one_corrupted_layer_fails_the_gate(source, tiny_hf_dir, awq_checkpoint,
     config, (rank0,) = read_checkpoint(bad)
     rank0["transformer.layers.1.mlp.proj.weights_scaling_factor"] *= 50
     write_checkpoint(bad, config, [rank0])
-    with pytest.raises(AccuracyGateError, match="mean KL .* > max_mean_kl 0.15") as info:
+    with pytest.raises(AccuracyGateError, match=r"pydoc: mean KL .* > max_mean_kl 0.15") as info:
         verify.accuracy_gate(source, tiny_recipe(tiny_hf_dir), bad, console=quiet())
     message = str(info.value)
     assert "Worst positions" in message and "top-1 16-bit" in message
     report = info.value.report
-    assert not report["passed"] and report["metrics"]["kl_mean"] > 0.15
-    assert report["worst_positions"][0]["kl"] >= report["metrics"]["kl_p99"]
+    assert not report["passed"] and all(d["int4"]["kl_mean"] > 0.15 for d in report["domains"].values())
+    assert all(d["kl_vs_rtn"] > 1 for d in report["domains"].values())  # worse than plain rounding everywhere
+
+
+@pytest.mark.slow
+def test_bounds_relative_to_rtn_fail_the_gate_per_domain(source, tiny_hf_dir, awq_checkpoint):
+    from dataclasses import replace
+
+    recipe = tiny_recipe(tiny_hf_dir, max_mean_kl=10)
+    strict = replace(recipe, quantization=replace(recipe.quantization, gate=replace(
+        recipe.quantization.gate, max_kl_vs_rtn=1e-6, max_ppl_vs_rtn=1e-6, domains=("code", "chinese"))))
+    with pytest.raises(AccuracyGateError) as info:
+        verify.accuracy_gate(source, strict, awq_checkpoint, console=quiet())
+    failures = info.value.report["failures"]
+    assert list(info.value.report["domains"]) == ["code", "chinese"]
+    assert any(f.startswith("code: mean KL") and "x RTN's > max_kl_vs_rtn" in f for f in failures)
+    assert any(f.startswith("chinese: perplexity") and "max_ppl_vs_rtn" in f for f in failures)
+
+
+def test_rtn_twin_is_the_rtn_build_bit_for_bit(source, tiny_hf_dir, tmp_path):
+    rtn = tiny_recipe(tiny_hf_dir, method="rtn")
+    quantize_checkpoint(source, rtn, tmp_path / "rtn")
+    models = verify.GateModels(source, rtn, tmp_path / "rtn", torch.device("cpu"), torch.float32)
+    written = {k: v.clone() for k, v in models.use("int4").state_dict().items()}
+    twin = {k: v.clone() for k, v in models.use("rtn").state_dict().items()}
+    assert set(written) == set(twin)
+    for name, tensor in written.items():
+        assert torch.equal(twin[name], tensor), name
+    reference = models.use("16bit").state_dict()
+    assert not torch.equal(reference["model.layers.0.mlp.up_proj.weight"], twin["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_rtn_dequantized_rounds_per_group_with_library_scales():
+    w = torch.tensor([[0.0, 1.0, -3.0, 0.5, 2.0, 2.0, 2.0, -2.0]])
+    out = verify.rtn_dequantized(w, 4, torch.float16)
+    scale_a, scale_b = torch.tensor(3 / 7.5).half().float(), torch.tensor(2 / 7.5).half().float()
+    expected_a = (w[0, :4] / scale_a).round().clamp(-8, 7) * scale_a
+    expected_b = (w[0, 4:] / scale_b).round().clamp(-8, 7) * scale_b
+    assert torch.equal(out[0], torch.cat([expected_a, expected_b]))
+    assert torch.equal(verify.rtn_dequantized(torch.zeros(2, 4), 4, torch.float16), torch.zeros(2, 4))
 
 
 def test_ir_to_hf_state_dict_round_trips_a_16bit_export(source, tiny_hf_dir, tmp_path):
@@ -111,24 +160,42 @@ def test_window_scores_kl_matches_definition():
     assert kl[0].item() == pytest.approx(float((p * (p / q).log()).sum()))
 
 
-def test_summarize_and_thresholds():
-    scores = gate_report.Scores(
-        input_ids=torch.zeros(1, 3, dtype=torch.long), kl=torch.tensor([[0.1, 0.2, 0.9]], dtype=torch.float64),
-        nll_16=torch.tensor([[1.0, 1.0]], dtype=torch.float64), nll_int4=torch.tensor([[1.5, 1.5]], dtype=torch.float64),
-        top1_16=torch.tensor([[1, 2, 3]]), top1_int4=torch.tensor([[1, 2, 4]]))
-    m = gate_report.summarize(scores)
+def test_summarize_domain_metrics_mean_and_bounds():
+    def scores(kl, nll_q, top_q):
+        return gate_report.Scores(
+            input_ids=torch.zeros(1, 3, dtype=torch.long), kl=torch.tensor([kl], dtype=torch.float64),
+            nll_16=torch.tensor([[1.0, 1.0]], dtype=torch.float64), nll_int4=torch.tensor([nll_q], dtype=torch.float64),
+            top1_16=torch.tensor([[1, 2, 3]]), top1_int4=torch.tensor([top_q]))
+    m = gate_report.summarize(scores([0.1, 0.2, 0.9], [1.5, 1.5], [1, 2, 4]))
     assert m["ppl_16bit"] == pytest.approx(math.e, abs=1e-3) and m["ppl_ratio"] == pytest.approx(math.exp(0.5), abs=1e-3)
     assert m["kl_mean"] == pytest.approx(0.4) and m["kl_max"] == pytest.approx(0.9)
     assert m["top1_agreement"] == pytest.approx(2 / 3, abs=1e-3)
-    assert gate_report.check_thresholds(m, 0.5, None, []) == []
-    assert len(gate_report.check_thresholds(m, 0.3, 1.5, ["prompt 0: lost"])) == 3
+    good = gate_report.domain_metrics({"int4": scores([0.1, 0.1, 0.1], [1.1, 1.1], [1, 2, 3]),
+                                       "rtn": scores([0.4, 0.4, 0.4], [1.4, 1.4], [1, 2, 4])})
+    bad = gate_report.domain_metrics({"int4": scores([0.3, 0.3, 0.3], [1.5, 1.5], [1, 2, 3]),
+                                      "rtn": scores([0.2, 0.2, 0.2], [1.2, 1.2], [1, 2, 4])})
+    assert good["kl_vs_rtn"] == pytest.approx(0.25) and good["ppl_vs_rtn"] == pytest.approx(math.exp(-0.3), rel=1e-3)
+    assert good["tokens"] == 3 and good["rtn"]["top1_agreement"] == pytest.approx(2 / 3, abs=1e-3)
+    mean = gate_report.mean_over_domains({"a": good, "b": bad})
+    assert mean["int4"]["kl_mean"] == pytest.approx(0.2) and mean["rtn"]["kl_mean"] == pytest.approx(0.3)
+    assert mean["kl_vs_rtn"] == pytest.approx(0.2 / 0.3, rel=1e-3)
+    gate = recipe_from_dict({"name": "t", "model": {"source": "/x"}, "quantization": {"gate": {
+        "max_mean_kl": 0.5, "max_kl_vs_rtn": 0.6, "max_ppl_vs_rtn": 1.0}}}, check_inputs=False).quantization.gate
+    assert gate_report.check_domains({"a": good}, gate) == []
+    failures = gate_report.check_domains({"a": good, "b": bad}, gate)
+    assert len(failures) == 2 and all(f.startswith("b: ") for f in failures)
+    assert gate_report.worst_domain({"a": good, "b": bad}) == "b"
 
 
-def test_heldout_windows_too_few_tokens_is_a_build_error(tiny_hf_dir):
+def test_no_readable_domain_is_a_build_error(source, tiny_hf_dir, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from llmc.builder import heldout
     from llmc.errors import BuildError
-    from llmc.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tiny_hf_dir)
-    assert verify.heldout_windows(tok, 1000).shape == (2, 512)
-    with pytest.raises(BuildError, match="lower quantization.gate.n_tokens"):
-        verify.heldout_windows(tok, 10_000_000)
+    monkeypatch.setattr(heldout, "domain_text", lambda name: "too short")
+    recipe = tiny_recipe(tiny_hf_dir)
+    recipe = replace(recipe, quantization=replace(recipe.quantization, gate=replace(
+        recipe.quantization.gate, domains=("prose",))))
+    with pytest.raises(BuildError, match="no held-out text: prose: 2 tokens.*Fix"):
+        verify.accuracy_gate(source, recipe, tmp_path, console=quiet())

