@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("llmc.bench.commands:bench_cmd", "Benchmark TTFT / ITL / TGS offline or against a server (--url)."),
     "serve": ("llmc.serve.commands:serve_cmd", "Serve an engine: KServe v2 HTTP + gRPC, OpenAI API, /metrics."),
     "repo": ("llmc.serve.commands:repo_cmd", "Generate the Triton model repository for a built engine."),
-    "doctor": ("llmc.doctor:doctor_cmd", "Report GPU, driver, CUDA and library versions and usable backends."),
+    "doctor": ("llmc.doctor:doctor_cmd", "Report GPU, CPU, driver, CUDA and library versions, usable backends and the CPU prefill path."),
 }
 
 

@@ -1,5 +1,6 @@
-"""``llmc doctor``: what this machine has (GPU, driver, CUDA, library versions) and which engine
-backends are usable here, each with the reason when not.
+"""``llmc doctor``: what this machine has (GPU, CPU, driver, CUDA, library versions) and which engine
+backends are usable here, each with the reason when not; for the CPU, which kernels and which prefill precision
+the torch engine uses.
 
 Nothing here needs a GPU or TensorRT: every probe reports what it found or why it found nothing.
 ``tensorrt`` and ``tensorrt_llm`` are imported lazily, only when the report is collected.
@@ -40,6 +41,18 @@ class GpuInfo:
 
 
 @dataclass(frozen=True)
+class CpuInfo:
+    """This machine's CPU as the torch engine's CPU path sees it (judged without building llmc's kernels)."""
+
+    model: str
+    cores: int
+    capability: str  # PyTorch's CPU capability: AVX512, AVX2, DEFAULT
+    avx512_bf16: bool
+    kernels: str  # llmc's kernels, or PyTorch's ops and why
+    prefill: str  # the precision of prefill steps of 16-bit and AWQ checkpoints, and why
+
+
+@dataclass(frozen=True)
 class BackendStatus:
     """Whether an engine backend can build/run on this machine, and why not."""
 
@@ -53,6 +66,7 @@ class DoctorReport:
     """Everything ``llmc doctor`` prints."""
 
     gpus: tuple[GpuInfo, ...]
+    cpu: CpuInfo
     driver: str | None
     cuda: str | None
     versions: dict[str, str | None]
@@ -74,6 +88,22 @@ def cuda_gpus() -> tuple[GpuInfo, ...]:
         props = torch.cuda.get_device_properties(i)
         gpus.append(GpuInfo(i, props.name, f"{props.major}.{props.minor}", round(props.total_memory / 2**30, 1)))
     return tuple(gpus)
+
+
+def cpu_info() -> CpuInfo:
+    """The CPU, and which CPU kernels and prefill precision the torch engine uses on it (no kernel build: the
+    first engine load or ``llmc build`` does that, ~40 s, cached)."""
+    import os
+
+    import torch
+
+    from llmc.engine.torch import cpu_ext
+
+    why_not = cpu_ext.static_why_not()
+    kernels = ("llmc's AVX-512 kernels (built on first use, then cached)" if why_not is None
+               else f"PyTorch's ops ({why_not})")
+    return CpuInfo(cpu_ext.cpu_model(), os.cpu_count() or 1, torch.backends.cpu.get_cpu_capability(),
+                   cpu_ext.has_avx512_bf16(), kernels, cpu_ext.prefill_status(build=False))
 
 
 def driver_version() -> tuple[str | None, str]:
@@ -164,7 +194,7 @@ def collect_report(importer: Importer = importlib.import_module) -> DoctorReport
         if probe.error:
             notes[name] = probe.error
     backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"), versions["triton"])
-    return DoctorReport(gpus, driver, torch.version.cuda, versions, notes, backends)
+    return DoctorReport(gpus, cpu_info(), driver, torch.version.cuda, versions, notes, backends)
 
 
 def format_report(report: DoctorReport) -> str:
@@ -172,6 +202,11 @@ def format_report(report: DoctorReport) -> str:
     lines = ["GPUs:"]
     lines += [f"  {g.index}: {g.name}, compute capability {g.compute_capability}, {g.memory_gib} GiB"
               for g in report.gpus] or ["  none visible to torch (CUDA not available)"]
+    cpu = report.cpu
+    lines.append(f"CPU: {cpu.model}, {cpu.cores} cores, {cpu.capability}"
+                 f"{' with AVX512-BF16' if cpu.avx512_bf16 else ''}")
+    lines.append(f"  kernels: {cpu.kernels}")
+    lines.append(f"  prefill (16-bit and AWQ checkpoints): {cpu.prefill}")
     lines.append(f"driver: {report.driver or 'none (' + report.notes.get('driver', '?') + ')'}")
     lines.append(f"CUDA (torch build): {report.cuda or 'none (CPU build of torch)'}")
     lines.append("versions:")
@@ -186,6 +221,7 @@ def format_report(report: DoctorReport) -> str:
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor_cmd(as_json: bool) -> None:
-    """Show GPU, driver, CUDA and library versions, and which engine backends work on this machine."""
+    """Show GPU, CPU, driver, CUDA and library versions, which engine backends work on this machine, and the
+    CPU path (llmc's kernels, bfloat16 or float32 prefill)."""
     report = collect_report()
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

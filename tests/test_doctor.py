@@ -6,8 +6,10 @@ import json
 
 from click.testing import CliRunner
 
-from llmc.doctor import GpuInfo, backend_statuses, collect_report, cuda_gpus, doctor_cmd
+from llmc.doctor import (CpuInfo, DoctorReport, GpuInfo, backend_statuses, collect_report, cuda_gpus, doctor_cmd,
+                         format_report)
 from llmc.engine.tensorrt_llm.versions import PIP_SPEC, probe_module
+from llmc.engine.torch import cpu_ext
 from tests.engine.tensorrt_llm.doubles import MissingModuleImporter, VersionOnlyImporter
 
 H100 = GpuInfo(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
@@ -90,3 +92,24 @@ def test_wrong_version_or_no_gpu():
     assert not trt.usable and "found TensorRT-LLM 1.3.0" in trt.detail
     _, trt = backend_statuses((), "1.2.0", None)
     assert not trt.usable and trt.detail == "it needs an NVIDIA GPU and none is visible"
+
+
+def test_doctor_says_which_cpu_prefill_path_this_machine_gets(monkeypatch):
+    report = json.loads(CliRunner().invoke(doctor_cmd, ["--json"]).output)
+    cpu = report["cpu"]
+    assert cpu["avx512_bf16"] == cpu_ext.has_avx512_bf16() and cpu["cores"] >= 1 and cpu["model"]
+    bf16 = cpu["avx512_bf16"] and cpu_ext.static_why_not() is None
+    assert cpu["prefill"].startswith("bfloat16 GEMMs" if bf16 else "float32 GEMMs (")
+    monkeypatch.setenv(cpu_ext.PREFILL_ENV, "float32")  # turned off: float32, and why
+    off = json.loads(CliRunner().invoke(doctor_cmd, ["--json"]).output)["cpu"]
+    assert off["prefill"] == "float32 GEMMs (LLMC_CPU_PREFILL=float32)"
+
+
+def test_doctor_text_names_the_cpu_path():
+    cpu = CpuInfo("Some CPU", 8, "AVX2", False, "PyTorch's ops (this CPU's capability is AVX2, llmc's kernels need "
+                  "AVX512)", "float32 GEMMs (this CPU has no AVX512-BF16)")
+    text = format_report(DoctorReport((), cpu, None, None, {}, {}, ()))
+    assert "CPU: Some CPU, 8 cores, AVX2\n" in text
+    assert "  prefill (16-bit and AWQ checkpoints): float32 GEMMs (this CPU has no AVX512-BF16)" in text
+    bf16 = CpuInfo("EPYC", 2, "AVX512", True, "llmc's AVX-512 kernels", "bfloat16 GEMMs ...")
+    assert "CPU: EPYC, 2 cores, AVX512 with AVX512-BF16" in format_report(DoctorReport((), bf16, None, None, {}, {}, ()))

@@ -23,9 +23,13 @@ from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
 from llmc.engine.types import ScheduledSequence
 
-# Steps whose longest prefill chunk is at most this many tokens run attention through llmc's CPU kernel, token
-# by token; longer chunks go to SDPA, whose matmuls win there (one 128-token prompt, 9/3 heads of 64: kernel
-# 306 vs SDPA 425 us; 256 tokens: 1,299 vs 1,181 us; hot loop, 2-core Xeon, 2026-11-29).
+# With float32 prefill, steps whose longest prefill chunk is at most this many tokens run attention through
+# llmc's CPU decode kernel, token by token; longer chunks go to SDPA, whose matmuls win there (one 128-token
+# prompt, 9/3 heads of 64: kernel 306 vs SDPA 425 us; 256 tokens: 1,299 vs 1,181 us; hot loop, 2-core Xeon,
+# 2026-11-29). With bfloat16 prefill (``bf16_prefill``), chunks of any length take llmc's prefill-attention
+# kernel: 16 prompts of 128 tokens, one layer, one Zen 4 core: 4.4-5.9 ms vs 7.1-8.5 ms token by token in
+# float32 and 12.4-15.9 ms for SDPA (float32 or bfloat16); one prompt of 256 / 512 / 1,024 tokens: 0.8 / 2.4 /
+# 8.6 ms vs SDPA's 2.5 / 8.7 / 26.6 ms (per-thread CPU time, 2026-12-01).
 CPU_KERNEL_MAX_QUERY_LEN = 128
 
 
@@ -64,6 +68,13 @@ class AttentionMetadata:
     def token_tables(self) -> torch.Tensor:
         """``[T, max_blocks]`` int32: each new token's block table (built on first use, once per step)."""
         return self.block_tables.index_select(0, self.token_seqs)
+
+    @functools.cached_property
+    def prefill_chunks(self) -> torch.Tensor:
+        """``[P, 4]`` int32, one row per prefill sequence: (row of ``block_tables``, packed index of its first new
+        token, its new tokens, tokens cached before them); what the CPU prefill-attention kernel takes."""
+        rows = [(i, self.query_starts[i], self.query_lens[i], self.num_computed[i]) for i in self.prefill_seqs]
+        return torch.tensor(rows, dtype=torch.int32).view(len(rows), 4).to(self.block_tables.device)
 
     @functools.cached_property
     def token_context_lens(self) -> torch.Tensor:
@@ -158,14 +169,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    bf16_prefill: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
 
     ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first. Returns ``[T, nh, hd]``.
+    ``bf16_prefill`` (CPU, a model whose prefill GEMMs run in bfloat16): prefill chunks attend in bfloat16 products
+    with float32 sums too, through llmc's kernel where it runs (:func:`cpu_ext.prefill_attention_available`).
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.all_decode:  # pure decode step: no packing to undo
         return decode_attention(q, k_cache, v_cache, meta, scale)
+    if bf16_prefill and cpu_ext.prefill_attention_available(q, k_cache):
+        return _bf16_prefill_attention(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN and cpu_ext.decode_attention_available(q, k_cache):
         # Every packed token is a one-token query over its own sequence's cache up to its position (this step's
         # k/v are in the cache already): one call for prefill chunks and decodes alike, no gather.
@@ -183,6 +199,19 @@ def paged_attention(
         else:
             k_ctx, v_ctx = _gather_context(k_cache, v_cache, meta, i)
         out[start:end] = _prefill_attention(q[start:end], k_ctx, v_ctx, meta.num_computed[i], scale)
+    return out
+
+
+def _bf16_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """CPU: the step's prefill chunks through llmc's bfloat16 kernel (each chunk and kv head reads its context
+    once, in place), its decodes through the float32 decode path. Returns ``[T, nh, hd]``."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if meta.decode_seqs.numel() > 0:
+        q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
+        out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale))
+    cpu_ext.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.prefill_chunks, scale, out)
     return out
 
 

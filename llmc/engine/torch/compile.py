@@ -18,6 +18,7 @@ from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
 from llmc.engine.torch.model import ModelConfig
+from llmc.engine.torch.prefill_cpu import prefill_path
 from llmc.errors import CheckpointError, EngineError
 from llmc.recipe import Recipe
 
@@ -68,6 +69,7 @@ def compile_torch_engine(recipe: Recipe, checkpoint_dir: str | Path, engine_dir:
         # Ahead of time: build llmc's CPU kernels now (~40 s once per machine) rather than in the first
         # `llmc generate` on CPU. On a machine without them the CPU engine uses PyTorch's ops (reported).
         "cpu_kernels": cpu_ext.status(),
+        "cpu_prefill": prefill_path(model.dtype),  # bfloat16 where the CPU has AVX512-BF16 (16-bit, AWQ IRs)
     }
 
 

@@ -11,8 +11,11 @@ A 135M-parameter model is 540 MB of float32 weights, read once per decoded token
   activations and group scales rounded to bfloat16 inside the matmul. The IR's symmetric int4 maps onto its
   asymmetric form exactly: ``w = (u - 8) * scale + zero`` with ``u = q + 8`` in [0, 15] and ``zero = 0``.
 
-Larger steps (prefill chunks, big batches) are compute-bound GEMMs where float32 wins on this class of CPU,
-so :class:`Int4Linear` keeps the dequantized float weight too (memory: +1/8 of the float weights).
+Larger steps (prefill chunks, big batches) are compute-bound GEMMs, where a dense weight wins: :class:`Int4Linear`
+keeps the dequantized weight too, once, in the form its prefill GEMM multiplies
+(:class:`~llmc.engine.torch.prefill_cpu.PrefillLinear`): bfloat16 where the CPU has AVX512-BF16, else float32.
+Dequantizing per step instead would cost at least the time to write that weight (SmolLM2: 212 MB of bfloat16)
+in every prefill step (measured in :mod:`llmc.engine.torch.prefill_cpu`).
 The loader stacks each MLP's fc and gate into one Int4Linear (one kernel call instead of two).
 
 Used by :func:`llmc.engine.torch.loader.load_model` with ``cpu_kernels=True`` (the runner's default on CPU)
@@ -26,9 +29,14 @@ from torch import nn
 
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.engine.torch import cpu_ext
+from llmc.engine.torch.prefill_cpu import PrefillLinear, SplitLinear
 
 _OPS = ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu")
-MAX_INT4_ROWS = 16  # rows (tokens in the step) up to which the int4 kernel beats the float GEMM on CPU
+MAX_INT4_ROWS = 16  # rows (tokens in the step) up to which the int4 kernel beats the float32 GEMM on CPU
+# ... and the bfloat16 GEMM, which takes over from 6 rows: SmolLM2's 30 layers of qkv, dense, fc+gate and proj
+# (weights out of cache as in a real step), one Zen 4 core, per-thread CPU time, 2026-12-01: int4 kernel vs
+# bfloat16 GEMM 9.6 vs 11.6 ms at 4 rows, 11.6 vs 12.0 at 5, 13.6 vs 12.8 at 6, 17.8 vs 14.7 at 8, 36.8 vs 23.8 at 16.
+MAX_INT4_ROWS_BF16 = 5
 
 
 def int4_kernel_available() -> bool:
@@ -41,12 +49,14 @@ def supports_shape(out_features: int, in_features: int, group_size: int) -> bool
     return group_size in (32, 64, 128, 256) and in_features % group_size == 0 and out_features % 16 == 0
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(SplitLinear):
     """``y = (x * prequant) @ (q * scale)^T`` with ``q`` kept as packed int4 (CPU only).
 
     ``q`` int8 [O, K] in [-8, 7], ``scale`` [O, K/g], ``prequant`` [K] (ones: AWQ scales folded upstream),
-    ``dense`` [O, K] the same layer's dequantized effective weight, used for steps of more than
-    ``MAX_INT4_ROWS`` rows. Input and output are in the model's compute dtype.
+    ``dense`` [O, K] the same layer's dequantized effective weight: steps of more than :attr:`decode_rows` rows
+    (``MAX_INT4_ROWS``, or ``MAX_INT4_ROWS_BF16`` in bfloat16) multiply it in the ``prefill`` precision
+    (:class:`~llmc.engine.torch.prefill_cpu.PrefillLinear`, which keeps only its bfloat16 form for
+    ``"bfloat16"``). Input and output are in the model's compute dtype.
 
     ``kernel``: ``"llmc"`` is llmc's float32 kernel (:mod:`llmc.engine.torch.cpu_ext`: exact dequantized
     weights, activations not rounded); ``"torch"`` is PyTorch's op (activations and scales rounded to bfloat16);
@@ -54,7 +64,7 @@ class Int4Linear(nn.Module):
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, prequant: torch.Tensor, group_size: int,
-                 dense: torch.Tensor, kernel: str = "auto"):
+                 dense: torch.Tensor, kernel: str = "auto", prefill: str = "float32"):
         super().__init__()
         out_features, in_features = q.shape
         assert supports_shape(out_features, in_features, group_size), (tuple(q.shape), group_size)
@@ -78,21 +88,21 @@ class Int4Linear(nn.Module):
         ones = bool(torch.all(prequant == 1))
         self.register_buffer("prequant", None if ones else prequant.to(torch.float32))
         assert tuple(dense.shape) == (out_features, in_features)
-        self.register_buffer("dense", dense)
+        self.prefill = PrefillLinear.over(dense, prefill)  # steps of more than decode_rows rows
+        self.decode_rows = MAX_INT4_ROWS_BF16 if self.prefill.precision == "bfloat16" else MAX_INT4_ROWS
 
     @classmethod
     def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, prequant: torch.Tensor,
-                    group_size: int, dense: torch.Tensor, kernel: str = "auto") -> Int4Linear:
+                    group_size: int, dense: torch.Tensor, kernel: str = "auto", prefill: str = "float32"
+                    ) -> Int4Linear:
         """From the IR's tensors: ``packed`` int8 [O/2, K] (row 2j low nibble, 2j+1 high)."""
-        return cls(unpack_int4(packed), scale, prequant, group_size, dense, kernel)
+        return cls(unpack_int4(packed), scale, prequant, group_size, dense, kernel, prefill)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, O]
-        if x.shape[0] > MAX_INT4_ROWS:
-            return nn.functional.linear(x, self.dense)
+    def decode(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, O], T <= MAX_INT4_ROWS
         return self.packed_matmul(x)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The int4 kernel at any row count (``forward`` uses it for steps of up to ``MAX_INT4_ROWS`` rows)."""
+        """The int4 kernel at any row count (``decode``, for steps of up to :attr:`decode_rows` rows)."""
         if self.prequant is not None:
             x = x * self.prequant.to(x.dtype)
         if self.kernel == "llmc":

@@ -23,6 +23,7 @@ from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
 from llmc.engine.torch import cpu_ext, triton_support
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
+from llmc.engine.torch.prefill_cpu import MixedLinear, prefill_precision
 from llmc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -93,16 +94,19 @@ def load_model(
     model.load_state_dict(weights, strict=True)
     model.reset_buffers()
     on_cpu = cpu_kernels and torch.device(device).type == "cpu"
+    prefill = prefill_precision(config.dtype) if on_cpu and target_dtype == torch.float32 else "float32"
     if on_cpu and quant.get("quant_algo") == W4A16_AWQ:
-        _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks))
+        _use_int4_kernel(model, raw_checkpoint_rank0, int(quant["group_size"]), len(raw_ranks), prefill)
     for layer in model.transformer.layers:
         layer.mlp.fuse_fc_gate()  # one GEMM for fc + gate (plain float layers only)
     if on_cpu and config.dtype in ("float16", "bfloat16") and cpu_ext.load() is not None:
         model.use_16bit_logits(torch_dtype(config.dtype))
         if quant.get("quant_algo") is None:
-            _use_dense16_kernel(model, torch_dtype(config.dtype))
+            _use_dense16_kernel(model, torch_dtype(config.dtype), prefill)
     if on_cuda:
         return _finish_cuda(model)
+    if prefill == "bfloat16":
+        _use_bf16_prefill(model)
     return model.eval().requires_grad_(False)
 
 
@@ -162,7 +166,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], group_size: int,
-                     num_ranks: int) -> None:
+                     num_ranks: int, prefill: str) -> None:
     """Swap each quantized nn.Linear for an :class:`Int4Linear` built from the packed IR tensors."""
     from llmc.engine.torch.int4_cpu import Int4Linear, int4_kernel_available, supports_shape
 
@@ -186,32 +190,56 @@ def _use_int4_kernel(model: LlamaForCausalLM, weights: dict[str, torch.Tensor], 
         if fc is None or gate is None or not torch.equal(fc[2], gate[2]) or not layer.mlp.fuse_fc_gate():
             continue
         layer.mlp.use_fc_gate_kernel(Int4Linear(torch.cat([fc[0], gate[0]]), torch.cat([fc[1], gate[1]]), fc[2],
-                                              group_size, dense=layer.mlp.fc_gate))
+                                              group_size, dense=layer.mlp.fc_gate, prefill=prefill))
         fused.update({f"transformer.layers.{i}.mlp.fc", f"transformer.layers.{i}.mlp.gate"})
     for name, module in list(model.named_modules()):  # module names are the IR's tensor-name prefixes
         tensors = None if name in fused else int4_tensors(name, module)
         if tensors is None:
             continue
         parent_name, _, child = name.rpartition(".")
-        fast = Int4Linear(*tensors, group_size, dense=module.weight.detach())
+        fast = Int4Linear(*tensors, group_size, dense=module.weight.detach(), prefill=prefill)
         setattr(model.get_submodule(parent_name), child, fast)
 
 
-def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+def _use_dense16_kernel(model: LlamaForCausalLM, dtype: torch.dtype, prefill: str) -> None:
     """Swap each float linear of the decoder (and each stacked fc + gate) for a :class:`Dense16Linear` over the
     exact ``dtype`` copy of its weight; a weight without one stays as it is."""
     from llmc.engine.torch.dense16_cpu import Dense16Linear
 
     for layer in model.transformer.layers:
         if layer.mlp.fc_gate is not None and layer.mlp.fc_gate_kernel is None:
-            fast = Dense16Linear.over(layer.mlp.fc_gate, dtype)
+            fast = Dense16Linear.over(layer.mlp.fc_gate, dtype, prefill)
             if fast is not None:
                 layer.mlp.use_fc_gate_kernel(fast)
-        for parent, child in ((layer.attention, "qkv"), (layer.attention, "dense"), (layer.mlp, "proj")):
+        for parent, child in _decoder_linears(layer):
             module = getattr(parent, child)
-            fast = Dense16Linear.over(module.weight, dtype) if type(module) is torch.nn.Linear else None
+            fast = Dense16Linear.over(module.weight, dtype, prefill) if type(module) is torch.nn.Linear else None
             if fast is not None:
                 setattr(parent, child, fast)
+
+
+def _use_bf16_prefill(model: LlamaForCausalLM) -> None:
+    """Attend prefill chunks in bfloat16 products (``Attention.use_bf16_prefill``), and give every decoder linear
+    that is still a plain ``nn.Linear`` (no CPU decode kernel took it: a multi-rank AWQ checkpoint, an odd shape)
+    bfloat16 prefill GEMMs too (:class:`MixedLinear`), an MLP whose fc + gate run as one plain GEMM the same. An
+    MLP whose fc + gate kernel keeps no float32 weight drops the stacked float32 one."""
+    for layer in model.transformer.layers:
+        layer.attention.use_bf16_prefill()
+        kernel = layer.mlp.fc_gate_kernel
+        if layer.mlp.fc_gate is not None and kernel is None:
+            layer.mlp.use_fc_gate_kernel(MixedLinear(layer.mlp.fc_gate, "bfloat16"))
+        elif kernel is not None and kernel.prefill.weight is None:
+            layer.mlp.drop_float_fc_gate()  # nothing multiplies the float32 [fc; gate] any more
+        unfused = ((layer.mlp, "fc"), (layer.mlp, "gate")) if layer.mlp.fc_gate is None else ()
+        for parent, child in _decoder_linears(layer) + unfused:
+            module = getattr(parent, child)
+            if type(module) is torch.nn.Linear:
+                setattr(parent, child, MixedLinear(module.weight, "bfloat16"))
+
+
+def _decoder_linears(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Module, str], ...]:
+    """(parent, attribute) of the linears of a decoder layer that run on their own (fc and gate run stacked)."""
+    return ((layer.attention, "qkv"), (layer.attention, "dense"), (layer.mlp, "proj"))
 
 
 def _select_model_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 from llmc.checkpoint.config import ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention
+from llmc.engine.torch.prefill_cpu import SplitLinear
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
 
@@ -115,6 +116,12 @@ class Attention(nn.Module):
         self.scale = config.head_size**-0.5
         self.qkv = nn.Linear(config.hidden_size, config.qkv_size, bias=False, dtype=dtype)
         self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
+        self.bf16_prefill = False  # CPU: prefill chunks attend in bfloat16 products (see use_bf16_prefill)
+
+    def use_bf16_prefill(self) -> None:
+        """CPU, with the model's prefill GEMMs in bfloat16: attend prefill chunks in bfloat16 products with float32
+        sums too (llmc's kernel, :func:`~llmc.engine.torch.attention.paged_attention`); decodes stay float32."""
+        self.bf16_prefill = True
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
@@ -135,7 +142,7 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
 
 
@@ -170,17 +177,27 @@ class MLP(nn.Module):
         return True
 
     def use_fc_gate_kernel(self, fused: nn.Module) -> None:
-        """Run fc and gate as one kernel module whose outputs are ``[fc; gate]``: on CPU an ``Int4Linear`` or
-        ``Dense16Linear`` built over :attr:`fc_gate` (its float weight for larger steps; fc and gate stay plain
-        Linear views of it); on CUDA an ``Int4CudaLinear`` over the stacked packed weights (fc and gate are then
-        removed by the loader: the model holds no float copy)."""
+        """Run fc and gate as one kernel module over the stacked rows ``[fc; gate]``: on CPU a
+        :class:`~llmc.engine.torch.prefill_cpu.SplitLinear` (``Int4Linear``, ``Dense16Linear`` or ``MixedLinear``)
+        built over :attr:`fc_gate`, whose ``silu_mul(x)`` gives ``silu(fc) * gate`` (fc and gate stay plain Linear
+        views of the stacked weight until :meth:`drop_float_fc_gate`); on CUDA an ``Int4CudaLinear`` over the
+        stacked packed weights (fc and gate are then removed by the loader: the model holds no float copy)."""
         assert self.fc_gate is not None or (self.fc is None and self.gate is None), \
             "fuse_fc_gate() first: a CPU kernel's module shares the stacked float weight"
         self.fc_gate_kernel = fused
 
+    def drop_float_fc_gate(self) -> None:
+        """Free the stacked float weight and its fc / gate views (which become None) once :attr:`fc_gate_kernel`
+        keeps every form of the weight it multiplies itself (CPU, prefill in bfloat16): a third of the MLP's
+        memory. Only :meth:`forward` runs the MLP after that."""
+        assert self.fc_gate_kernel is not None, "use_fc_gate_kernel() first"
+        self.fc_gate, self.fc, self.gate = None, None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.fc_gate_kernel, "silu_output", False):
             return self.proj(self.fc_gate_kernel(x))  # an int4 CUDA layer whose epilogue gives silu(fc) * gate
+        if isinstance(self.fc_gate_kernel, SplitLinear):  # CPU: silu(fc) * gate by the kernel's module
+            return self.proj(self.fc_gate_kernel.silu_mul(x))  # (fused into the bfloat16 prefill GEMM)
         if self.fc_gate_kernel is not None or self.fc_gate is not None:
             both = self.fc_gate_kernel(x) if self.fc_gate_kernel is not None else F.linear(x, self.fc_gate)  # [T, 2I]
             if self.cuda_fused:

@@ -52,7 +52,7 @@ def test_the_compile_step_itself_builds_the_cpu_kernels(tiny_hf_dir, tmp_path):
             report = compile_engine(recipe(tiny_hf_dir), ir, tmp_path / f"engine-{name}")
             assert cpu_ext.load.cache_info().currsize == 1, name  # loaded by compile_engine, not by this test
             built = cpu_ext.load() is not None
-            assert report["cpu_kernels"] == ("llmc AVX-512 float32 kernels" if built else
+            assert report["cpu_kernels"] == ("llmc AVX-512 kernels" if built else
                                              f"PyTorch's ops ({cpu_ext._why_not})")
             assert built or torch.backends.cpu.get_cpu_capability() != "AVX512"
     finally:
@@ -73,6 +73,17 @@ def test_a_failed_kernel_build_is_reported_by_the_compile_step(tiny_hf_dir, tiny
     finally:
         cpu_ext.load.cache_clear()  # later tests load the real kernels again
     assert report["cpu_kernels"] == "PyTorch's ops (building it failed (RuntimeError: no C++ compiler found))"
+
+
+def test_the_build_report_says_the_cpu_prefill_path(tiny_hf_dir, tmp_path):
+    from tests.engine.torch.helpers import write_ir
+
+    report = compile_engine(recipe(tiny_hf_dir), write_ir(tiny_hf_dir, tmp_path / "fp32"), tmp_path / "engine")
+    assert report["cpu_prefill"] == "float32 GEMMs (a float32 checkpoint)"
+    ir16 = write_ir(tiny_hf_dir, tmp_path / "fp16", dtype="float16")  # this machine's path for 16-bit IRs
+    report16 = compile_engine(recipe(tiny_hf_dir), ir16, tmp_path / "engine16")
+    assert report16["cpu_prefill"] == cpu_ext.prefill_status()
+    assert report16["cpu_prefill"].startswith("bfloat16" if cpu_ext.bf16_prefill_why_not() is None else "float32")
 
 
 def test_fp8_kv_cache_is_refused_by_the_torch_backend(tiny_hf_dir, tiny_ir_dir, tmp_path):

@@ -215,9 +215,12 @@ def test_mixed_steps_attend_token_by_token_through_the_kernel(chunk, monkeypatch
 
 
 @needs_kernels
-def test_a_16_bit_checkpoint_decodes_through_its_exact_16_bit_weights(tiny_hf_dir, tmp_path):
+def test_a_16_bit_checkpoint_decodes_through_its_exact_16_bit_weights(tiny_hf_dir, tmp_path, monkeypatch):
     from llmc.engine.torch.dense16_cpu import MAX_ROWS, Dense16Linear
 
+    # Prefill in float32 here (its bfloat16 form: tests/engine/torch/test_prefill_cpu.py): the whole model then
+    # equals the plain float32 one.
+    monkeypatch.setenv(cpu_ext.PREFILL_ENV, "float32")
     ir = write_ir(tiny_hf_dir, tmp_path / "checkpoint", dtype="bfloat16")
     plain, fast = load_model(ir, "cpu"), load_model(ir, "cpu", cpu_kernels=True)
     for layer in fast.transformer.layers:
@@ -228,10 +231,10 @@ def test_a_16_bit_checkpoint_decodes_through_its_exact_16_bit_weights(tiny_hf_di
     gen = torch.Generator().manual_seed(0)
     for rows in (1, MAX_ROWS):  # the kernel: float32 products of the same weights
         x = torch.randn(rows, layer.in_features, generator=gen)
-        ref = x.double() @ layer.dense.double().T
+        ref = x.double() @ layer.prefill.weight.double().T
         assert ((layer(x).double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     x = torch.randn(MAX_ROWS + 1, layer.in_features, generator=gen)  # prefill-sized: the float32 GEMM, exactly
-    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dense))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.prefill.weight))
     # The whole model agrees with the plain float32 one (a 5-token prefill, then a decode step).
     cfg = fast.config
     outs = []

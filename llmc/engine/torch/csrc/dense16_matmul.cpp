@@ -6,7 +6,8 @@
 //   w: float16 | bfloat16 [N/16, K, 16]
 // One pass over a tile widens each 16-channel column once for up to 16 rows of x (read column by column: see
 // columns.h); tiles are spread over torch's thread pool.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op declared): half the build time
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -8,7 +8,9 @@
 //                                                 transformers' roundings: two products, then the sum (no FMA)
 //   argmax_rows(x [R, V])                     -> int64 [R]: each row's first index of its maximum, as torch.argmax
 //                                                 (NaN never wins: the sampler maps NaN to -inf first)
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op declared): half the build time
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -95,7 +97,6 @@ at::Tensor silu_mul(const at::Tensor& a) {
   auto out = at::empty({rows, n}, a.options());
   const float* ap = a.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* fc = ap + r * 2 * n;
@@ -104,9 +105,7 @@ at::Tensor silu_mul(const at::Tensor& a) {
       for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(n - j);
         const __m512 x = _mm512_maskz_loadu_ps(m, fc + j);
-        // silu(x) = x / (1 + exp(-x)), as PyTorch computes it
-        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, llmc::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-        _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, gate + j)));
+        _mm512_mask_storeu_ps(o + j, m, llmc::silu_mul_ps(x, _mm512_maskz_loadu_ps(m, gate + j)));
       }
     }
   });

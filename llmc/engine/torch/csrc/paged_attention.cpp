@@ -12,7 +12,8 @@
 // One work item is (sequence, kv head): its `group` query heads share every key and value row loaded.
 // Pass 1 scores all context tokens (16 at a time), pass 2 accumulates the probability-weighted values in registers
 // (query heads in chunks, so at most 16 accumulators are live). Items are spread over torch's thread pool.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op declared): half the build time
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -20,20 +21,13 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "widen.h"
 
 namespace {
 
 using llmc::exp_ps;
 
-// 16 cache values at p, widened to float32 (exact for all three dtypes).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using llmc::load16;  // 16 cache values widened to float32 (widen.h)
 
 // Asks for the cache lines of one row (hd values) ahead of use: a context's rows are scattered over its blocks
 // and strided by the other kv heads, which the hardware prefetchers do not follow far enough.

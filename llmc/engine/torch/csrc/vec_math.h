@@ -22,6 +22,12 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(x) * gate = x / (1 + exp(-x)) * gate, silu as PyTorch computes it (the MLP's activation).
+inline __m512 silu_mul_ps(__m512 x, __m512 gate) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x)))), gate);
+}
+
 // Lane t of the result = the sum of the 16 lanes of v[t] (16 horizontal sums at once: 45 shuffles and adds,
 // where 16 separate reductions take ~130). Each level halves the vectors, pairing halves of two of them.
 inline __m512 sum16(const __m512 v[16]) {
