@@ -107,7 +107,7 @@ def open_generator(source: Any, recipe: Any, folder: Path, device: torch.device)
     from llmc.builder.export import export_checkpoint
     from llmc.builder.pipeline import export_tokenizer, make_manifest
     from llmc.engine.base import compile_engine
-    from llmc import Engine
+    from llmc.runtime.api import Engine
 
     gen = generator_recipe(recipe)
     export_checkpoint(source, gen, folder / "checkpoint")

@@ -295,9 +295,11 @@ def test_embedded_model_prefill_in_bfloat16_stays_within_mean_kl_0_005(quantized
     each: the bfloat16 path's next-token distributions against the float32 path's."""
     from llmc.builder import gate_report
     from llmc.tokenizer import load_tokenizer
-    from llmc.builder.verify import heldout_windows
+    from llmc.builder.heldout import domain_windows
+    from llmc.builder.verify import GATE_WINDOW
 
-    windows = heldout_windows(load_tokenizer(smollm2_hf_dir), 2048)
+    # The gate's calibration-domain held-out text (pydoc), the domain the issue's 0.005 bound was set on.
+    windows = domain_windows(["pydoc"], load_tokenizer(smollm2_hf_dir), None, 2048, GATE_WINDOW).windows["pydoc"]
     ir = smollm2_fp16_ir
     if quantized:  # an AWQ-style int4 IR (round to nearest, random pre-quant scales): prefill dequantizes it
         q, _ = rtn_quantize_hf(smollm2_hf_dir, group_size=64)
