@@ -12,14 +12,8 @@
 # Usage: scripts/gpu_awq_build.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), LLMC_GPU_WORK (work folder).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-${OUT:-/tmp/llmc-gpu-out}}"
-work="${LLMC_GPU_WORK:-/tmp/llmc-gpu-work}"
-shape="${SHAPE:-llama3.1-8b}"
-mkdir -p "$out" "$work"
-exec > >(tee -a "$out/awq_log.txt") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-py="${PYTHON:-python3}"
-step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+# shellcheck source=scripts/gpu_common.sh
+. scripts/gpu_common.sh awq_log.txt "${1:-}"
 
 step "random Llama-3.1-8B-shaped model"
 if [ ! -f "$work/hf/config.json" ]; then

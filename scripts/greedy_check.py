@@ -163,6 +163,9 @@ def against_dequantized(args) -> int:
         os.environ.pop(CUDA_KERNELS_ENV, None)
     ok = int4_layers > 0 and all(r["match"] or r["reference_at_first_difference"]["gap_steps"] <= args.tie_steps
                                  for r in results)
+    if int4_layers == 0:
+        print(f"no layer of {args.build_dir} ran the CUDA W4A16 kernels on {args.device}: the comparison needs a "
+              "W4A16 build on a CUDA device", file=sys.stderr)
     print(json.dumps({"device": args.device, "reference": "dequantized", "int4_layers": int4_layers,
                       "tokens": args.tokens, "tie_steps": args.tie_steps, "all_match_or_near_tie": ok,
                       "results": results}, indent=1))

@@ -276,6 +276,19 @@ def wait_drained(server: Server, timeout: float = 120.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
+def settled_fds(server: Server, baseline: int, timeout: float = 30.0) -> tuple[int, float]:
+    """The server's fd count once closed client connections are gone: sockets of connections the clients just
+    closed (HTTP keep-alive, gRPC channels) are released by the server's event loops a moment later, so poll
+    until the count is back to ``baseline`` or ``timeout`` passes (a leak never comes back). Returns the count
+    and the seconds it took."""
+    started = time.time()
+    while True:
+        count = server.open_fds()
+        if count <= baseline or time.time() - started > timeout:
+            return count, round(time.time() - started, 1)
+        time.sleep(0.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("build", type=Path, help="build folder to serve (llmc build output)")
@@ -301,18 +314,19 @@ def main() -> int:
     outcomes, kinds, examples = Counter(), Counter(), []
     run_load(server, warmup, args.concurrency, args.seed, args.max_tokens, outcomes, kinds, examples)
     wait_drained(server)
-    report.update(fds_after_warmup=server.open_fds(), rss_mb_after_warmup=round(server.rss_mb(), 1))
+    report.update(fds_after_warmup=settled_fds(server, report["fds_at_start"], timeout=10.0)[0], rss_mb_after_warmup=round(server.rss_mb(), 1))
     started = time.time()
     run_load(server, seconds, args.concurrency, args.seed + 1, args.max_tokens, outcomes, kinds, examples)
     report["load_s"] = round(time.time() - started, 1)
     drained = wait_drained(server)
+    fds_at_end, fds_settle_s = settled_fds(server, report["fds_after_warmup"])
     report.update(
         requests=sum(kinds.values()), requests_by_kind=dict(kinds), outcomes=dict(outcomes),
         unexpected=sum(n for k, n in outcomes.items() if k.startswith("unexpected")), unexpected_examples=examples,
         kv_blocks_used_after_drain=drained.get("llmc_kv_blocks_used"),
         requests_in_flight_after_drain=drained.get("llmc_requests_in_flight"),
         server_requests_total={k: v for k, v in drained.items() if k.startswith("llmc_requests_total")},
-        fds_at_end=server.open_fds(), rss_mb_at_end=round(server.rss_mb(), 1), load_average_end=os.getloadavg())
+        fds_at_end=fds_at_end, fds_settle_s=fds_settle_s, rss_mb_at_end=round(server.rss_mb(), 1), load_average_end=os.getloadavg())
     report["rss_growth_pct"] = round(100 * (report["rss_mb_at_end"] / report["rss_mb_after_warmup"] - 1), 2)
     report["server_exit_status"] = server.stop()
     report["checks"] = {

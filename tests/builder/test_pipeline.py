@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -214,7 +215,7 @@ def test_embedded_gguf_recipe_builds(tmp_path, smollm2_hf_dir):
     recipe = load_recipe(write_recipe(tmp_path, source, name="smollm2-135m", dtype="float16"))
     result = build(recipe, out_dir=tmp_path / "out" / "smollm2-135m")
     m = result.manifest
-    assert m.source["kind"] == "gguf" and m.source["sha256"] == factories.file_sha256(factories.embedded_gguf_path())
+    assert m.source["kind"] == "gguf" and m.source["sha256"] == hashlib.sha256(factories.embedded_gguf_path().read_bytes()).hexdigest()
     assert m.eos_token_ids == (2,) and any("dropped eos candidate 1" in w for w in m.eos_warnings)
     assert m.model["num_hidden_layers"] == 30 and m.model["vocab_size"] == 49152
     assert build(recipe, out_dir=result.build_dir).up_to_date

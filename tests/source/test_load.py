@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -105,7 +106,7 @@ def test_read_source_config_hf_folder_and_missing(tiny_hf_dir, tmp_path):
 def test_embedded_source_is_converted_once_and_cached(smollm2_hf_dir):
     src = load.resolve_embedded_source()
     assert src.from_cache and src.hf_dir == smollm2_hf_dir
-    assert src.kind == "gguf" and src.sha256 == factories.file_sha256(factories.embedded_gguf_path())
+    assert src.kind == "gguf" and src.sha256 == hashlib.sha256(factories.embedded_gguf_path().read_bytes()).hexdigest()
     assert src.hf_dir.name == src.sha256[:16]
     assert src.eos_token_ids == (2,)  # <|im_end|>, not the converted tokenizer's <|im_start|>
     assert any("dropped eos candidate 1" in w for w in src.eos_warnings)
