@@ -276,17 +276,19 @@ def wait_drained(server: Server, timeout: float = 120.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def settled_fds(server: Server, baseline: int, timeout: float = 30.0) -> tuple[int, float]:
-    """The server's fd count once closed client connections are gone: sockets of connections the clients just
-    closed (HTTP keep-alive, gRPC channels) are released by the server's event loops a moment later, so poll
-    until the count is back to ``baseline`` or ``timeout`` passes (a leak never comes back). Returns the count
-    and the seconds it took."""
+def settled_fds(server: Server, baseline: int, timeout: float = 30.0, stable_s: float = 3.0) -> tuple[int, float]:
+    """The server's fd count once the clients' closed connections are gone: the server releases the sockets of
+    connections the clients just closed (HTTP, gRPC channels) a moment later, so poll until the count is at most
+    ``baseline``, or has not changed for ``stable_s`` seconds, or ``timeout`` passed (a leaked fd never goes).
+    Returns the count and the seconds it took."""
     started = time.time()
-    while True:
-        count = server.open_fds()
-        if count <= baseline or time.time() - started > timeout:
-            return count, round(time.time() - started, 1)
+    last, since = server.open_fds(), started
+    while last > baseline and time.time() - since < stable_s and time.time() - started < timeout:
         time.sleep(0.5)
+        count = server.open_fds()
+        if count != last:
+            last, since = count, time.time()
+    return last, round(time.time() - started, 1)
 
 
 def main() -> int:
@@ -314,7 +316,8 @@ def main() -> int:
     outcomes, kinds, examples = Counter(), Counter(), []
     run_load(server, warmup, args.concurrency, args.seed, args.max_tokens, outcomes, kinds, examples)
     wait_drained(server)
-    report.update(fds_after_warmup=settled_fds(server, report["fds_at_start"], timeout=10.0)[0], rss_mb_after_warmup=round(server.rss_mb(), 1))
+    report.update(fds_after_warmup=settled_fds(server, report["fds_at_start"])[0],
+                  rss_mb_after_warmup=round(server.rss_mb(), 1))
     started = time.time()
     run_load(server, seconds, args.concurrency, args.seed + 1, args.max_tokens, outcomes, kinds, examples)
     report["load_s"] = round(time.time() - started, 1)
@@ -326,7 +329,8 @@ def main() -> int:
         kv_blocks_used_after_drain=drained.get("llmc_kv_blocks_used"),
         requests_in_flight_after_drain=drained.get("llmc_requests_in_flight"),
         server_requests_total={k: v for k, v in drained.items() if k.startswith("llmc_requests_total")},
-        fds_at_end=fds_at_end, fds_settle_s=fds_settle_s, rss_mb_at_end=round(server.rss_mb(), 1), load_average_end=os.getloadavg())
+        fds_at_end=fds_at_end, fds_settle_s=fds_settle_s, rss_mb_at_end=round(server.rss_mb(), 1),
+        load_average_end=os.getloadavg())
     report["rss_growth_pct"] = round(100 * (report["rss_mb_at_end"] / report["rss_mb_after_warmup"] - 1), 2)
     report["server_exit_status"] = server.stop()
     report["checks"] = {

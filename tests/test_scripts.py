@@ -109,13 +109,15 @@ def test_soak_waits_for_closed_connections_before_counting_fds(monkeypatch):
     """CI failed once because the fds were counted while the server was still closing the clients' sockets:
     a count that comes back is no leak; one that stays above the baseline is reported as it is."""
     soak = _soak_module()
-    monkeypatch.setattr(soak.time, "sleep", lambda s: None)
-    count, _ = soak.settled_fds(_FdCounts([31, 27, 22, 19, 18]), baseline=19)
-    assert count == 19
-    clock = iter(range(0, 1000, 5))
-    monkeypatch.setattr(soak.time, "time", lambda: float(next(clock)))
-    count, waited = soak.settled_fds(_FdCounts([40, 35, 25]), baseline=19, timeout=30.0)
-    assert count == 25 and waited > 30
+    clock = [0.0]
+    monkeypatch.setattr(soak.time, "time", lambda: clock[0])
+    monkeypatch.setattr(soak.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    count, waited = soak.settled_fds(_FdCounts([31, 27, 22, 22, 19, 18]), baseline=19)
+    assert count == 19 and waited == 2.0  # closing sockets: wait until back at the baseline
+    count, waited = soak.settled_fds(_FdCounts([40, 35, 25]), baseline=19)
+    assert count == 25 and waited == 4.0  # a leak: the count stops changing above the baseline (3 s), reported
+    count, waited = soak.settled_fds(_FdCounts(list(range(200, 0, -1))), baseline=19, timeout=30.0)
+    assert count > 19 and 30.0 <= waited <= 30.5  # never settles: the timeout ends the wait
 
 
 def test_http_client_says_in_one_line_when_the_server_is_not_reachable():
