@@ -47,8 +47,8 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
                                     lambda p: run_request(engine, p, per_prompt[p.max_new_tokens]), engine.clock)
     t1 = engine.clock()
     after = engine.stats()
-    memory = _memory(engine, monitor.peaks, cuda)
     steps = summarize_steps(read_metrics_log(step_log), t0, t1) if step_log is not None and step_log.exists() else {}
+    memory = _memory(engine, monitor.peaks, cuda, steps)
     return LevelResult(concurrency, tuple(records), wall, memory, steps, prefix_cache_delta(before, after))
 
 
@@ -120,17 +120,20 @@ def _cuda_device(engine: Any) -> bool:
     return getattr(device, "type", str(device)) == "cuda"
 
 
-def _memory(engine: Any, peaks: dict[str, float], cuda: bool) -> dict[str, Any]:
-    """Memory used during a level: process RSS peak, KV blocks (and bytes) peak, CUDA peak allocation."""
+def _memory(engine: Any, peaks: dict[str, float], cuda: bool, steps: dict[str, Any]) -> dict[str, Any]:
+    """Memory used during a level: process RSS peak, KV blocks (and bytes) peak, CUDA peak allocation.
+
+    The KV and batch peaks take the larger of the sampled value and the step log's (``steps``, every step's
+    own count): a short level can start and finish its requests between two samples of the monitor."""
     runner = engine.runner
     stats = engine.stats()
-    blocks = int(peaks.get("kv_blocks_used", 0))
+    blocks = int(max(peaks.get("kv_blocks_used", 0), steps.get("max_kv_blocks_used", 0)))
     out: dict[str, Any] = {
         "rss_peak_mb": round(peaks["rss_mb"], 1),
         "kv_blocks_used_peak": blocks,
         "kv_blocks_total": stats["kv_blocks_total"],
         "kv_block_tokens": runner.block_size,
-        "max_running": int(peaks.get("running", 0)),
+        "max_running": int(max(peaks.get("running", 0), steps.get("max_running", 0))),
         "max_waiting": int(peaks.get("waiting", 0)),
     }
     per_token = getattr(runner, "kv_bytes_per_token", None)

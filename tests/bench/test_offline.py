@@ -49,6 +49,24 @@ def test_offline_levels_count_every_token(bench_build_dir, plan, tmp_path):
     assert stats["kv_blocks_used"] == 0 and stats["running"] == 0  # every block returned
 
 
+def test_kv_peak_comes_from_the_step_log_when_the_monitor_misses_every_request(bench_build_dir, plan, tmp_path,
+                                                                               monkeypatch):
+    """CI once read a KV peak of 0 blocks: the tiny model's requests started and finished between two samples
+    of the 20 ms monitor. The step log counts every step, so the peak cannot miss them."""
+    from llmc.bench import offline
+
+    monkeypatch.setattr(offline, "_engine_load", lambda engine: {"kv_blocks_used": 0, "running": 0, "waiting": 0})
+    step_log = tmp_path / "steps.jsonl"
+    engine = Engine.from_dir(bench_build_dir, device="cpu", metrics_log=step_log)
+    try:
+        levels, _ = run_offline(engine, plan, SamplingParams(temperature=0.0), step_log)
+    finally:
+        engine.shutdown()
+    for lv in levels:
+        assert lv.memory["kv_blocks_used_peak"] == lv.steps["max_kv_blocks_used"] >= 1
+        assert lv.memory["max_running"] == lv.steps["max_running"] >= 1
+
+
 def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
     assert resolve_hf_dir(bench_build_dir) == tiny_hf_dir
     baseline = HFBaseline(tiny_hf_dir, device="cpu")
