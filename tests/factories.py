@@ -75,3 +75,11 @@ def embedded_gguf_path() -> Path:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("LLMC_CACHE_DIR", Path.home() / ".cache" / "llmc"))
+
+
+def hide_package(monkeypatch, name: str) -> None:
+    """Make ``importlib.util.find_spec(name)`` answer None (the package not installed), whatever is installed."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == name else real(n, *a, **k))

@@ -16,7 +16,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord
-from llmc.bench.workload import BenchPlan, BenchPrompt
+from llmc.bench.plan import BenchPlan
+from llmc.bench.workload import BenchPrompt
 from llmc.errors import SourceError
 from llmc.manifest import read_manifest
 from llmc.request.params import SamplingParams

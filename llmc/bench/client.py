@@ -21,7 +21,8 @@ import uuid
 from typing import Any, Callable, Iterator
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
-from llmc.bench.workload import BenchPlan, BenchPrompt
+from llmc.bench.plan import BenchPlan
+from llmc.bench.workload import BenchPrompt
 from llmc.errors import EngineError, RequestError
 from llmc.request.params import SamplingParams
 

@@ -80,7 +80,8 @@ def load_plan(opts: BenchOptions, tokenizer: Any, add_special_tokens: bool,
               eos_token_ids: tuple[int, ...] = ()) -> tuple[Any, Any]:
     """The workload the options describe (a prompts file, or synthetic ISL/OSL distributions; random-id prompts
     never contain ``eos_token_ids``) and its split into warm-up prompts and one disjoint slice per level."""
-    from llmc.bench.workload import LengthDist, file_workload, level_sizes, plan_levels, synthetic_workload
+    from llmc.bench.plan import level_sizes, plan_levels
+    from llmc.bench.workload import LengthDist, file_workload, synthetic_workload
 
     if opts.prompts is not None:
         workload = file_workload(opts.prompts, tokenizer, opts.osl, None, opts.seed, add_special_tokens)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llmc.bench.records import LevelResult, PeakMonitor, RequestRecord, closed_loop
-from llmc.bench.workload import BenchPlan, BenchPrompt, bench_params
+from llmc.bench.plan import BenchPlan, bench_params
+from llmc.bench.workload import BenchPrompt
 from llmc.errors import EngineError
 from llmc.request.metrics import percentiles, read_metrics_log
 from llmc.request.params import SamplingParams

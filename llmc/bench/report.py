@@ -18,7 +18,8 @@ import platform
 from typing import Any, Sequence
 
 from llmc.bench.records import LevelResult
-from llmc.bench.workload import BenchPlan, BenchPrompt, prompt_length_summary
+from llmc.bench.plan import BenchPlan
+from llmc.bench.workload import BenchPrompt, prompt_length_summary
 from llmc.request.metrics import TTFT_BUCKETS, percentiles, ttft_bucket
 
 SCHEMA = "llmc-bench/1"

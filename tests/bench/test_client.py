@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from llmc.bench.client import make_client, run_client
 from llmc.bench.commands import bench_cmd
-from llmc.bench.workload import BenchPlan, BenchPrompt
+from llmc.bench.plan import BenchPlan
+from llmc.bench.workload import BenchPrompt
 from llmc.request.params import SamplingParams
 from tests.bench.stub_servers import StreamStats, start_grpc_server, start_sse_server
 

@@ -7,7 +7,8 @@ import pytest
 
 from llmc.bench.baseline import HFBaseline, resolve_hf_dir
 from llmc.bench.offline import run_offline
-from llmc.bench.workload import BenchPlan, LengthDist, plan_levels, synthetic_workload
+from llmc.bench.plan import BenchPlan, plan_levels
+from llmc.bench.workload import LengthDist, synthetic_workload
 from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
 from llmc.runtime.compute import on_compute_thread

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llmc.bench.plots import PLOT_FILES, write_plots
 from llmc.bench.report import build_report
-from llmc.bench.workload import BenchPlan
+from llmc.bench.plan import BenchPlan
 from tests.bench.test_report import PROMPTS, level
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,8 @@ import pytest
 from llmc.bench.records import LevelResult, RequestRecord, closed_loop
 from llmc.bench.report import (build_report, itl_by_token_index, prefix_cache_summary, prefix_caching_caption,
                                print_report, summarize_level)
-from llmc.bench.workload import BenchPlan, BenchPrompt
+from llmc.bench.plan import BenchPlan
+from llmc.bench.workload import BenchPrompt
 
 LEVEL_KEYS = {"concurrency", "num_requests", "wall_s", "prompt_tokens", "generated_tokens", "tgs", "tgs_per_request",
               "requests_per_s", "ttft_s", "ttft_by_bucket_s", "itl_s", "itl_by_token_index_s", "e2e_s",

