@@ -11,13 +11,16 @@
 #      the baseline unless SKIP_HF) and of the int4 twin, same workload, in one run: prefix reuse off
 #      (transformers recomputes every prompt) and pairwise distinct prompts (random token ids: the random model's
 #      word-level tokenizer cannot encode text), checked by the reports' zero cache hits; int4 / bf16 ratios,
-#   6. decode-step times of both builds (scripts/decode_steps.py --profile: where a step's time goes).
+#   6. decode-step times of both builds (scripts/decode_steps.py --profile: where a step's time goes),
+#   7. (AWQ_BUILD=folder, e.g. the 8B AWQ build of scripts/gpu_awq_build.sh) a real AWQ build of the same model:
+#      its greedy check vs its own IR dequantized, and its `llmc bench` beside the bf16 build's.
 # A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
 # Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
 #        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency), TUNE, SKIP_GPU_TESTS,
 #        SKIP_GREEDY, FP32_TWIN (also the float32 greedy check: 32 GB more disk), SKIP_BENCH, SKIP_HF,
-#        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), LLMC_GPU_WORK (where the models go).
+#        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), AWQ_BUILD, LLMC_GPU_WORK (where the models go; the
+#        random model, the bf16 build and its twin are reused when present).
 #        Needs torch + transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +89,9 @@ backend: torch
 YAML
 
 step "llmc build"
-$py -m llmc.cli build "$work/recipe.yaml" -o "$work/build"
+if [ ! -f "$work/build/manifest.json" ]; then
+  $py -m llmc.cli build "$work/recipe.yaml" -o "$work/build"
+fi
 
 step "W4A16 g128 twin of the build"
 if [ ! -f "$work/build-int4/manifest.json" ]; then
@@ -104,6 +109,12 @@ if [ -z "${SKIP_GREEDY:-}" ]; then
     check "greedy check (int4 vs dequantized)" "$py" scripts/greedy_check.py "$work/build-int4" \
       --reference dequantized --tokens 16 --device "$device" >"$out/greedy_int4.json"
     cat "$out/greedy_int4.json"
+    if [ -n "${AWQ_BUILD:-}" ]; then
+      step "greedy check: the AWQ build's kernels vs its IR dequantized (16 tokens)"
+      check "greedy check (AWQ build vs dequantized)" "$py" scripts/greedy_check.py "$AWQ_BUILD" \
+        --reference dequantized --tokens 16 --device "$device" >"$out/greedy_awq.json"
+      cat "$out/greedy_awq.json"
+    fi
   else
     echo "skipped: it compares the CUDA W4A16 kernels with their dequantized IR; DEVICE=$device has none"
   fi
@@ -144,6 +155,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   bench int4 "$work/build-int4"
   step "int4 / bf16 (same run, same workload)"
   "$py" scripts/bench_compare.py "$out/bench_int4.json" "$out/bench_bf16.json" | tee "$out/bench_compare.json"
+  if [ -n "${AWQ_BUILD:-}" ]; then
+    bench awq "$AWQ_BUILD"
+    step "AWQ build / bf16 (same run, same workload)"
+    "$py" scripts/bench_compare.py "$out/bench_awq.json" "$out/bench_bf16.json" | tee "$out/bench_compare_awq.json"
+  fi
 fi
 
 if [ "$device" = cuda ] && [ -z "${SKIP_DECODE_STEPS:-}" ]; then

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("llmc.recipe",),
     ("llmc.request",),
     ("llmc.tokenizer",),
-    ("llmc.errors",),
+    ("llmc.errors", "llmc.console"),
 )
 # The only name other modules may take from the package face: everything else there is the public API.
 FACE_NAMES_BELOW = {"__version__"}

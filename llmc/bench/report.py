@@ -264,13 +264,11 @@ def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
 
 def print_report(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as tables: llmc's levels, the baseline's, the ratios and the scaling."""
-    from rich.console import Console
     from rich.table import Table
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # logs and CI: wide enough that no column is cut
-            console = Console(width=180)
+    from llmc.console import table_console
+
+    console = console or table_console()
     target = report.get("url") or report.get("engine_dir")
     pl = report["prompt_lengths"]["prompt_tokens"]
     console.print(f"[bold]llmc bench[/bold] {report['mode']} {target}  device={report.get('device')}  "

@@ -157,8 +157,8 @@ def domains_table(report: dict[str, Any]) -> Table:
         table.add_column(column, justify="left" if column == "domain" else "right", no_wrap=True)
     for name, d in report["domains"].items():
         r = d.get("rtn", {})
-        table.add_row(name, str(d["tokens"]), f"{d['ppl_16bit']:.2f}", _fmt(r.get("ppl_int4"), ".2f"),
-                      f"{d['int4']['ppl_int4']:.2f}", _fmt(r.get("kl_mean"), ".3f"), f"{d['int4']['kl_mean']:.3f}",
+        table.add_row(name, str(d["tokens"]), _ppl(d["ppl_16bit"]), _ppl(r.get("ppl_int4")),
+                      _ppl(d["int4"]["ppl_int4"]), _fmt(r.get("kl_mean"), ".3f"), f"{d['int4']['kl_mean']:.3f}",
                       _fmt(d.get("kl_vs_rtn"), ".2f"), f"{d['int4']['top1_agreement']:.3f}")
     m = report["mean"]
     table.add_row("mean", "", "", "", "", _fmt(m.get("rtn", {}).get("kl_mean"), ".3f"), f"{m['int4']['kl_mean']:.3f}",
@@ -168,6 +168,11 @@ def domains_table(report: dict[str, Any]) -> Table:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _ppl(value: float | None) -> str:
+    """A perplexity: two decimals, or 4 significant digits from 100,000 on (a random model's are ~1e12)."""
+    return _fmt(value, ".2f" if value is None or value < 1e5 else ".4g")
 
 
 def worst_positions_text(rows: Sequence[dict[str, Any]]) -> str:

@@ -38,6 +38,7 @@ from llmc.builder.devices import PeakMemory, describe_device, free_gpu_memory, r
 from llmc.checkpoint import names
 from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
 from llmc.checkpoint.io import read_checkpoint
+from llmc.console import table_console
 from llmc.errors import AccuracyGateError, BuildError
 from llmc.recipe import Recipe
 from llmc.source.load import SourceModel
@@ -96,7 +97,7 @@ def accuracy_gate(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Pat
         "peak_gpu_memory_bytes": peak.bytes,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    (console or Console(stderr=True)).print(gate_report.domains_table(report))
+    (console or table_console(stderr=True)).print(gate_report.domains_table(report))
     if failures:
         worst = gate_report.worst_domain(domains)
         error = AccuracyGateError(

@@ -199,3 +199,19 @@ def test_no_readable_domain_is_a_build_error(source, tiny_hf_dir, tmp_path, monk
         recipe.quantization.gate, domains=("prose",))))
     with pytest.raises(BuildError, match="no held-out text: prose: 2 tokens.*Fix"):
         verify.accuracy_gate(source, recipe, tmp_path, console=quiet())
+
+
+def test_domains_table_prints_huge_perplexities_whole():
+    # A random model's perplexities are ~1e12: 4 significant digits, and at the log width no cell is cut.
+    def domain(ppl):
+        return {"tokens": 2048, "ppl_16bit": ppl, "rtn": {"ppl_int4": ppl * 0.9, "kl_mean": 1.0},
+                "int4": {"ppl_int4": ppl * 0.8, "kl_mean": 0.5, "top1_agreement": 0.5}, "kl_vs_rtn": 0.5}
+    report = {"passed": True, "thresholds": {"max_mean_kl": 10, "max_ppl_ratio": None, "max_kl_vs_rtn": None,
+                                             "max_ppl_vs_rtn": None},
+              "special_token_check": {"ended_int4": 0, "ended_16bit": 0},
+              "domains": {"pydoc": domain(3412786650881.2), "prose": domain(28.637)},
+              "mean": {"int4": {"kl_mean": 0.5, "top1_agreement": 0.5}, "rtn": {"kl_mean": 1.0}, "kl_vs_rtn": 0.5}}
+    out = Console(record=True, width=180, file=open("/dev/null", "w"))
+    out.print(gate_report.domains_table(report))
+    text = out.export_text()
+    assert "3.413e+12" in text and "2.73e+12" in text and "28.64" in text and "25.77" in text and "…" not in text
