@@ -59,7 +59,8 @@ def main() -> int:
     from llmc.checkpoint.io import read_config
 
     prompts = prompts_for(read_config(args.build_dir / "checkpoint")["vocab_size"], args.prompts)
-    engine = Engine.from_dir(args.build_dir, device=args.device, num_blocks=kv_blocks_for(prompts, args.tokens))
+    engine = Engine.from_dir(args.build_dir, device=args.device,
+                             num_blocks=kv_blocks_for(args.build_dir, prompts, args.tokens))
     params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
     start = time.perf_counter()
     ours = [c.token_ids for c in engine.generate(prompts, params)]
@@ -129,16 +130,19 @@ def last_logits(model, ids: list[int], device: str) -> torch.Tensor:
         return model.compute_logits(hidden[-1:])[0].float()
 
 
-def kv_blocks_for(prompts, tokens: int, smallest_block: int = 16) -> int:
-    """KV blocks enough for every prompt and its new tokens at once, at any block size of 16 tokens or more."""
-    return sum(-(-(len(p) + tokens) // smallest_block) for p in prompts)
+def kv_blocks_for(build_dir: Path, prompts, tokens: int) -> int:
+    """KV blocks (of the build's ``kv_cache.tokens_per_block``) for every prompt and its new tokens at once."""
+    from llmc.manifest import read_manifest
+
+    block = read_manifest(build_dir).recipe_obj().kv_cache.tokens_per_block
+    return sum(-(-(len(p) + tokens) // block) for p in prompts)
 
 
 def greedy_tokens(build_dir: Path, device: str, prompts, tokens: int):
     from llmc.runtime.api import Engine
     from llmc.request.params import SamplingParams
 
-    engine = Engine.from_dir(build_dir, device=device, num_blocks=kv_blocks_for(prompts, tokens))
+    engine = Engine.from_dir(build_dir, device=device, num_blocks=kv_blocks_for(build_dir, prompts, tokens))
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
     out = [list(c.token_ids) for c in engine.generate(prompts, params)]
     engine.shutdown()

@@ -1,0 +1,71 @@
+"""scripts/greedy_check.py (the GPU-box greedy comparison): its near-tie rule, the KV cache it asks for, and a run
+against transformers on the tiny build on CPU (float32: every token equal)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_SPEC = importlib.util.spec_from_file_location(
+    "greedy_check", Path(__file__).resolve().parents[1] / "scripts" / "greedy_check.py")
+greedy_check = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(greedy_check)
+
+
+def test_bf16_step_is_the_spacing_at_the_value():
+    assert greedy_check.bf16_step(20.0) == 0.125 and greedy_check.bf16_step(-20.0) == 0.125
+    assert greedy_check.bf16_step(1.0) == 2.0 ** -7 and greedy_check.bf16_step(0.0) == 2.0 ** -133
+    # bfloat16 itself: the next number above 20 is 20.125
+    assert float(torch.tensor(20.0625 + 1e-3, dtype=torch.bfloat16)) == 20.125
+
+
+def test_gap_in_bf16_steps():
+    logits = torch.tensor([20.0, 19.5, 19.875, -3.0])
+    assert greedy_check.gap_of(logits, 0) == {"gap": 0.0, "bf16_step": 0.125, "gap_steps": 0.0}
+    assert greedy_check.gap_of(logits, 1) == {"gap": 0.5, "bf16_step": 0.125, "gap_steps": 4.0}
+    assert greedy_check.gap_of(logits, 3)["gap_steps"] == 184.0
+
+
+def test_kv_blocks_cover_every_prompt_at_once(tiny_build_dir):
+    prompts = greedy_check.prompts_for(1000, 4)
+    assert [len(p) for p in prompts] == [7, 33, 130, 517]
+    # the tiny build's blocks hold 8 tokens: (7 + 16) -> 3, (33 + 16) -> 7, (130 + 16) -> 19, (517 + 16) -> 67
+    assert greedy_check.kv_blocks_for(tiny_build_dir, prompts, 16) == 3 + 7 + 19 + 67
+
+
+def test_default_near_tie_is_four_bf16_steps(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["greedy_check.py", "x", "--reference", "dequantized"])
+    seen = {}
+    monkeypatch.setattr(greedy_check, "against_dequantized", lambda args: seen.setdefault("tie", args.tie_steps))
+    greedy_check.main()
+    assert seen["tie"] == 4.0
+
+
+def test_tiny_build_matches_transformers_on_cpu(tiny_build_dir, tiny_hf_dir, monkeypatch, capsys):
+    from llmc.runtime import api
+
+    sizes = []
+    real = api.Engine.from_dir.__func__
+
+    def from_dir(cls, path, device="auto", num_blocks=None, **kw):
+        sizes.append(num_blocks)
+        return real(cls, path, device, num_blocks, **kw)
+
+    monkeypatch.setattr(api.Engine, "from_dir", classmethod(from_dir))
+    monkeypatch.setattr(sys, "argv", ["greedy_check.py", str(tiny_build_dir), str(tiny_hf_dir), "--tokens", "8",
+                                      "--prompts", "3", "--device", "cpu"])
+    assert greedy_check.main() == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["all_match"] and out["dtype"] == "torch.float32" and len(out["results"]) == 3
+    assert all(r["match"] and r["first_difference"] is None for r in out["results"])
+    prompts = greedy_check.prompts_for(out_vocab(tiny_build_dir), 3)
+    assert sizes == [greedy_check.kv_blocks_for(tiny_build_dir, prompts, 8)]  # for the prompts, not the recipe's
+
+
+def out_vocab(build_dir: Path) -> int:
+    return json.loads((build_dir / "checkpoint" / "config.json").read_text())["vocab_size"]
