@@ -48,6 +48,7 @@ class BenchOptions:
     threads: int | None = None
     repeat: int = 1
     prefix_caching: str = "auto"
+    mixed_step_tokens: int | None = None  # None: the build's serving.mixed_step_tokens
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
@@ -116,7 +117,8 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
     override, why = prefix_caching_override(opts.prefix_caching, opts.baseline)
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
-        engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log, prefix_caching=override)
+        engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log, prefix_caching=override,
+                                 mixed_step_tokens=opts.mixed_step_tokens)
         try:
             workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens,
                                        engine.eos_token_ids)
@@ -132,7 +134,9 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       "max_num_tokens": engine.recipe.engine.max_num_tokens,
                       "tokens_per_block": engine.runner.block_size, "kv_blocks": engine.runner.num_blocks,
                       "quantization": engine.recipe.quantization.method,
-                      "mixed_step_tokens": engine.recipe.serving.mixed_step_tokens,
+                      "mixed_step_tokens": engine.scheduler.max_mixed_tokens or 0,
+                      "mixed_step_tokens_from": "the build's recipe" if opts.mixed_step_tokens is None
+                      else "--mixed-step-tokens",
                       "prefix_caching": engine.block_manager.enable_prefix_caching},
            # The weights as the engine holds them on its device (int4 layers packed on CUDA), by dtype.
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),
@@ -267,6 +271,10 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
                    "serving.enable_kv_cache_reuse; on / off: force it (on with --baseline is flagged in the report "
                    "and the plots). Each level reports the prompt tokens served from cached blocks. Synthetic "
                    "prompts never share a prefix, so reuse only matters for --prompts files.")
+@click.option("--mixed-step-tokens", type=click.IntRange(0), default=None,
+              help="Offline: the token budget of a step that carries decodes (prefill chunks ride along up to it), "
+                   "instead of the build's serving.mixed_step_tokens; 0 = no budget (engine.max_num_tokens). Smaller "
+                   "budgets cut ITL tails behind long prompts and cost TTFT. Reported per run.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
                    "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "
@@ -276,14 +284,17 @@ def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: st
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
               sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
               warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None,
-              prefix_caching: str, repeat: int) -> None:
+              prefix_caching: str, repeat: int, mixed_step_tokens: int | None) -> None:
     """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
     if baseline and url:
         raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
+    if url and mixed_step_tokens is not None:
+        raise RequestError("mixed_step_tokens", "a server schedules steps as its build's serving.mixed_step_tokens "
+                                                "says; drop --mixed-step-tokens with --url")
     if url and prefix_caching != "auto":
         raise RequestError("prefix_caching", "a server reuses prefixes as its build's serving."
                                              "enable_kv_cache_reuse says; drop --prefix-caching with --url")
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": sampling_seed}
     execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
                          num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
-                         max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching))
+                         max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching, mixed_step_tokens))

@@ -54,13 +54,14 @@ class Engine:
     batches by itself: ``Engine.from_dir`` opens such a build). Default sampling parameters are the recipe's
     ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
     with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first;
-    ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it).
+    ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it), and
+    ``mixed_step_tokens`` its ``serving.mixed_step_tokens`` (None keeps it; 0 = no budget for steps with decodes).
     """
 
     def __init__(self, runner: StepRunner, tokenizer: Any, recipe: Recipe, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
                  num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 prefix_caching: bool | None = None):
+                 prefix_caching: bool | None = None, mixed_step_tokens: int | None = None):
         if not isinstance(runner, StepRunner):
             raise EngineError(f"Engine drives step runners (block_size, num_blocks, execute), not a "
                               f"{type(runner).__name__}. Fix: open the build folder with Engine.from_dir, which "
@@ -79,9 +80,12 @@ class Engine:
         self.block_manager = BlockManager(num_blocks or runner.num_blocks, runner.block_size,
                                           enable_prefix_caching=recipe.serving.enable_kv_cache_reuse
                                           if prefix_caching is None else prefix_caching)
+        if mixed_step_tokens is not None and mixed_step_tokens < 0:
+            raise ValueError(f"mixed_step_tokens must be >= 0 (0: no budget), got {mixed_step_tokens}")
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
                                    limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock,
-                                   max_mixed_tokens=recipe.serving.mixed_step_tokens)
+                                   max_mixed_tokens=recipe.serving.mixed_step_tokens
+                                   if mixed_step_tokens is None else mixed_step_tokens)
         self._outputs: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
         self._step_lock = threading.Lock()  # one step at a time
@@ -91,7 +95,8 @@ class Engine:
     @classmethod
     def from_dir(cls, path: str | Path, device: str = "auto", num_blocks: int | None = None,
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
-                 warmup: bool = True, prefix_caching: bool | None = None) -> Engine:
+                 warmup: bool = True, prefix_caching: bool | None = None,
+                 mixed_step_tokens: int | None = None) -> Engine:
         """Load a build folder (``llmc build`` output). ``device``: "auto" (CUDA if available), "cpu", "cuda".
 
         A ``backend: tensorrt_llm`` build returns a :class:`~llmc.engine.tensorrt_llm.engine.TrtllmEngine`
@@ -99,13 +104,17 @@ class Engine:
 
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one.
-        ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (torch backend only)."""
+        ``prefix_caching`` and ``mixed_step_tokens`` override the recipe's ``serving.enable_kv_cache_reuse`` and
+        ``serving.mixed_step_tokens`` (torch backend only)."""
         build_dir = Path(path)
         manifest = read_manifest(build_dir)
         if manifest.backend == "tensorrt_llm":
             if prefix_caching is not None:  # TensorRT-LLM fixes KV-cache reuse when its engine is built
                 raise RequestError("prefix_caching", "a tensorrt_llm build reuses KV blocks as its recipe's "
                                    "serving.enable_kv_cache_reuse says; change it there and rebuild")
+            if mixed_step_tokens is not None:  # TensorRT-LLM's own scheduler batches the steps
+                raise RequestError("mixed_step_tokens", "a tensorrt_llm build schedules its steps in TensorRT-LLM's "
+                                   "batch manager; mixed_step_tokens applies to the torch backend only")
             return TrtllmEngine.from_build_dir(build_dir)  # type: ignore[return-value]
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
@@ -119,7 +128,7 @@ class Engine:
 
         runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)
         return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s,
-                   prefix_caching=prefix_caching)
+                   prefix_caching=prefix_caching, mixed_step_tokens=mixed_step_tokens)
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

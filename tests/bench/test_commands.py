@@ -109,3 +109,28 @@ def test_prefix_caching_is_offline_only():
     with pytest.raises(RequestError, match="drop --prefix-caching"):
         CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--prefix-caching", "off"],
                            catch_exceptions=False)
+
+
+def test_mixed_step_budget_is_a_bench_option(bench_build_dir, tmp_path):
+    # 4 prompts of 40 tokens at concurrency 4: without a budget a step with decodes takes up to max_num_tokens
+    # (128) of prefill; with 12, later prompts are cut into chunks that ride along with the decodes.
+    def run(extra):
+        out = tmp_path / f"r{len(extra)}.json"
+        result = CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--isl", "40", "--osl", "6", "--num-prompts",
+                                                "4", "--concurrency", "4", "--json", str(out), "--device", "cpu",
+                                                "--warmup", "0", *extra], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())
+
+    build_default, budget = run([]), run(["--mixed-step-tokens", "12"])
+    assert build_default["engine"]["mixed_step_tokens"] == 0
+    assert build_default["engine"]["mixed_step_tokens_from"] == "the build's recipe"
+    assert budget["engine"]["mixed_step_tokens"] == 12 and budget["engine"]["mixed_step_tokens_from"] == "--mixed-step-tokens"
+    assert budget["levels"][0]["generated_tokens"] == build_default["levels"][0]["generated_tokens"] == 24
+    assert budget["levels"][0]["steps"]["count"] > build_default["levels"][0]["steps"]["count"]
+
+
+def test_mixed_step_budget_is_offline_only():
+    with pytest.raises(RequestError, match="drop --mixed-step-tokens"):
+        CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--mixed-step-tokens", "512"],
+                           catch_exceptions=False)

@@ -257,6 +257,8 @@ def _prefill_attention(
             is_causal=True, scale=scale,
         )[0]  # [nh, n, hd]
         return out.transpose(0, 1)
+    if q.is_cuda:
+        return chunk_attention_lower_right(q, k_t, v_t, scale)
     # GQA without copying k/v: fold the `group` query heads of each kv head into the query axis.
     q_g = q.view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_size)
     q_pos = torch.arange(num_computed, num_computed + n, device=q.device)  # [n]
@@ -264,6 +266,26 @@ def _prefill_attention(
     mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * n, ctx]
     out = F.scaled_dot_product_attention(q_g[None], k_t[None], v_t[None], attn_mask=mask[None, None], scale=scale)[0]
     return out.view(num_kv_heads, group, n, head_size).permute(2, 0, 1, 3).reshape(n, num_heads, head_size)
+
+
+def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk over its cached context: queries ``[n, nh, hd]`` are the last ``n`` of ``ctx`` positions,
+    keys/values ``[nkv, ctx, hd]``; returns ``[n, nh, hd]``.
+
+    Causal attention aligned to the lower right (query ``j`` sees keys ``<= ctx - n + j``) is a structured bias
+    that SDPA's fused kernels (memory-efficient attention on CUDA) take without a mask tensor; an explicit boolean
+    ``[n, ctx]`` mask sends the call to a slower masked path that reads the mask too. Kv heads are repeated for
+    their queries (fused kernels want equal head counts); the copy is small next to the attention itself.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, num_heads, _ = q.shape
+    ctx, group = k_t.shape[1], num_heads // k_t.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_t.repeat_interleave(group, 0)[None], v_t.repeat_interleave(group, 0)[None],
+        attn_mask=causal_lower_right(n, ctx), scale=scale,
+    )[0]  # [nh, n, hd]
+    return out.transpose(0, 1)
 
 
 def decode_attention(

@@ -95,3 +95,23 @@ def test_gather_blocks_returns_the_listed_blocks_in_order(num_seqs):
     for d in range(num_seqs):
         for j, block in enumerate(tables[d].tolist()):
             assert torch.equal(got[d, 4 * j:4 * (j + 1)], cache[block])
+
+
+@pytest.mark.parametrize("n,ctx,nh,nkv", [(5, 37, 8, 2), (64, 64, 4, 4), (1, 10, 6, 3), (100, 700, 8, 2)])
+def test_lower_right_causal_chunk_equals_the_masked_path(n, ctx, nh, nkv):
+    # The CUDA path for a prefill chunk over a cached context (no mask tensor) against the explicit boolean mask
+    # the CPU path builds; on CPU SDPA's math backend computes both.
+    from llmc.engine.torch.attention import _prefill_attention, chunk_attention_lower_right
+
+    gen = torch.Generator().manual_seed(n + ctx)
+    q, k, v = (torch.randn(length, heads, 64, generator=gen) for length, heads in ((n, nh), (ctx, nkv), (ctx, nkv)))
+    masked = _prefill_attention(q, k, v, ctx - n, 0.125)  # q on CPU: the boolean-mask path
+    lower_right = chunk_attention_lower_right(q, k.transpose(0, 1), v.transpose(0, 1), 0.125)
+    torch.testing.assert_close(lower_right, masked, rtol=1e-5, atol=1e-5)
+    # and not merely equal to attention over everything: the last query's row is unmasked, the first is not
+    if ctx > n > 1:
+        full = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(nh // nkv, 0)[None],
+            v.transpose(0, 1).repeat_interleave(nh // nkv, 0)[None], scale=0.125)[0].transpose(0, 1)
+        torch.testing.assert_close(lower_right[-1], full[-1], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(lower_right[0], full[0], atol=1e-3)

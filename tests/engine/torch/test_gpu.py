@@ -89,3 +89,16 @@ def test_runner_on_cuda_sizes_the_cache_from_free_memory_and_decodes_greedily(tm
     ref = hf_model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=8, do_sample=False,
                             min_new_tokens=8, pad_token_id=2)[0, len(prompt):].tolist()
     assert sched.reqs["a"]["out"] == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_over_cached_context_on_cuda_equals_the_masked_path(dtype):
+    # CUDA takes the lower-right causal bias (fused SDPA kernel); the float32 boolean-mask path on CPU is the reference.
+    from llmc.engine.torch.attention import _prefill_attention
+
+    gen = torch.Generator().manual_seed(0)
+    n, ctx, nh, nkv = 512, 2048, 32, 8
+    q, k, v = (torch.randn(length, heads, 128, generator=gen) for length, heads in ((n, nh), (ctx, nkv), (ctx, nkv)))
+    reference = _prefill_attention(q, k, v, ctx - n, 128 ** -0.5)
+    out = _prefill_attention(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), ctx - n, 128 ** -0.5)
+    torch.testing.assert_close(out.float().cpu(), reference, rtol=2e-2, atol=2e-2)
