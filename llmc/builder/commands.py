@@ -16,6 +16,7 @@ from rich.table import Table
 
 from llmc import manifest as mf
 from llmc.checkpoint.safetensors_header import read_safetensors_header
+from llmc.console import table_console
 from llmc.errors import EngineError, LlmcError
 
 GIB = 1024**3
@@ -55,7 +56,7 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
     from llmc.builder.pipeline import build
     from llmc.recipe import load_recipe
 
-    err = Console(stderr=True)
+    err = table_console(stderr=True)  # the gate's table is 9 columns: a log gets them whole
     try:
         loaded = load_recipe(recipe)
         if from_ir is not None:
@@ -66,7 +67,7 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
             result = build(loaded, out_dir=output, force=force, console=err)
     except LlmcError as exc:
         _fail(exc)
-    out = Console()
+    out = table_console()
     if result.up_to_date:
         out.print(f"[green]up to date[/]: {result.build_dir} (recipe and source unchanged; use --force to rebuild)")
         return

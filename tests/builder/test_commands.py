@@ -106,3 +106,25 @@ def test_build_a_file_that_is_not_a_model_exits_2(tmp_path):
     result = CliRunner().invoke(build_cmd, [str(write_recipe(tmp_path, fake)), "-o", str(tmp_path / "o" / "t")])
     assert result.exit_code == 2 and "neither a GGUF file" in result.stderr
     assert not (tmp_path / "o" / "t").exists()
+
+
+def test_build_prints_wide_tables_whole_into_a_log(tmp_path, tiny_hf_dir, monkeypatch):
+    # `llmc build ... > build.log`: the gate's 9-column table goes to the build's console, which must not cut
+    # cells to 80 columns ("0.8…") when the output is not a terminal.
+    from rich.table import Table
+
+    from llmc.builder import pipeline
+    from llmc.errors import AccuracyGateError
+
+    def fake_build(recipe, out_dir=None, force=False, console=None):
+        table = Table(title="accuracy gate")
+        for i in range(9):
+            table.add_column(f"column {i}", no_wrap=True)
+        table.add_row(*[f"{1234.5678 + i:.4f}" for i in range(9)])
+        console.print(table)
+        raise AccuracyGateError("the int4 model failed the accuracy gate (test)")
+
+    monkeypatch.setattr(pipeline, "build", fake_build)
+    result = CliRunner().invoke(build_cmd, [str(write_recipe(tmp_path, tiny_hf_dir)), "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "failed the accuracy gate" in result.output
+    assert all(f"{1234.5678 + i:.4f}" in result.output for i in range(9)) and "…" not in result.output
