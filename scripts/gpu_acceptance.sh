@@ -99,22 +99,22 @@ if [ ! -f "$work/build-int4/manifest.json" ]; then
 fi
 
 
+greedy_dequantized() {  # greedy_dequantized NAME BUILD: an int4 build's CUDA kernels vs its own IR dequantized
+  local name="$1" build="$2"
+  step "greedy check: $name kernels vs the same IR dequantized (16 tokens)"
+  check "greedy check ($name vs dequantized)" "$py" scripts/greedy_check.py "$build" --reference dequantized \
+    --tokens 16 --device "$device" >"$out/greedy_$name.json"
+  cat "$out/greedy_$name.json"
+}
+
 if [ -z "${SKIP_GREEDY:-}" ]; then
   step "greedy check vs transformers (16 tokens, bfloat16)"
   check "greedy check (bfloat16)" "$py" scripts/greedy_check.py "$work/build" "$work/hf" --tokens 16 \
     --device "$device" >"$out/greedy.json"
   cat "$out/greedy.json"
-  step "greedy check: int4 kernels vs the same IR dequantized (16 tokens)"
   if [ "$device" = cuda ]; then
-    check "greedy check (int4 vs dequantized)" "$py" scripts/greedy_check.py "$work/build-int4" \
-      --reference dequantized --tokens 16 --device "$device" >"$out/greedy_int4.json"
-    cat "$out/greedy_int4.json"
-    if [ -n "${AWQ_BUILD:-}" ]; then
-      step "greedy check: the AWQ build's kernels vs its IR dequantized (16 tokens)"
-      check "greedy check (AWQ build vs dequantized)" "$py" scripts/greedy_check.py "$AWQ_BUILD" \
-        --reference dequantized --tokens 16 --device "$device" >"$out/greedy_awq.json"
-      cat "$out/greedy_awq.json"
-    fi
+    greedy_dequantized int4 "$work/build-int4"
+    if [ -n "${AWQ_BUILD:-}" ]; then greedy_dequantized awq "$AWQ_BUILD"; fi
   else
     echo "skipped: it compares the CUDA W4A16 kernels with their dequantized IR; DEVICE=$device has none"
   fi

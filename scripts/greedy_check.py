@@ -53,19 +53,8 @@ def main() -> int:
         parser.error("HF_DIR is needed with --reference transformers")
     from transformers import AutoModelForCausalLM
 
-    from llmc.request.params import SamplingParams
-    from llmc.runtime.api import Engine
-
-    from llmc.checkpoint.io import read_config
-
-    prompts = prompts_for(read_config(args.build_dir / "checkpoint")["vocab_size"], args.prompts)
-    engine = Engine.from_dir(args.build_dir, device=args.device,
-                             num_blocks=kv_blocks_for(args.build_dir, prompts, args.tokens))
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
-    start = time.perf_counter()
-    ours = [c.token_ids for c in engine.generate(prompts, params)]
-    llmc_s = time.perf_counter() - start
-    engine.shutdown()
+    prompts = build_prompts(args.build_dir, args.prompts)
+    ours, engine, llmc_s = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     dtype = engine.runner.model.transformer.ln_f.weight.dtype
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -138,15 +127,25 @@ def kv_blocks_for(build_dir: Path, prompts, tokens: int) -> int:
     return sum(-(-(len(p) + tokens) // block) for p in prompts)
 
 
+def build_prompts(build_dir: Path, count: int) -> list[list[int]]:
+    """The check's prompts for the vocabulary of the build's IR."""
+    from llmc.checkpoint.io import read_config
+
+    return prompts_for(read_config(build_dir / "checkpoint")["vocab_size"], count)
+
+
 def greedy_tokens(build_dir: Path, device: str, prompts, tokens: int):
+    """llmc's greedy tokens of every prompt in one batch: (tokens, the shut-down engine, generate seconds)."""
     from llmc.runtime.api import Engine
     from llmc.request.params import SamplingParams
 
     engine = Engine.from_dir(build_dir, device=device, num_blocks=kv_blocks_for(build_dir, prompts, tokens))
     params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
     out = [list(c.token_ids) for c in engine.generate(prompts, params)]
+    seconds = time.perf_counter() - start
     engine.shutdown()
-    return out, engine
+    return out, engine, seconds
 
 
 def against_dequantized(args) -> int:
@@ -156,17 +155,15 @@ def against_dequantized(args) -> int:
 
     from llmc.engine.torch.loader import CUDA_KERNELS_ENV
 
-    from llmc.checkpoint.io import read_config
-
     os.environ.pop(CUDA_KERNELS_ENV, None)
-    prompts = prompts_for(read_config(args.build_dir / "checkpoint")["vocab_size"], args.prompts)
-    ours, engine = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
+    prompts = build_prompts(args.build_dir, args.prompts)
+    ours, engine, _ = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     int4_layers = sum(type(m).__name__ == "Int4CudaLinear" for m in engine.runner.model.modules())
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     os.environ[CUDA_KERNELS_ENV] = "0"
     try:
-        theirs, engine = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
+        theirs, engine, _ = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
         reference_model = engine.runner.model
         results = []
         for p, a, b in zip(prompts, ours, theirs):

@@ -63,9 +63,5 @@ def test_tiny_build_matches_transformers_on_cpu(tiny_build_dir, tiny_hf_dir, mon
     out = json.loads(capsys.readouterr().out)
     assert out["all_match"] and out["dtype"] == "torch.float32" and len(out["results"]) == 3
     assert all(r["match"] and r["first_difference"] is None for r in out["results"])
-    prompts = greedy_check.prompts_for(out_vocab(tiny_build_dir), 3)
+    prompts = greedy_check.build_prompts(tiny_build_dir, 3)
     assert sizes == [greedy_check.kv_blocks_for(tiny_build_dir, prompts, 8)]  # for the prompts, not the recipe's
-
-
-def out_vocab(build_dir: Path) -> int:
-    return json.loads((build_dir / "checkpoint" / "config.json").read_text())["vocab_size"]

@@ -250,14 +250,8 @@ def _prefill_attention(
     k_t, v_t = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [nkv, ctx, hd]
     # Inputs are 4-D ([1, heads, len, hd]) throughout: 3-D inputs make PyTorch's CPU SDPA fall back to its
     # unfused math path (measured 1.5-2.5x slower for a 128-token prompt).
-    if num_computed == 0 and ctx == n:
-        # A whole fresh prompt: plain causal attention (no mask tensor), kv heads repeated for their queries.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_t.repeat_interleave(group, 0)[None], v_t.repeat_interleave(group, 0)[None],
-            is_causal=True, scale=scale,
-        )[0]  # [nh, n, hd]
-        return out.transpose(0, 1)
-    if q.is_cuda:
+    if (num_computed == 0 and ctx == n) or q.is_cuda:
+        # A whole fresh prompt (plain causal attention), or on CUDA any chunk: no mask tensor.
         return chunk_attention_lower_right(q, k_t, v_t, scale)
     # GQA without copying k/v: fold the `group` query heads of each kv head into the query axis.
     q_g = q.view(n, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_size)
@@ -274,8 +268,9 @@ def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.T
 
     Causal attention aligned to the lower right (query ``j`` sees keys ``<= ctx - n + j``) is a structured bias
     that SDPA's fused kernels (memory-efficient attention on CUDA) take without a mask tensor; an explicit boolean
-    ``[n, ctx]`` mask sends the call to a slower masked path that reads the mask too. Kv heads are repeated for
-    their queries (fused kernels want equal head counts); the copy is small next to the attention itself.
+    ``[n, ctx]`` mask sends the call to a slower masked path that reads the mask too. With ``n == ctx`` (a whole
+    fresh prompt) SDPA runs it as plain ``is_causal`` attention. Kv heads are repeated for their queries (fused
+    kernels want equal head counts); the copy is small next to the attention itself.
     """
     from torch.nn.attention.bias import causal_lower_right
 
