@@ -144,13 +144,22 @@ def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
     return sorted({g.name for g in gpus} & set(tuned_device_names()))
 
 
+def int4_cuda_path(why_not: str | None) -> str:
+    """Which W4A16 kernels a CUDA GPU gets: llmc's CUDA kernels, or the Triton ones and why."""
+    if why_not is None:
+        return "llmc's CUDA tensor-core kernels (built once with nvcc, then cached)"
+    return f"llmc's Triton W4A16 kernels ({why_not})"
+
+
 def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None,
-                     triton_version: str | None = None) -> tuple[BackendStatus, ...]:
-    """Which backends are usable, from what was found (pure: tests pass the findings in)."""
+                     triton_version: str | None = None, cuda_int4_why_not: str | None = "not checked"
+                     ) -> tuple[BackendStatus, ...]:
+    """Which backends are usable, from what was found (pure: tests pass the findings in).
+    ``cuda_int4_why_not``: why llmc's CUDA int4 kernels cannot be built here (None: they can)."""
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
-                         f"kernels in CUDA graphs; AWQ int4 (W4A16): llmc's Triton W4A16 kernels, weights kept packed "
+                         f"kernels in CUDA graphs; AWQ int4 (W4A16), weights kept packed: {int4_cuda_path(cuda_int4_why_not)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
                          "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "
@@ -193,7 +202,10 @@ def collect_report(importer: Importer = importlib.import_module) -> DoctorReport
         versions[name] = probe.version
         if probe.error:
             notes[name] = probe.error
-    backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"), versions["triton"])
+    from llmc.engine.torch import cuda_ext
+
+    backends = backend_statuses(gpus, versions["tensorrt_llm"], notes.get("tensorrt_llm"), versions["triton"],
+                                cuda_ext.static_why_not() if gpus else "no CUDA GPU")  # judged without a build
     return DoctorReport(gpus, cpu_info(), driver, torch.version.cuda, versions, notes, backends)
 
 

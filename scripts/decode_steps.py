@@ -48,8 +48,8 @@ def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> f
 
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("int4 matmul (llmc)", ("w4a16_matmul",)),
-    ("int4 dequantize (llmc)", ("w4a16_dequant",)),
+    ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_mma_kernel")),
+    ("int4 dequantize (llmc)", ("w4a16_dequant", "w4a16_mma_dequant")),
     ("attention (llmc paged decode)", ("paged_decode",)),
     ("add + RMSNorm (llmc)", ("add_rms_norm",)),
     ("RoPE + KV write (llmc)", ("rope_kv",)),

@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Check and tune llmc's W4A16 CUDA kernels on this GPU; write the shipped config table and a timing report.
 
+``--kernels mma`` (default): llmc's CUDA tensor-core kernels (``csrc_cuda/w4a16_mma.cu``): every (row tiles, warps)
+(row tiles, column tiles, warps, L2 prefetch) config per row bucket (1, 8, 16, 32, 64, 128), checked and timed as below, and ``dense_from_m`` against dequantize +
+cuBLAS; stored under the shape's ``"mma"`` key as ``[m_max, row tiles, column tiles, warps, L2 prefetch]``. ``--kernels triton``: the Triton fallback, as follows.
+
 For each linear shape of a model (default: Llama-3.1-8B's qkv, o, fc + gate, down projection at group 128, and
 SmolLM2-135M's at group 64 for correctness) and each row bucket (1, 2-16, 17-32, 33-64, 65-128, 129-256):
 
@@ -221,16 +225,141 @@ def step_table(report: dict, shapes) -> list[dict]:
     return rows
 
 
+MMA_BUCKETS = [(1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128)]  # (bucket's largest M, M tuned at)
+MMA_DENSE_MS = (32, 64, 96, 128, 192, 256, 512)
+MMA_CANDIDATES = [(mt, nt, warps, prefetch) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
+                  for prefetch in (0, 1)
+                  if warps * nt * mt * 512 <= 48 * 1024]  # the kernel's partial sums fit static shared memory
+
+
+def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed: int, scratch: Scratch,
+                   dtype: torch.dtype = torch.bfloat16):
+    """A random int4 layer of the CUDA mma kernels and its float32 reference weight ``[N, K]`` (fc + gate: the
+    first N/2 rows are fc, the rest gate)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device="cuda")
+    scales = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.01 + 0.002).to(dtype)
+    pq = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype) if prequant else None
+    packed = pack_int4(q)
+    parts = [(packed[: n // 4], scales[: n // 2]), (packed[n // 4:], scales[n // 2:])] if silu else [(packed, scales)]
+    layer = Int4CudaLinear.from_ir(parts, pq, group, scratch, silu_output=silu, backend="mma")
+    return layer, (packed, scales, pq)
+
+
+def check_mma(layer, weight, silu, m, config) -> float:
+    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ weight.T
+    if silu:
+        half = ref.shape[1] // 2
+        ref = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+    out = layer.mma(x, *config) if config else layer._dense(x)
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def tune_mma_shape(spec, report: dict) -> dict:
+    """The CUDA mma kernel's best (row tiles, warps) per row bucket and its dense_from_m (dequantize + cuBLAS)."""
+    name, n, k, group, silu, prequant = spec
+    scratch = Scratch(torch.bfloat16, torch.device("cuda"))
+    made = [make_mma_layer(n, k, group, silu, prequant, seed, scratch) for seed in range(LAYERS)]
+    scratch.allocate()
+    layers = [lay for lay, _ in made]
+    packed, scales, pq = made[0][1]
+    del made
+    weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k, device="cuda"), group)
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    entry = {"buckets": [], "dense_from_m": None}
+    rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
+    for m_max, m in MMA_BUCKETS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
+        best, best_t, tried = None, float("inf"), {}
+        for config in MMA_CANDIDATES:
+            try:
+                err = check_mma(layers[0], weight, silu, m, config)
+            except RuntimeError as exc:  # a config the GPU cannot launch (registers), reported and skipped
+                tried[str(config)] = f"failed: {exc}"
+                continue
+            if not err < 1e-2:
+                tried[str(config)] = f"wrong: rel err {err:.3g}"
+                continue
+            t = time_graph(lambda cfg=config: [layer.mma(x, *cfg) for layer in layers])
+            tried[str(config)] = round(t * 1e6, 1)
+            if t < best_t:
+                best, best_t = config, t
+        if best is None:
+            raise SystemExit(f"{name} M={m}: no mma config is correct: {tried}")
+        entry["buckets"].append([m_max, *best])
+        rows_report[f"mma_{m}"] = {"best": list(best), "us_32_layers": round(best_t * 1e6, 1),
+                                   "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
+        print(f"{name:8s} M={m:4d}: mma int4 {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
+              f"({cublas / best_t:.2f}x)  best {best}", flush=True)
+    for m in MMA_DENSE_MS + (2048,):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        err = check_mma(layers[0], weight, silu, m, None)
+        if not err < 1e-2:
+            raise SystemExit(f"{name} M={m}: dequantize + cuBLAS is wrong: rel err {err:.3g}")
+        dense_t = time_graph(lambda: [layer._dense(x) for layer in layers])
+        cfg = tuple(entry["buckets"][-1][1:])
+        kernel_t = time_graph(lambda: [layer.mma(x, *cfg) for layer in layers])
+        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
+        rows_report[f"mma_dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
+                                         "kernel_us": round(kernel_t * 1e6, 1), "cublas_bf16_us": round(cublas * 1e6, 1)}
+        print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  mma kernel {kernel_t * 1e3:7.3f} ms  "
+              f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
+        if entry["dense_from_m"] is None and m in MMA_DENSE_MS and dense_t <= kernel_t:
+            entry["dense_from_m"] = m
+    entry["dense_from_m"] = entry["dense_from_m"] or MMA_DENSE_MS[-1]
+    return entry
+
+
+def mma_step_table(report: dict, shapes) -> list[dict]:
+    """Per row count: the 32-layer sum over the four shapes, mma int4 vs bf16 cuBLAS."""
+    keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
+    rows = []
+    for _, m in MMA_BUCKETS:
+        int4 = sum(report[key][f"mma_{m}"]["us_32_layers"] for key in keys)
+        bf16 = sum(report[key][f"mma_{m}"]["cublas_bf16_us_32_layers"] for key in keys)
+        rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
+                     "bf16_over_int4": round(bf16 / int4, 2)})
+    for m in MMA_DENSE_MS + (2048,):
+        best = sum(min(report[key][f"mma_dense_{m}"]["dequant_cublas_us"], report[key][f"mma_dense_{m}"]["kernel_us"])
+                   for key in keys)
+        bf16 = sum(report[key][f"mma_dense_{m}"]["cublas_bf16_us"] for key in keys)
+        rows.append({"M": m, "int4_ms": round(best / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
+                     "bf16_over_int4": round(bf16 / best, 2)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", type=Path, required=True, help="config table to merge the results into")
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--model", choices=["llama3.1-8b", "smollm2", "both"], default="both")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--kernels", choices=["triton", "mma"], default="mma",
+                    help="which kernel family to tune (mma: llmc's CUDA library; triton: the fallback)")
     args = ap.parse_args()
     device_name = torch.cuda.get_device_name()
     shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
-    report = {"device": device_name, "torch": torch.__version__, "shapes": {}}
+    report = {"device": device_name, "torch": torch.__version__, "shapes": {}, "kernels": args.kernels}
+    if args.kernels == "mma":
+        table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
+        tuned = table["devices"].setdefault(device_name, {})
+        for spec in shapes:
+            key = shape_key(spec[1], spec[2], spec[3])
+            tuned.setdefault(key, {})["mma"] = tune_mma_shape(spec, report["shapes"])
+            torch.cuda.empty_cache()
+        args.configs.write_text(json.dumps(table, indent=1) + "\n")
+        for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
+            if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):
+                report[f"step_{label}"] = mma_step_table(report["shapes"], model_shapes)
+                print(f"\n{label}: decode-step linears (mma), 32 layers")
+                for row in report[f"step_{label}"]:
+                    print(f"  M={row['M']:5d}  int4 {row['int4_ms']:8.3f} ms  bf16 cuBLAS {row['bf16_ms']:8.3f} ms  "
+                          f"({row['bf16_over_int4']:.2f}x)")
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report, indent=1) + "\n")
+        return
     quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
     report["compile_failures"] = precompile(shapes, args.workers, quick)
     table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}

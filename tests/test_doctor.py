@@ -70,11 +70,14 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence():
     assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
         in with_triton.detail
     # The shipped int4 configs were tuned on an H200, not an H100: the H100 gets the heuristic configs.
-    assert with_triton.detail.endswith("AWQ int4 (W4A16): llmc's Triton W4A16 kernels, weights kept packed "
-                                       "(tuned for no GPU here: heuristic configs)")
+    assert with_triton.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's Triton W4A16 kernels (not "
+                                       "checked) (tuned for no GPU here: heuristic configs)")
+    no_nvcc, _ = backend_statuses((H100,), None, "missing", "3.6.0", "nvcc was not found (CUDA_HOME, PATH)")
+    assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
-    tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0")
-    assert tuned.detail.endswith("(tuned for NVIDIA H200)")
+    tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
+    assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels (built "
+                                 "once with nvcc, then cached) (tuned for NVIDIA H200)")
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail

@@ -23,6 +23,10 @@ def test_every_package_is_listed_and_templates_are_mapped():
     patterns = project["tool"]["setuptools"]["package-data"]["llmc.engine.torch"]
     assert {"vec_math.h", "bindings.cpp"} <= sources
     assert all(any(Path("csrc", name).match(pattern) for pattern in patterns) for name in sources)
+    # So are the CUDA kernels' sources (nvcc on the GPU machine) and the int4 kernels' tuned config table.
+    cuda = [Path("csrc_cuda", p.name) for p in (ROOT / "llmc" / "engine" / "torch" / "csrc_cuda").glob("*.cu")]
+    assert cuda and all(any(path.match(pattern) for pattern in patterns) for path in cuda)
+    assert any(Path("int4_cuda_configs.json").match(pattern) for pattern in patterns)
 
 
 def test_console_script_points_at_the_cli():

@@ -6,8 +6,16 @@ thousands of rows: it is bound by tensor-core FLOPs, where cuBLAS is best; the l
 dequantized into a scratch buffer shared by all layers (one pass over the packed weight, ~0.1 ms for an 8B
 layer) and multiplied by cuBLAS. Which rows count as "few" is measured per shape (``int4_cuda_configs.json``).
 
+Two kernel families, chosen per layer at load (:func:`choose_backend`):
+
+- ``mma`` (:mod:`llmc.engine.torch.cuda_ext`, CUDA C++): the weight in tensor-core fragment order
+  (:func:`pack_mma`), 1-32 rows per block on the tensor cores with one read of the weight; used where nvcc and an
+  sm_80+ GPU are there and the shape is whole tiles of 16 columns x 64 inputs (every Llama shape).
+- ``triton`` (:mod:`llmc.engine.torch.int4_triton`): the portable fallback (:func:`pack_for_cuda`), and the path
+  Triton's CPU interpreter tests.
+
 The kernel configs are tuned on the GPU (``scripts/tune_int4_cuda.py``) and shipped; a shape or GPU without a
-tuned entry gets :func:`heuristic_config`. Nothing is autotuned while serving.
+tuned entry gets :func:`heuristic_config` (:func:`heuristic_mma_config`). Nothing is autotuned while serving.
 """
 
 from __future__ import annotations
@@ -127,6 +135,85 @@ def pack_for_cuda(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -
     return words.reshape(tiles * WORDS_PER_TILE, n).contiguous(), scales.t().contiguous()
 
 
+MMA_COLS, MMA_INPUTS = 16, 64  # the mma layout's tile: 16 output columns x 64 inputs
+# Nibble j of a lane's word: column half h = j & 1 (column g + 8 h) and input kk = 2 ((j >> 1) & 1) + (j >> 2) of
+# the lane's four inputs 16 t + 4 s + kk; as an index into a trailing [h, kk] axis of 8: 4 h + kk.
+_MMA_NIBBLE_SOURCE = [4 * (j & 1) + 2 * ((j >> 1) & 1) + (j >> 2) for j in range(8)]  # index into [h, kk]
+
+
+def mma_supported(n: int, k: int, group_size: int) -> bool:
+    """Whole mma tiles: columns a multiple of 16, inputs of 64, group size 64 or 128."""
+    return n % MMA_COLS == 0 and k % MMA_INPUTS == 0 and group_size in GROUP_SIZES
+
+
+def interleave_tiles(fc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Rows of fc and gate ``[I, ...]`` -> ``[2I, ...]`` in blocks of 8 (fc 8i..8i+7, then gate 8i..8i+7): each
+    16-column mma tile holds a feature's fc in column c and its gate in column c + 8, the same lane's results."""
+    rows = fc.shape[0]
+    return torch.stack([fc.reshape(rows // 8, 8, -1), gate.reshape(rows // 8, 8, -1)], dim=1).reshape(
+        2 * rows, *fc.shape[1:])
+
+
+def pack_mma(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 values ``q`` int8 ``[N, K]`` in [-8, 7] and ``scales`` ``[N, K/g]`` (16-bit) -> the mma kernel's
+    ``(words int32 [N/16, K/64, 32, 4], scale pairs int32 [K/g, N/16, 8])`` on q's device.
+
+    Tile (nt, kt) lane (g, t) word s holds in nibble j the value ``q + 8`` of column ``16 nt + g + 8 (j & 1)``,
+    input ``64 kt + 16 t + 4 s + 2 ((j >> 1) & 1) + (j >> 2)`` (see ``csrc_cuda/w4a16_mma.cu``); scale pair
+    (grp, nt, g) is ``(s[16 nt + g], s[16 nt + g + 8])`` of group grp.
+    """
+    n, k = q.shape
+    if not mma_supported(n, k, group_size):
+        raise CheckpointError(f"the mma int4 layout needs columns in 16s, inputs in 64s and group size 64 or 128, "
+                              f"got {n} x {k} g{group_size}. Fix: use the Triton layout (pack_for_cuda)")
+    if tuple(scales.shape) != (n, k // group_size) or scales.element_size() != 2:
+        raise CheckpointError(f"scales of shape {tuple(scales.shape)} {scales.dtype}, expected "
+                              f"{(n, k // group_size)} 16-bit. Fix: re-run the quantization with `llmc build --force`")
+    u = (q.to(torch.int64) + 8).view(n // 16, 2, 8, k // 64, 4, 4, 4)  # [nt, h, g, kt, t, s, kk]
+    u = u.permute(0, 3, 2, 4, 5, 1, 6).reshape(n // 16, k // 64, 8, 4, 4, 8)  # [nt, kt, g, t, s, h*4 + kk]
+    nibbles = u[..., _MMA_NIBBLE_SOURCE]  # [..., j]
+    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
+    words = (nibbles << shifts).sum(dim=-1)  # < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = words.reshape(n // 16, k // 64, 32, 4).contiguous()  # lane = 4 g + t
+    pairs = scales.t().reshape(k // group_size, n // 16, 2, 8).transpose(2, 3).contiguous()  # [grp, nt, g, h]
+    return words, pairs.view(torch.int32).reshape(k // group_size, n // 16, 8)
+
+
+def unpack_mma(words: torch.Tensor, pairs: torch.Tensor, group_size: int, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_mma` (for tests and checks): ``(q int8 [N, K], scales [N, K/g])``."""
+    ntiles, ktiles = words.shape[:2]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    nib = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], dim=-1)  # [nt, kt, 32, 4 (s), 8 (j)]
+    out = torch.empty_like(nib).view(ntiles, ktiles, 8, 4, 4, 8)  # [nt, kt, g, t, s, h*4 + kk]
+    out[..., _MMA_NIBBLE_SOURCE] = nib.view(ntiles, ktiles, 8, 4, 4, 8)
+    q = out.view(ntiles, ktiles, 8, 4, 4, 2, 4).permute(0, 5, 2, 1, 3, 4, 6)  # [nt, h, g, kt, t, s, kk]
+    q = (q.reshape(ntiles * 16, ktiles * 64) - 8).to(torch.int8)
+    scales = pairs.view(dtype).view(-1, ntiles, 8, 2).transpose(2, 3).reshape(-1, ntiles * 16).t()
+    return q, scales.contiguous()
+
+
+def heuristic_mma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """``(row tiles of 8, column tiles of 16, warps, L2 prefetch)`` per block of the mma kernel where nothing was
+    tuned: one column tile for few rows (more blocks), two from 9 rows on (each activation fragment then serves two
+    tiles); the prefetch from 9 rows on (on the H200 it helped from 16 rows and cost ~10 % at 1-8)."""
+    n_tiles = 1 if m <= 8 or (n // MMA_COLS) % 2 else 2
+    return (1 if m <= 8 else 2 if m <= 16 else 4), n_tiles, (8 if k >= 2048 else 4), int(m > 8)
+
+
+MMA_DENSE_FROM_M_DEFAULT = 96
+
+
+def choose_backend(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device) -> str:
+    """``mma`` where llmc's CUDA library loads and the shape and dtype fit it, else ``triton``."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not mma_supported(n, k, group_size):
+        return "triton"
+    from llmc.engine.torch import cuda_ext
+
+    return "mma" if cuda_ext.load() is not None else "triton"
+
+
 class Scratch:
     """Buffers shared by every int4 linear of a model: the dequantized weight of prefill steps, the split-K partials
     and arrival counters of decode steps.
@@ -171,19 +258,33 @@ class Int4CudaLinear(nn.Module):
     interleaved (``2n`` = fc ``n``, ``2n + 1`` = gate ``n``) and the layer returns ``silu(fc) * gate``
     ``[T, N / 2]``. Rows below the shape's ``dense_from_m`` run the int4 kernel; larger steps dequantize into
     ``scratch`` and use cuBLAS.
+
+    ``backend``: ``triton`` (``words`` and ``scales`` from :func:`pack_for_cuda`, fc + gate columns interleaved
+    one by one) or ``mma`` (from :func:`pack_mma`, fc + gate interleaved in blocks of 8: :func:`interleave_tiles`).
+    :meth:`from_ir` packs for either.
     """
 
     def __init__(self, words: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None, in_features: int,
-                 group_size: int, scratch: Scratch, silu_output: bool = False):
+                 group_size: int, scratch: Scratch, silu_output: bool = False, backend: str = "triton"):
         super().__init__()
-        self.in_features, self.columns = in_features, words.shape[1]  # the weight's columns (2I with silu_output)
+        assert backend in ("triton", "mma"), backend
+        self.backend = backend
+        # the weight's columns (2I with silu_output)
+        self.columns = words.shape[0] * MMA_COLS if backend == "mma" else words.shape[1]
+        self.in_features = in_features
         self.out_features = self.columns // 2 if silu_output else self.columns
         self.group_size, self.silu_output, self.scratch = group_size, silu_output, scratch
-        self.register_buffer("words", words, persistent=False)  # [Kp/8, N] int32
-        self.register_buffer("scales", scales, persistent=False)  # [K/g, N]
+        self.register_buffer("words", words, persistent=False)  # triton: [Kp/8, N]; mma: [N/16, K/64, 32, 4]
+        self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [K/g, N/16, 8]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
         name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
         entry = tuned_entry(name, self.columns, in_features, group_size) or {}
+        if backend == "mma":
+            mma = entry.get("mma", {})
+            self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
+            self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
+            scratch.reserve(dense=in_features * self.columns)
+            return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
         # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes.
@@ -194,9 +295,36 @@ class Int4CudaLinear(nn.Module):
         scratch.reserve(dense=in_features * n, partials=max(c.workspace(m, n) for m, c in configs),
                         counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in configs))
 
+    @classmethod
+    def from_ir(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], prequant: torch.Tensor | None, group_size: int,
+                scratch: Scratch, silu_output: bool = False, backend: str | None = None) -> Int4CudaLinear:
+        """The layer of IR tensors ``[(packed int8 [N/2, K], scales [N, K/g] in the compute dtype)]`` on the
+        device: one part, or fc and gate with ``silu_output``. ``backend`` None: :func:`choose_backend`."""
+        assert len(parts) == (2 if silu_output else 1)
+        k = parts[0][0].shape[1]
+        n = sum(2 * packed.shape[0] for packed, _ in parts)
+        backend = backend or choose_backend(n, k, group_size, scratch.dtype, parts[0][0].device)
+        if backend == "mma":
+            qs = [unpack_int4(packed) for packed, _ in parts]
+            q = interleave_tiles(*qs) if silu_output else qs[0]
+            scales = interleave_tiles(*(s for _, s in parts)) if silu_output else parts[0][1]
+            words, scales = pack_mma(q, scales, group_size)
+        else:
+            packed_scales = [pack_for_cuda(packed, s, group_size) for packed, s in parts]
+            # fc + gate: their columns interleaved (2n = fc n, 2n + 1 = gate n)
+            words = torch.stack([w for w, _ in packed_scales], dim=2).flatten(1)
+            scales = torch.stack([s for _, s in packed_scales], dim=2).flatten(1)
+        return cls(words, scales, prequant, k, group_size, scratch, silu_output=silu_output, backend=backend)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"prequant={self.prequant is not None}, silu_output={self.silu_output}")
+                f"prequant={self.prequant is not None}, silu_output={self.silu_output}, backend={self.backend}")
+
+    def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
+        """The mma kernel's ``(row tiles, column tiles, warps, prefetch)`` for ``m`` rows: the tuned bucket, else
+        the heuristic."""
+        return next((c for m_max, c in self._mma_buckets if m <= m_max), None) or heuristic_mma_config(
+            m, self.columns, self.in_features)
 
     def config_for(self, m: int) -> KernelConfig:
         """The tuned config of the smallest bucket holding ``m`` rows, else :func:`heuristic_config`."""
@@ -211,7 +339,22 @@ class Int4CudaLinear(nn.Module):
         m = x.shape[0]
         if m >= self.dense_from_m:
             return self._dense(x)
+        if self.backend == "mma":
+            return self.mma(x, *self.mma_config_for(m))
         return self.matmul(x, self.config_for(m))
+
+    def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, prefetch: int = 0) -> torch.Tensor:
+        """The CUDA tensor-core kernel with an explicit config (the tuning script calls this)."""
+        from llmc.engine.torch import cuda_ext
+
+        assert x.shape[-1] == self.in_features
+        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if x.shape[0]:
+            cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
+                               self.group_size, self.silu_output, m_tiles, n_tiles, warps, bool(prefetch))
+        return y
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:
         """The int4 kernel with an explicit config (the tuning script calls this)."""
@@ -244,6 +387,12 @@ class Int4CudaLinear(nn.Module):
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The effective weight ``[K, N]`` (q * scale * prequant; N = the weight's columns) written into ``out``."""
         k, n = self.in_features, self.columns
+        if self.backend == "mma":  # fc + gate come out as [fc | gate]
+            from llmc.engine.torch import cuda_ext
+
+            cuda_ext.w4a16_mma_dequant(self.words, self.scales, self.prequant, out, n, k, self.group_size,
+                                       self.silu_output)
+            return out
         block_n = 128
         _kernels().w4a16_dequant[(-(-n // block_n), -(-k // TILE))](
             self.words, self.scales, self.prequant if self.prequant is not None else self.scales, out, n, k,
@@ -254,7 +403,7 @@ class Int4CudaLinear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantize(self.scratch.dense_view(self.in_features, self.columns))  # [K, N]
         y = torch.mm(x, weight)
-        return silu_mul(y, interleaved=True) if self.silu_output else y
+        return silu_mul(y, interleaved=self.backend == "triton") if self.silu_output else y
 
 
 def silu_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -282,9 +431,9 @@ def _TL_DTYPES() -> dict[torch.dtype, object]:  # noqa: N802 - a constant built 
 
 def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied: bool) -> int:
     """Bytes the torch engine holds on a CUDA GPU (with Triton) for IR tensors ``{name: (dtype, shape, bytes)}``
-    read from safetensors headers: packed int4 layers stay packed (their input features padded to whole tiles of
-    128), AWQ input scales the loader folds into norms (qkv, fc, gate) are dropped, a tied lm_head is the
-    embedding."""
+    read from safetensors headers: packed int4 layers stay packed (shapes of whole mma tiles as they are, others
+    with their input features padded to whole tiles of 128 for the Triton kernels), AWQ input scales the loader
+    folds into norms (qkv, fc, gate) are dropped, a tied lm_head is the embedding."""
     total = 0
     for name, (dtype, shape, nbytes) in tensors.items():
         if tied and name == names.LM_HEAD:
@@ -295,7 +444,8 @@ def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied
             continue  # folded into input_layernorm / post_layernorm
         if parsed and parsed[2] == names.WEIGHT and dtype == "I8":  # packed [N/2, K] -> words [Kp/8, N] int32
             n, k = 2 * shape[0], shape[1]
-            nbytes = -(-k // TILE) * TILE // 8 * n * 4
+            if not (n % MMA_COLS == 0 and k % MMA_INPUTS == 0):
+                nbytes = -(-k // TILE) * TILE // 8 * n * 4
         total += nbytes
     return total
 
@@ -346,20 +496,18 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
 
     def build(prefix: str, norm: nn.Module | None = None, parts: tuple[str, ...] | None = None) -> Int4CudaLinear:
         tensors = [quantized[p] for p in (parts or (prefix,))]
-        packed_scales = [pack_for_cuda(t[0].to(device), t[1].to(device, dtype), group_size) for t in tensors]
-        # One layer: its columns; fc + gate: their columns interleaved (2n = fc n, 2n + 1 = gate n).
-        words = torch.stack([w for w, _ in packed_scales], dim=2).flatten(1)
-        scales = torch.stack([s for _, s in packed_scales], dim=2).flatten(1)
         prequant = tensors[0][2]
-        in_features = tensors[0][0].shape[1]
         if prequant is not None and norm is not None:
             with torch.no_grad():
                 norm.weight.copy_((norm.weight.float() * prequant.to(device).float()).to(norm.weight.dtype))
             counts["folded"] += 1
             prequant = None
+        layer = Int4CudaLinear.from_ir([(t[0].to(device), t[1].to(device, dtype)) for t in tensors],
+                                       None if prequant is None else prequant.to(device, dtype), group_size,
+                                       scratch, silu_output=parts is not None)
         counts["layers"] += 1
-        return Int4CudaLinear(words, scales, None if prequant is None else prequant.to(device, dtype), in_features,
-                              group_size, scratch, silu_output=parts is not None)
+        counts[layer.backend] = counts.get(layer.backend, 0) + 1
+        return layer
 
     for i, layer in enumerate(model.transformer.layers):
         base = f"transformer.layers.{i}"

@@ -1,0 +1,160 @@
+"""llmc's CUDA C++ kernels (``csrc_cuda/*.cu``), compiled on first use with nvcc and loaded with ctypes.
+
+- ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
+  one read of the packed weight (layout: :func:`llmc.engine.torch.int4_cuda.pack_mma`); ``llmc_w4a16_mma_dequant``
+  writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it).
+
+The library has a plain C interface (no PyTorch headers), so the build is one nvcc call of a few seconds for the
+GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, architecture
+and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture records them like any other
+kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU older than sm_80, a
+failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
+ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
+ABI_VERSION = 3
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+M_TILES = (1, 2, 4)  # rows per block / 8
+N_TILES = (1, 2, 4)  # column tiles of 16 per block
+WARPS = (4, 8, 16)
+
+_why_not: str | None = None
+
+
+def nvcc_path() -> str | None:
+    """nvcc from ``CUDA_HOME``/``CUDA_PATH``, ``/usr/local/cuda`` or PATH."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").exists():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def static_why_not(device: torch.device | int | None = None) -> str | None:
+    """Why the CUDA kernels cannot run, from what is visible without building them; None when a build can be
+    tried."""
+    if os.environ.get(ENV, "").lower() == "triton":
+        return f"{ENV}=triton"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"this GPU is sm_{major}{minor}; the kernels need sm_80 or newer (bf16 tensor cores)"
+    if nvcc_path() is None:
+        return "nvcc was not found (CUDA_HOME, /usr/local/cuda, PATH)"
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc") / "cuda"
+
+
+def _arch(device: torch.device | int | None) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}" + ("a" if major == 9 else "")  # sm_90a: Hopper's full instruction set
+
+
+def build(nvcc: str, arch: str, out_dir: Path) -> Path:
+    """Compile the library for ``sm_{arch}`` into ``out_dir`` (once per source, arch and nvcc; a file lock keeps
+    concurrent processes from building twice; the result appears under its final name only when complete)."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    target = out_dir / f"libllmc_cuda_{arch}_{key}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            partial = Path(tmp) / target.name
+            cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
+                   "-Xcompiler", "-fPIC", "-o", str(partial), str(SOURCE)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"nvcc failed: {(done.stderr or done.stdout).strip()[-400:]}")
+            os.replace(partial, target)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library for the current GPU, or None (logged once, with the reason, and kept for
+    :func:`status`)."""
+    global _why_not
+    _why_not = static_why_not()
+    if _why_not is not None:
+        if ENV not in _why_not and "visible" not in _why_not:
+            logger.warning("llmc's CUDA int4 kernels are unavailable, using the Triton kernels: %s", _why_not)
+        return None
+    try:
+        path = build(nvcc_path(), _arch(None), cache_dir())
+        lib = ctypes.CDLL(str(path))
+        if lib.llmc_w4a16_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path} has ABI {lib.llmc_w4a16_abi_version()}, expected {ABI_VERSION}")
+    except Exception as exc:  # noqa: BLE001 - a failed build: fall back, say why
+        _why_not = f"building them failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})"
+        logger.warning("llmc's CUDA int4 kernels are unavailable, using the Triton kernels: %s. Fix: install the "
+                       "CUDA toolkit (nvcc) matching the driver, or set %s=triton", _why_not, ENV)
+        return None
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, p]
+    lib.llmc_w4a16_mma.restype = i
+    lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, p]
+    lib.llmc_w4a16_mma_dequant.restype = i
+    return lib
+
+
+def status() -> str:
+    """One line: which int4 kernels CUDA layers of this process use, and why."""
+    if load() is not None:
+        return "llmc's CUDA tensor-core W4A16 kernels (decode) + dequantize and cuBLAS (prefill)"
+    return f"llmc's Triton W4A16 kernels ({_why_not})"
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"{what} failed: " + ("unsupported shape or config" if code == -1 else
+                                                   f"CUDA error {code}"))
+
+
+def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
+              y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
+              warps: int, prefetch: bool = False) -> None:
+    """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream."""
+    lib = load()
+    assert lib is not None and x.dtype in DTYPES and x.stride(-1) == 1 and x.stride(0) % 8 == 0
+    assert x.data_ptr() % 16 == 0 and y.stride(-1) == 1
+    _check(lib.llmc_w4a16_mma(
+        DTYPES[x.dtype], m_tiles, n_tiles, warps, int(prefetch), x.data_ptr(), x.stride(0), words.data_ptr(), scale_pairs.data_ptr(),
+        prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
+        group_size, int(silu_out), torch.cuda.current_stream(x.device).cuda_stream), "llmc_w4a16_mma")
+
+
+def w4a16_mma_dequant(words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
+                      out: torch.Tensor, n: int, k: int, group_size: int, halves: bool) -> None:
+    """The effective weight ``[K, N]`` into ``out`` (``halves``: fc + gate tiles as ``[fc | gate]`` columns)."""
+    lib = load()
+    assert lib is not None and out.dtype in DTYPES and out.is_contiguous()
+    _check(lib.llmc_w4a16_mma_dequant(
+        DTYPES[out.dtype], words.data_ptr(), scale_pairs.data_ptr(),
+        prequant.data_ptr() if prequant is not None else None, out.data_ptr(), n, k, group_size, int(halves),
+        torch.cuda.current_stream(out.device).cuda_stream), "llmc_w4a16_mma_dequant")

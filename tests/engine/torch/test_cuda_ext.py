@@ -1,0 +1,67 @@
+"""llmc's CUDA library loader on a CPU machine: why it is unavailable, the nvcc build's cache, lock and errors
+(with a stand-in nvcc), and the real source compiled for sm_90 where nvcc is installed. The kernels themselves
+run on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from llmc.engine.torch import cuda_ext
+
+
+def fake_nvcc(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "bin" / "nvcc"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_without_a_gpu_or_with_the_override_the_reason_is_named(monkeypatch):
+    assert cuda_ext.static_why_not() == "no CUDA GPU is visible"
+    monkeypatch.setenv(cuda_ext.ENV, "triton")
+    assert cuda_ext.static_why_not() == f"{cuda_ext.ENV}=triton"
+
+
+def test_build_runs_nvcc_once_per_source_and_arch_and_publishes_complete_files(tmp_path):
+    calls = tmp_path / "calls"
+    # A stand-in nvcc: --version prints a version; a build appends to `calls` and writes the -o file.
+    nvcc = fake_nvcc(tmp_path, f"""if [ "$1" = --version ]; then echo "release 13.0"; exit 0; fi
+echo x >> {calls}
+while [ $# -gt 0 ]; do if [ "$1" = -o ]; then echo lib > "$2"; fi; shift; done
+""")
+    out = tmp_path / "cache"
+    first = cuda_ext.build(str(nvcc), "90a", out)
+    assert first.exists() and first.parent == out and "90a" in first.name
+    assert cuda_ext.build(str(nvcc), "90a", out) == first  # cached: nvcc ran once
+    other = cuda_ext.build(str(nvcc), "80", out)
+    assert other != first and calls.read_text().count("x") == 2
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".so") == sorted([first.name, other.name])
+
+
+def test_a_failed_build_names_nvcc_and_leaves_nothing_behind(tmp_path):
+    nvcc = fake_nvcc(tmp_path, """if [ "$1" = --version ]; then echo "release 13.0"; exit 0; fi
+echo "w4a16_mma.cu(12): error: identifier undefined" >&2; exit 2
+""")
+    out = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="nvcc failed: .*identifier undefined"):
+        cuda_ext.build(str(nvcc), "90a", out)
+    assert not [p for p in out.rglob("*") if p.suffix == ".so"]
+
+
+def test_the_real_source_compiles_for_hopper_where_nvcc_is_installed(tmp_path, monkeypatch):
+    nvcc = cuda_ext.nvcc_path()
+    if nvcc is None:  # a machine without the CUDA toolkit: the GPU path would fall back and say why
+        monkeypatch.setattr(cuda_ext.torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda_ext.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        assert cuda_ext.static_why_not() == "nvcc was not found (CUDA_HOME, /usr/local/cuda, PATH)"
+        return
+    lib_path = cuda_ext.build(nvcc, "90a", tmp_path)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.llmc_w4a16_abi_version() == cuda_ext.ABI_VERSION
+    assert os.path.getsize(lib_path) > 100_000  # the kernels of every config were compiled in

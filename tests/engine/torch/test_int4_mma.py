@@ -1,0 +1,161 @@
+"""The mma int4 layout (llmc/engine/torch/csrc_cuda/w4a16_mma.cu) checked on CPU: :func:`pack_mma` against the
+documented nibble order, its inverse, the fc + gate tile interleave, and an emulation of the kernel's lanes and
+mma fragments (PTX's m16n8k16 operand layouts) that must reproduce the product over the dequantized weight. The
+kernel itself runs on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmc.checkpoint.int4 import pack_int4
+from llmc.engine.torch.int4_cuda import (Int4CudaLinear, Scratch, choose_backend, heuristic_mma_config,
+                                         interleave_tiles, mma_supported, pack_mma, unpack_mma)
+from llmc.errors import CheckpointError
+
+
+def random_q(n, k, group, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+    return q, scales
+
+
+def test_pack_mma_puts_each_value_where_the_layout_says():
+    q, scales = random_q(32, 128, 64)
+    words, pairs = pack_mma(q, scales, 64)
+    assert words.shape == (2, 2, 32, 4) and words.dtype == torch.int32
+    assert pairs.shape == (2, 2, 8) and pairs.dtype == torch.int32
+    for nt, kt, lane, s, j in [(0, 0, 0, 0, 0), (1, 1, 31, 3, 7), (0, 1, 13, 2, 5), (1, 0, 6, 1, 2), (1, 1, 22, 0, 6)]:
+        g, t = lane // 4, lane % 4
+        col = 16 * nt + g + 8 * (j & 1)
+        inp = 64 * kt + 16 * t + 4 * s + 2 * ((j >> 1) & 1) + (j >> 2)
+        nibble = (int(words[nt, kt, lane, s]) >> (4 * j)) & 0xF
+        assert nibble == int(q[col, inp]) + 8, (nt, kt, lane, s, j)
+    raw = pairs.view(torch.bfloat16).view(2, 2, 8, 2)  # [group, nt, g, (col g, col g + 8)]
+    assert torch.equal(raw[1, 1, 3], torch.stack([scales[16 + 3, 1], scales[16 + 11, 1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpack_mma_inverts_pack_mma(dtype):
+    q, scales = random_q(48, 576, 64, dtype)
+    q2, scales2 = unpack_mma(*pack_mma(q, scales, 64), 64, dtype)
+    assert torch.equal(q2, q) and torch.equal(scales2, scales)
+
+
+def test_interleave_tiles_puts_fc_and_gate_of_a_feature_in_columns_c_and_c_plus_8():
+    fc, gate = torch.arange(16).view(16, 1), 100 + torch.arange(16).view(16, 1)
+    both = interleave_tiles(fc, gate).flatten().tolist()
+    assert both[:16] == list(range(8)) + list(range(100, 108))
+    assert both[16:] == list(range(8, 16)) + list(range(108, 116))
+
+
+def test_pack_mma_refuses_shapes_without_whole_tiles():
+    assert mma_supported(960, 576, 64) and not mma_supported(1000, 4096, 128) and not mma_supported(64, 96, 32)
+    q, scales = random_q(40, 128, 64)
+    with pytest.raises(CheckpointError, match="16s"):
+        pack_mma(q, scales, 64)
+
+
+def test_backend_choice_without_a_gpu_is_triton():
+    assert choose_backend(4096, 4096, 128, torch.bfloat16, torch.device("cpu")) == "triton"
+    assert heuristic_mma_config(1, 4096, 4096) == (1, 1, 8, 0) and heuristic_mma_config(16, 4096, 4096)[:2] == (2, 2)
+    assert heuristic_mma_config(40, 960, 576) == (4, 2, 4, 1) and heuristic_mma_config(40, 976, 576)[1] == 1
+
+
+def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
+    """The CUDA kernel's arithmetic, lane by lane: A fragments from each word as the kernel decodes them, B
+    fragments from the activations as it loads them, PTX's m16n8k16 fragment layouts, its epilogue's indexing."""
+    dtype, rows = x.dtype, x.shape[0]
+    xs = x if prequant is None else (x.float() * prequant.float()).to(dtype)  # rounded once, as hmul2
+    ntiles, ktiles = n // 16, k // 64
+    mtiles = -(-rows // 8)
+    xpad = torch.zeros(mtiles * 8, k, dtype=dtype)
+    xpad[:rows] = xs
+    s_all = pairs.view(dtype).view(k // group, ntiles, 8, 2)
+    acc = torch.zeros(ntiles, mtiles, 32, 4, dtype=torch.float64)  # per lane: c0..c3
+    for nt in range(ntiles):
+        for kt in range(ktiles):
+            s_pair = s_all[(kt * 64) // group, nt]  # [g, 2]
+            for s in range(4):
+                a = torch.zeros(16, 16, dtype=torch.float64)  # A [16 columns, 16 mma-k]
+                b = torch.zeros(mtiles, 16, 8, dtype=torch.float64)  # B [16 mma-k, 8 rows]
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    word = int(words[nt, kt, lane, s]) & 0xFFFFFFFF
+                    regs = []
+                    for i in range(4):  # (word >> 4i) & 0x000F000F: nibbles i (low half) and i + 4 (high half)
+                        lo, hi = (word >> (4 * i)) & 0xF, (word >> (4 * i + 16)) & 0xF
+                        scale = s_pair[g, i & 1].float()  # a0, a2: column g (s_lo); a1, a3: column g + 8 (s_hi)
+                        regs.append([((torch.tensor(float(v - 8)) * scale).to(dtype)).double() for v in (lo, hi)])
+                    a[g, 2 * t: 2 * t + 2] = torch.stack(regs[0])
+                    a[g + 8, 2 * t: 2 * t + 2] = torch.stack(regs[1])
+                    a[g, 2 * t + 8: 2 * t + 10] = torch.stack(regs[2])
+                    a[g + 8, 2 * t + 8: 2 * t + 10] = torch.stack(regs[3])
+                    for mt in range(mtiles):
+                        chunk = xpad[8 * mt + g, 64 * kt + 16 * t: 64 * kt + 16 * t + 16].double()  # two uint4
+                        word_index = 4 * (s >> 1) + 2 * (s & 1)  # b0 = .x / .z of xv[s >> 1], b1 = .y / .w
+                        b[mt, 2 * t: 2 * t + 2, g] = chunk[2 * word_index: 2 * word_index + 2]
+                        b[mt, 2 * t + 8: 2 * t + 10, g] = chunk[2 * word_index + 2: 2 * word_index + 4]
+                for mt in range(mtiles):
+                    c = a @ b[mt]  # [16 columns, 8 rows]
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        acc[nt, mt, lane] += torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
+                                                          c[g + 8, 2 * t + 1]])
+    out = torch.zeros(rows, n // 2 if silu else n, dtype=torch.float64)
+    for nt in range(ntiles):
+        for mt in range(mtiles):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for i in range(4):
+                    r = 8 * mt + 2 * t + (i & 1)
+                    if r >= rows:
+                        continue
+                    if silu and i < 2:
+                        fc, gate = acc[nt, mt, lane, i], acc[nt, mt, lane, i + 2]
+                        out[r, 8 * nt + g] = F.silu(fc) * gate
+                    elif not silu:
+                        out[r, 16 * nt + g + 8 * (i >> 1)] = acc[nt, mt, lane, i]
+    return out
+
+
+@pytest.mark.parametrize("silu,prequant,group", [(False, False, 64), (False, True, 128), (True, False, 64)])
+def test_kernel_emulation_over_the_packed_layout_equals_the_dequantized_product(silu, prequant, group):
+    dtype, n, k, rows = torch.bfloat16, 32, 128, 11
+    gen = torch.Generator().manual_seed(1)
+    q, scales = random_q(n, k, group, dtype, seed=2)
+    pq = (torch.rand(k, generator=gen) + 0.5).to(dtype) if prequant else None
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    if silu:
+        words, pairs = pack_mma(interleave_tiles(q[: n // 2], q[n // 2:]),
+                                interleave_tiles(scales[: n // 2], scales[n // 2:]), group)
+    else:
+        words, pairs = pack_mma(q, scales, group)
+    got = emulate_kernel(x, words, pairs, pq, n, k, group, silu)
+    weight = (q.float() * scales.float().repeat_interleave(group, dim=1)).to(dtype).double()  # round(q * s)
+    xs = x if pq is None else (x.float() * pq.float()).to(dtype)
+    ref = xs.double() @ weight.T
+    if silu:
+        ref = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+    assert torch.allclose(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_from_ir_packs_fc_and_gate_for_the_triton_kernels_on_cpu():
+    q, scales = random_q(32, 128, 64)
+    parts = [(pack_int4(q[:16]), scales[:16]), (pack_int4(q[16:]), scales[16:])]
+    layer = Int4CudaLinear.from_ir(parts, None, 64, Scratch(torch.bfloat16, torch.device("cpu")), silu_output=True)
+    assert layer.backend == "triton" and layer.columns == 32 and layer.out_features == 16
+    with pytest.raises(AssertionError):  # fc + gate need both parts
+        Int4CudaLinear.from_ir(parts[:1], None, 64, Scratch(torch.bfloat16, torch.device("cpu")), silu_output=True)
+
+
+def test_cuda_weight_bytes_pads_only_shapes_the_mma_layout_cannot_hold():
+    from llmc.engine.torch.int4_cuda import cuda_weight_bytes
+
+    name = "transformer.layers.0.attention.qkv.weight"
+    whole = {name: ("I8", (480, 576), 480 * 576)}  # N = 960, K = 576: whole mma tiles, the packed bytes as they are
+    ragged = {name: ("I8", (500, 576), 500 * 576)}  # N = 1000: Triton's layout, K padded to 640
+    assert cuda_weight_bytes(whole, tied=False) == 480 * 576
+    assert cuda_weight_bytes(ragged, tied=False) == 640 // 8 * 1000 * 4
