@@ -230,9 +230,9 @@ def chat_end_check(models: GateModels, tokenizer: Any, source: SourceModel) -> d
     for prompt in heldout.chat_prompts(CHAT_PROMPTS):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True, chat_template=source.chat_template)
-        prompts.append(torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=models.device))
-    ends_16 = [_greedy_end(models.use("16bit"), ids, eos, CHAT_BUDGET) for ids in prompts]
-    ends_int4 = [_greedy_end(models.use("int4"), ids, eos, 2 * CHAT_BUDGET) for ids in prompts]
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ends_16 = _greedy_ends(models.use("16bit"), prompts, eos, CHAT_BUDGET, models.device)
+    ends_int4 = _greedy_ends(models.use("int4"), prompts, eos, 2 * CHAT_BUDGET, models.device)
     results, failed = [], []
     for index, (end_16, end_int4) in enumerate(zip(ends_16, ends_int4)):
         results.append({"prompt": index, "end_16bit": end_16, "end_int4": end_int4})
@@ -248,14 +248,24 @@ def chat_end_check(models: GateModels, tokenizer: Any, source: SourceModel) -> d
     }
 
 
-def _greedy_end(model: torch.nn.Module, ids: torch.Tensor, eos: list[int], budget: int) -> int | None:
-    """Number of tokens greedy decoding produces up to and including the first end token (None: not in budget)."""
+def _greedy_ends(model: torch.nn.Module, prompts: list[list[int]], eos: list[int], budget: int,
+                 device: torch.device) -> list[int | None]:
+    """Per prompt, the number of tokens greedy decoding produces up to and including the first end token (None:
+    not within ``budget``). One batched ``generate`` (prompts left-padded and masked): the prompts decode
+    together instead of one after another."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos[0])
-    out = model.generate(ids, generation_config=config)[0, ids.shape[1]:]  # [generated]
-    hits = [i for i, t in enumerate(out.tolist()) if t in eos]
-    return hits[0] + 1 if hits else None
+    width = max(len(ids) for ids in prompts)
+    pad = eos[0]
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=budget, eos_token_id=eos, pad_token_id=pad)
+    out = model.generate(input_ids, attention_mask=mask, generation_config=config)[:, width:]  # [P, generated]
+    ends: list[int | None] = []
+    for row in out.tolist():
+        hits = [i for i, t in enumerate(row) if t in eos]
+        ends.append(hits[0] + 1 if hits else None)
+    return ends
 
 
 def ir_to_hf_state_dict(checkpoint_dir: str | Path, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32

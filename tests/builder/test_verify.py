@@ -215,3 +215,28 @@ def test_domains_table_prints_huge_perplexities_whole():
     out.print(gate_report.domains_table(report))
     text = out.export_text()
     assert "3.413e+12" in text and "2.73e+12" in text and "28.64" in text and "25.77" in text and "…" not in text
+
+
+def test_batched_chat_check_ends_where_each_prompt_alone_ends(tiny_hf_dir):
+    """The chat end check decodes its prompts as one left-padded batch: each prompt's end must be where its own
+    unbatched greedy decoding puts it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir), dtype=torch.float32).eval()
+    prompts = [[5, 17, 29, 3, 11, 8, 40], [7, 9], [21, 4, 33, 12]]  # different lengths: left padding is exercised
+    alone = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+            alone.append(out)
+    eos = [alone[0][2]]  # a token the model really produces: prompt 0 ends after 3 tokens
+
+    def first_end(tokens):
+        return next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+
+    expected = [first_end(tokens) for tokens in alone]
+    assert expected[0] is not None and expected[0] <= 3  # at least one prompt really ends
+    with torch.no_grad():
+        got = verify._greedy_ends(model, prompts, eos, 8, torch.device("cpu"))
+    assert got == expected
