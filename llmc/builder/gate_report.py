@@ -28,16 +28,31 @@ class Scores:
     top1_int4: torch.Tensor  # [W, L] int64
 
 
-def window_scores(input_ids: torch.Tensor, logits_16: torch.Tensor, logits_int4: torch.Tensor
+@dataclass(frozen=True)
+class Reference:
+    """The 16-bit model's log-probabilities and probabilities of one window (float64 ``[L, V]``), computed once
+    when several models are scored against them (:func:`reference`)."""
+
+    logp: torch.Tensor
+    p: torch.Tensor
+
+
+def reference(logits_16: torch.Tensor) -> Reference:
+    logp = torch.log_softmax(logits_16.double(), dim=-1)  # [L, V]
+    return Reference(logp, logp.exp())
+
+
+def window_scores(input_ids: torch.Tensor, logits_16: torch.Tensor | Reference, logits_int4: torch.Tensor
                   ) -> tuple[torch.Tensor, ...]:
     """(kl [L], nll_16 [L-1], nll_int4 [L-1], top1_16 [L], top1_int4 [L]) of one window.
 
-    input_ids [L]; logits [L, V] (any float dtype, any device; computed in float64 for a stable KL). The results
-    are CPU tensors.
+    input_ids [L]; logits [L, V] (any float dtype, any device; computed in float64 for a stable KL), or the
+    16-bit side as a :class:`Reference` (the same results, without recomputing it). The results are CPU tensors.
     """
-    logp = torch.log_softmax(logits_16.double(), dim=-1)  # [L, V]
+    ref = logits_16 if isinstance(logits_16, Reference) else reference(logits_16)
+    logp = ref.logp
     logq = torch.log_softmax(logits_int4.double(), dim=-1)  # [L, V]
-    kl = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)  # [L]
+    kl = (ref.p * (logp - logq)).sum(-1).clamp_min(0.0)  # [L]
     targets = input_ids[1:].unsqueeze(-1)  # [L-1, 1]
     nll_16 = -logp[:-1].gather(-1, targets).squeeze(-1)  # [L-1]
     nll_int4 = -logq[:-1].gather(-1, targets).squeeze(-1)

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import re
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -79,27 +80,46 @@ def _gptq_modifier_class() -> type:
     sequential pipeline records ``current_batch_idx``), so a masked position contributes nothing. It also keeps
     the names of the modules where the Hessian could not be inverted and the library fell back to
     round-to-nearest (``summary()["fallback_to_nearest"]``), which the library only logs (private attributes).
+
+    Linears that read the same input tensor (q, k and v; gate and up) get the same ``2 X^T X`` increment: it is
+    computed once (the library's own ``accumulate_hessian`` on a zero matrix) and added to each of their Hessians,
+    which is bit for bit what the library computes three (two) times. On 2 CPU cores the Hessians were 92 s of
+    SmolLM2's build; sharing removes 6 of every 10 q/k/v/gate/up products.
     """
     require_series(LLMCOMPRESSOR_SERIES, "masked GPTQ Hessian (GPTQModifier private state)")
     from llmcompressor.core import active_session
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.gptq import base as gptq_base
+    from llmcompressor.modifiers.gptq.helpers import accumulate_hessian, make_empty_hessian
     from pydantic import PrivateAttr
 
     class MaskedGPTQModifier(GPTQModifier):
         mask_hessian: bool = False
         _llmc_fallback: list[str] = PrivateAttr(default_factory=list)
+        _llmc_last_increment: Any = PrivateAttr(default=None)  # (weakref to an input, its 2 X^T X, its count)
         _llmc_compressed: int = PrivateAttr(default=0)
 
         def calibrate_module(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                              _output: torch.Tensor) -> None:
-            state = active_session().state
-            if self.mask_hessian and state.loss_masks is not None:
-                if state.current_batch_idx < 0:
-                    raise RuntimeError("GPTQ masking needs the sequential pipeline's current_batch_idx")
-                mask = state.loss_masks[state.current_batch_idx]  # [b, seq]: 1 = keep
-                inp = args[0]  # [b, seq, in_features]
-                args = (inp * mask.to(inp.device, inp.dtype).unsqueeze(-1), *args[1:])
-            return super().calibrate_module(module, args, _output)
+            source = args[0]  # [b, seq, in_features], the same tensor object for linears that share an input
+            if module not in self._num_samples:  # as the library's hook starts a Hessian
+                device = gptq_base.get_execution_device(module)
+                self._hessians[module] = make_empty_hessian(module, device=device)
+                self._num_samples[module] = torch.zeros(tuple(), device=device)
+            last = self._llmc_last_increment
+            if last is None or last[0]() is not source or last[1].shape != self._hessians[module].shape:
+                inp = source
+                state = active_session().state
+                if self.mask_hessian and state.loss_masks is not None:
+                    if state.current_batch_idx < 0:
+                        raise RuntimeError("GPTQ masking needs the sequential pipeline's current_batch_idx")
+                    mask = state.loss_masks[state.current_batch_idx]  # [b, seq]: 1 = keep
+                    inp = inp * mask.to(inp.device, inp.dtype).unsqueeze(-1)
+                increment, count = accumulate_hessian(inp, module, torch.zeros_like(self._hessians[module]),
+                                                      torch.zeros_like(self._num_samples[module]))
+                last = self._llmc_last_increment = (weakref.ref(source), increment, count)
+            self._hessians[module] += last[1]
+            self._num_samples[module] += last[2]
 
         def _log_rtn_fallback_summary(self) -> None:
             self._llmc_fallback = list(self._rtn_fallback_module_names)

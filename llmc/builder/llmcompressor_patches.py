@@ -74,8 +74,8 @@ def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] 
                     device: torch.device | None = None, timer: Any = None) -> Iterator[None]:
     """Narrow, reversible patches around one llm-compressor run (library imports belong inside it), each undone
     when the context exits: :func:`quiet_library_logs`, :func:`set_execution_device` (``device``, default the
-    CPU), :func:`skip_pin_memory` (only on the CPU), :func:`quiet_compression_logger` and :func:`report_progress`
-    (``timer.start(pass)`` at each calibration pass, when given)."""
+    CPU), :func:`skip_pin_memory` (only on the CPU), :func:`quiet_compression_logger`, :func:`report_progress`
+    (``timer.start(pass)`` at each calibration pass, when given) and :func:`fused_calibration_attention`."""
     device = device if device is not None else torch.device("cpu")
     with contextlib.ExitStack() as stack:
         quiet_library_logs(stack)
@@ -84,7 +84,41 @@ def library_context(progress: ProgressFn | None = None, passes: tuple[str, ...] 
             skip_pin_memory(stack)
         quiet_compression_logger(stack)
         report_progress(stack, progress, passes, timer)
+        fused_calibration_attention(stack)
         yield
+
+
+def fused_calibration_attention(stack: contextlib.ExitStack) -> None:
+    """Llama attention computes through one fused ``scaled_dot_product_attention`` call while calibrating.
+
+    llm-compressor forces transformers' eager attention during calibration (its traced graphs add the causal mask
+    unconditionally), and the eager function materialises the scores, adds the mask and takes the softmax in
+    separate passes: 106 s of the 2-core SmolLM2 build (the scale search and the layer-by-layer forwards). This
+    replaces ``modeling_llama.eager_attention_forward`` with the same product through SDPA on the same additive
+    mask (4 x 9 heads x 512 tokens: 59 -> 15 ms, outputs within 6e-7). Other architectures keep the eager
+    function. Skipped (nothing patched) where transformers has no such function: a pure speed-up."""
+    try:
+        from transformers.models.llama import modeling_llama
+    except ImportError:
+        return
+    if not callable(getattr(modeling_llama, "eager_attention_forward", None)):
+        return
+    original = modeling_llama.eager_attention_forward
+    modeling_llama.eager_attention_forward = sdpa_attention_forward
+    stack.callback(setattr, modeling_llama, "eager_attention_forward", original)
+
+
+def sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                           **_: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``eager_attention_forward`` contract (query ``[b, h, q, d]``, key/value ``[b, kv, k, d]``, an
+    additive mask broadcastable to ``[b, h, q, k]``) through one SDPA call; returns ``([b, q, h, d], None)``
+    (no attention weights: calibration never asks for them)."""
+    mask = attention_mask[:, :, :, : key.shape[-2]] if attention_mask is not None else None
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout if module.training else 0.0, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
 
 
 def set_execution_device(stack: contextlib.ExitStack, device: torch.device) -> None:

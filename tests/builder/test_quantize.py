@@ -322,3 +322,51 @@ def test_awq_gptq_and_gate_run_on_cuda(tiny_hf_dir, source, tmp_path):
     gate = accuracy_gate(source, recipe, tmp_path / "ckpt", console=Console(file=open("/dev/null", "w")))
     assert gate["device"]["type"] == "cuda" and gate["dtype"] == "float16" and gate["peak_gpu_memory_bytes"] > 0
     assert gate["mean"]["int4"]["kl_mean"] < gate["mean"]["rtn"]["kl_mean"]
+
+
+def test_calibration_attention_is_fused_and_restored(tiny_hf_dir):
+    """Inside llm-compressor's run, Llama's eager attention (which the library forces) computes through one SDPA
+    call on the same additive mask: the logits match transformers' own eager function, which comes back after."""
+    import contextlib
+
+    from transformers.models.llama import modeling_llama
+
+    from llmc.builder import llmcompressor_patches
+
+    model = load_float32_model(tiny_hf_dir)
+    model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
+    original = modeling_llama.eager_attention_forward
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        with contextlib.ExitStack() as stack:
+            llmcompressor_patches.fused_calibration_attention(stack)
+            assert modeling_llama.eager_attention_forward is llmcompressor_patches.sdpa_attention_forward
+            fused = model(input_ids=ids).logits
+        assert modeling_llama.eager_attention_forward is original
+    assert torch.allclose(fused, eager, atol=1e-5, rtol=1e-5) and not torch.equal(fused, torch.zeros_like(fused))
+
+
+def test_gptq_hessian_is_computed_once_per_shared_input_and_equals_the_library_s(tiny_hf_dir):
+    """q, k and v (gate and up) read one input tensor: its 2 X^T X is computed once and added to each Hessian,
+    bit for bit what the library's own accumulation gives each of them; a new input is a new product."""
+    from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
+
+    model = load_float32_model(tiny_hf_dir)
+    attention = model.model.layers[0].self_attn
+    modifier = llmcompressor_driver._gptq_modifier_class()(targets=["Linear"], scheme="W4A16")
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(2, 16, attention.q_proj.in_features, generator=gen) for _ in range(2)]
+    products = []  # the increment each call added (kept alive, compared by identity)
+    for x in inputs:
+        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+            modifier.calibrate_module(proj, (x,), None)
+            products.append(modifier._llmc_last_increment[1])
+    assert products[0] is products[1] is products[2] and products[3] is products[4] is products[5]
+    assert products[0] is not products[3]
+    for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+        expected = torch.zeros(proj.in_features, proj.in_features)
+        count = torch.zeros(())
+        for x in inputs:
+            expected, count = accumulate_hessian(x, proj, expected, count)
+        assert torch.equal(modifier._hessians[proj], expected) and modifier._num_samples[proj] == count

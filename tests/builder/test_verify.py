@@ -240,3 +240,12 @@ def test_batched_chat_check_ends_where_each_prompt_alone_ends(tiny_hf_dir):
     with torch.no_grad():
         got = verify._greedy_ends(model, prompts, eos, 8, torch.device("cpu"))
     assert got == expected
+
+
+def test_window_scores_from_a_kept_reference_equal_those_from_logits():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (12,), generator=gen)
+    p_logits, q_logits = torch.randn(12, 300, generator=gen), torch.randn(12, 300, generator=gen)
+    direct = gate_report.window_scores(ids, p_logits, q_logits)
+    kept = gate_report.window_scores(ids, gate_report.reference(p_logits), q_logits)
+    assert all(torch.equal(a, b) for a, b in zip(direct, kept)) and float(direct[0].mean()) > 0

@@ -245,24 +245,52 @@ def _filter(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     return scaled
 
 
+TOP_P_WINDOW = 1024  # top-p without top-k first tries the best 1,024 values of each row (sorting all 49,152 of
+# SmolLM2's took ~8x as long on CPU: 24 vs 3 ms for 16 rows)
+
+
 def _top_k_top_p_sorted(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     """Top-k by rank and top-p by cumulative mass from one descending sort.
 
     The kept tokens form a prefix of the sorted row; the row is cut at the value of its last kept token, so
     tokens tied with it survive too (as on the top-k-only path) and the result does not depend on how a sort
-    orders ties. When every top-p row also has a top-k, only the ``max_top_k`` best values are sorted.
+    orders ties. When every top-p row also has a top-k, only the ``max_top_k`` best values are sorted. When no
+    row has a top-k and every row a top-p, only the best :data:`TOP_P_WINDOW` values are sorted if they hold
+    every row's nucleus (mass before the window's last value >= top_p, normalised over the whole row as a full
+    sort's softmax is), which gives a full sort's cut; otherwise (one host read of that condition) every value
+    is sorted.
     """
     vocab = scaled.shape[1]
     if batch.top_p_within_top_k:
         values = scaled.topk(min(batch.max_top_k, vocab), dim=-1).values  # [S, W] descending
-    else:
-        values = scaled.sort(dim=-1, descending=True).values  # [S, V]
+        return _cut_sorted(scaled, values, batch)
+    if not batch.any_top_k and vocab > TOP_P_WINDOW and bool((batch.top_p < 1.0).all()):
+        values = scaled.topk(TOP_P_WINDOW, dim=-1).values  # [S, W] descending
+        cut = _cut_sorted(scaled, values, batch, total=scaled.exp().sum(dim=-1, keepdim=True))
+        if cut is not None:
+            return cut
+    values = scaled.sort(dim=-1, descending=True).values  # [S, V]
+    return _cut_sorted(scaled, values, batch)
+
+
+def _cut_sorted(scaled: torch.Tensor, values: torch.Tensor, batch: _BatchParams, total: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
+    """``scaled`` with everything below each row's last kept value of the descending ``values`` set to -inf.
+
+    ``total`` (``[S, 1]``, the sum of ``exp(scaled)`` over the whole row): ``values`` are a window of each row's
+    best values, probabilities are normalised by ``total``, and the result is None unless every row's nucleus
+    ends inside the window."""
     width = values.shape[1]
     ranks = torch.arange(width, device=scaled.device).unsqueeze(0)  # [1, W]
     k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=width), width).unsqueeze(1)  # [S, 1]
     in_top_k = ranks < k  # [S, W]
-    probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    if total is None:
+        probs = values.masked_fill(~in_top_k, float("-inf")).softmax(dim=-1)
+    else:
+        probs = values.exp() / total
     mass_before = probs.cumsum(dim=-1) - probs  # [S, W] mass of the strictly earlier tokens
+    if total is not None and not bool((mass_before[:, -1:] >= batch.top_p).all()):
+        return None  # a nucleus reaches past the window
     keep = in_top_k & ~((mass_before >= batch.top_p) & (batch.top_p < 1.0))
     num_keep = keep.sum(dim=-1, keepdim=True).clamp_min(1)  # [S, 1]
     neg_inf = torch.tensor(float("-inf"), device=scaled.device)

@@ -246,3 +246,36 @@ def test_plain_greedy_steps_are_the_argmax_of_the_raw_logits():
     assert not sampler.plain_greedy([seq(SamplingParams(temperature=0.0, repetition_penalty=1.3), prompt=(1,))])
     assert not sampler.plain_greedy([seq(SamplingParams(temperature=0.0, min_tokens=2), output=(5,))])
     assert sampler.plain_greedy([seq(SamplingParams(temperature=0.0, min_tokens=2), output=(5, 6))])
+
+
+def _top_p_batch(top_p: list[float]):
+    from llmc.engine.torch.sampler import _BatchParams
+
+    rows = len(top_p)
+    return _BatchParams(greedy=torch.zeros(rows, dtype=torch.bool), temperature=torch.ones(rows, 1),
+                        top_k=torch.zeros(rows, dtype=torch.long), top_p=torch.tensor(top_p).unsqueeze(1),
+                        log_min_p=torch.full((rows, 1), float("-inf")), any_sampled=True, any_top_k=False,
+                        any_top_p=True, any_min_p=False, max_top_k=0, top_p_within_top_k=False)
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.05])  # peaked rows: the window holds the nucleus; flat: full sort
+def test_top_p_window_cuts_where_a_full_sort_cuts(scale, monkeypatch):
+    from llmc.engine.torch import sampler as sampler_mod
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    scaled = logits - logits.amax(dim=-1, keepdim=True)
+    batch = _top_p_batch([0.5, 0.8, 0.9, 0.95, 0.99, 0.7])
+    calls = []
+    real_cut = sampler_mod._cut_sorted
+    monkeypatch.setattr(sampler_mod, "_cut_sorted", lambda *a, **k: calls.append(a[1].shape[1]) or real_cut(*a, **k))
+    windowed = sampler_mod._top_k_top_p_sorted(scaled, batch)
+    window = sampler_mod.TOP_P_WINDOW
+    monkeypatch.setattr(sampler_mod, "TOP_P_WINDOW", 10**9)  # no window: every value sorted
+    full = sampler_mod._top_k_top_p_sorted(scaled, batch)
+    assert torch.equal(windowed, full)
+    kept = torch.isfinite(windowed).sum(dim=-1)
+    if scale > 1:  # the window served every row (one cut of 1,024 values) and the nuclei are small
+        assert calls[0] == window and len(calls) == 2 and int(kept.max()) < window
+    else:  # flat rows: the nucleus reaches past the window, so the whole row was sorted
+        assert calls[:2] == [window, 49152] and int(kept.min()) > window
