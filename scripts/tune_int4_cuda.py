@@ -152,6 +152,26 @@ def time_graph(fn, replays: int = 20) -> float:
     return statistics.median(times)
 
 
+def fastest(configs, error_of, seconds_of, label=str) -> tuple:
+    """``(best config, its seconds, {label: microseconds or why not})``: the fastest config whose relative error is
+    below 1e-2; one that fails to compile or launch, or is wrong, is reported and skipped."""
+    best, best_t, tried = None, float("inf"), {}
+    for config in configs:
+        try:
+            err = error_of(config)
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the config is skipped
+            tried[label(config)] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+            continue
+        if not err < 1e-2:
+            tried[label(config)] = f"wrong: rel err {err:.3g}"
+            continue
+        t = seconds_of(config)
+        tried[label(config)] = round(t * 1e6, 1)
+        if t < best_t:
+            best, best_t = config, t
+    return best, best_t, tried
+
+
 def tune_shape(spec, report: dict, quick: bool) -> dict:
     name, n, k, group, silu, prequant = spec
     scratch = Scratch(torch.bfloat16, torch.device("cuda"))
@@ -171,20 +191,9 @@ def tune_shape(spec, report: dict, quick: bool) -> dict:
     for m_max, m in BUCKETS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        best, best_t, tried = None, float("inf"), {}
-        for config in candidates(m, quick):
-            try:
-                err = check(layers[0], weight, silu, config, m)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile or launch is skipped
-                tried[str(config.to_list())] = f"failed: {type(exc).__name__}"
-                continue
-            if not err < 1e-2:
-                tried[str(config.to_list())] = f"wrong: rel err {err:.3g}"
-                continue
-            t = time_graph(lambda cfg=config: [layer.matmul(x, cfg) for layer in layers])
-            tried[str(config.to_list())] = round(t * 1e6, 1)
-            if t < best_t:
-                best, best_t = config, t
+        best, best_t, tried = fastest(candidates(m, quick), lambda cfg: check(layers[0], weight, silu, cfg, m),
+                                      lambda cfg: time_graph(lambda: [layer.matmul(x, cfg) for layer in layers]),
+                                      lambda cfg: str(cfg.to_list()))
         entry["buckets"].append([m_max, *best.to_list()])
         rows_report[str(m)] = {"best": best.to_list(), "us_32_layers": round(best_t * 1e6, 1),
                                "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
@@ -272,20 +281,8 @@ def tune_mma_shape(spec, report: dict) -> dict:
     for m_max, m in MMA_BUCKETS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        best, best_t, tried = None, float("inf"), {}
-        for config in MMA_CANDIDATES:
-            try:
-                err = check_mma(layers[0], weight, silu, m, config)
-            except RuntimeError as exc:  # a config the GPU cannot launch (registers), reported and skipped
-                tried[str(config)] = f"failed: {exc}"
-                continue
-            if not err < 1e-2:
-                tried[str(config)] = f"wrong: rel err {err:.3g}"
-                continue
-            t = time_graph(lambda cfg=config: [layer.mma(x, *cfg) for layer in layers])
-            tried[str(config)] = round(t * 1e6, 1)
-            if t < best_t:
-                best, best_t = config, t
+        best, best_t, tried = fastest(MMA_CANDIDATES, lambda cfg: check_mma(layers[0], weight, silu, m, cfg),
+                                      lambda cfg: time_graph(lambda: [layer.mma(x, *cfg) for layer in layers]))
         if best is None:
             raise SystemExit(f"{name} M={m}: no mma config is correct: {tried}")
         entry["buckets"].append([m_max, *best])
@@ -342,43 +339,31 @@ def main() -> None:
     device_name = torch.cuda.get_device_name()
     shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
     report = {"device": device_name, "torch": torch.__version__, "shapes": {}, "kernels": args.kernels}
-    if args.kernels == "mma":
-        table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
-        tuned = table["devices"].setdefault(device_name, {})
-        for spec in shapes:
-            key = shape_key(spec[1], spec[2], spec[3])
-            tuned.setdefault(key, {})["mma"] = tune_mma_shape(spec, report["shapes"])
-            torch.cuda.empty_cache()
-        args.configs.write_text(json.dumps(table, indent=1) + "\n")
-        for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
-            if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):
-                report[f"step_{label}"] = mma_step_table(report["shapes"], model_shapes)
-                print(f"\n{label}: decode-step linears (mma), 32 layers")
-                for row in report[f"step_{label}"]:
-                    print(f"  M={row['M']:5d}  int4 {row['int4_ms']:8.3f} ms  bf16 cuBLAS {row['bf16_ms']:8.3f} ms  "
-                          f"({row['bf16_over_int4']:.2f}x)")
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n")
-        return
-    quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
-    report["compile_failures"] = precompile(shapes, args.workers, quick)
     table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
     tuned = table["devices"].setdefault(device_name, {})
-    for spec in shapes:
-        key = shape_key(spec[1], spec[2], spec[3])
-        tuned[key] = tune_shape(spec, report["shapes"], key in quick)
-        torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
+    if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
+        for spec in shapes:
+            tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_mma_shape(spec, report["shapes"])
+            torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
+        steps, title = mma_step_table, "decode-step linears (mma), 32 layers"
+    else:
+        quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
+        report["compile_failures"] = precompile(shapes, args.workers, quick)
+        for spec in shapes:
+            key = shape_key(spec[1], spec[2], spec[3])
+            tuned.setdefault(key, {}).update(tune_shape(spec, report["shapes"], key in quick))  # keeps "mma"
+            torch.cuda.empty_cache()
+        steps, title = step_table, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"
     args.configs.write_text(json.dumps(table, indent=1) + "\n")
     for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
         if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):
-            report[f"step_{label}"] = step_table(report["shapes"], model_shapes)
-            print(f"\n{label}: decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)")
+            report[f"step_{label}"] = steps(report["shapes"], model_shapes)
+            print(f"\n{label}: {title}")
             for row in report[f"step_{label}"]:
                 print(f"  M={row['M']:5d}  int4 {row['int4_ms']:8.3f} ms  bf16 cuBLAS {row['bf16_ms']:8.3f} ms  "
                       f"({row['bf16_over_int4']:.2f}x)")
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1) + "\n")
-
 
 if __name__ == "__main__":
     main()

@@ -28,49 +28,51 @@
 
 namespace {
 
+// Two 16-bit floats in a 32-bit register: q from (magic | nibble) - offset, products with scales and inputs.
+template <typename T2>
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
+  T2 r = __hsub2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+template <typename T2>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  T2 r = __hmul2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                          __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// T: the activation type, T2 its pair; Magic | nibbles is two floats `base + u`, Offset the pair (base + 8).
+template <typename T, typename T2, uint32_t Magic, uint32_t Offset>
+struct Half2OpsOf {
+  static constexpr uint32_t kMagic = Magic;
+  static constexpr uint32_t kOffset = Offset;
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return sub2<T2>(a, b); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return mul2<T2>(a, b); }
+  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_16816(d, a, b0, b1, T());
+  }
+  static __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+  static __device__ __forceinline__ T from_float(float v) { return T(v); }  // round to nearest even
+};
+
 template <typename T> struct Half2Ops;
-
-template <> struct Half2Ops<__nv_bfloat16> {
-  static constexpr uint32_t kMagic = 0x43004300u;   // bf16 pair (128, 128)
-  static constexpr uint32_t kOffset = 0x43084308u;  // bf16 pair (136, 136)
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <> struct Half2Ops<__half> {
-  static constexpr uint32_t kMagic = 0x64006400u;   // fp16 pair (1024, 1024)
-  static constexpr uint32_t kOffset = 0x64086408u;  // fp16 pair (1032, 1032)
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {
-    __half2 r = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
-    __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
-    return *reinterpret_cast<uint32_t*>(&r);
-  }
-  static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-};
+template <> struct Half2Ops<__nv_bfloat16>  // (128, 128) and (136, 136) as bf16 pairs
+    : Half2OpsOf<__nv_bfloat16, __nv_bfloat162, 0x43004300u, 0x43084308u> {};
+template <> struct Half2Ops<__half>  // (1024, 1024) and (1032, 1032) as fp16 pairs
+    : Half2OpsOf<__half, __half2, 0x64006400u, 0x64086408u> {};
 
 // The packed weight is read once per step: stream it past L1 (the activations, read by every column tile, stay).
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
