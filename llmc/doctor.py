@@ -159,7 +159,8 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
-                         f"kernels in CUDA graphs; AWQ int4 (W4A16), weights kept packed: {int4_cuda_path(cuda_int4_why_not)} "
+                         f"kernels in CUDA graphs; AWQ int4 (W4A16), weights kept packed: "
+                         f"{int4_cuda_path(cuda_int4_why_not)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
                          "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "

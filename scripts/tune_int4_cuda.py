@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Check and tune llmc's W4A16 CUDA kernels on this GPU; write the shipped config table and a timing report.
 
-``--kernels mma`` (default): llmc's CUDA tensor-core kernels (``csrc_cuda/w4a16_mma.cu``): every (row tiles, warps)
-(row tiles, column tiles, warps, L2 prefetch) config per row bucket (1, 8, 16, 32, 64, 128), checked and timed as below, and ``dense_from_m`` against dequantize +
-cuBLAS; stored under the shape's ``"mma"`` key as ``[m_max, row tiles, column tiles, warps, L2 prefetch]``. ``--kernels triton``: the Triton fallback, as follows.
+``--kernels mma`` (default): llmc's CUDA tensor-core kernels (``csrc_cuda/w4a16_mma.cu``): every (row tiles,
+column tiles, warps, L2 prefetch) config per row bucket (1, 8, 16, 32, 64, 128), checked and timed as below, and
+``dense_from_m`` against dequantize + cuBLAS; stored under the shape's ``"mma"`` key as ``[m_max, row tiles,
+column tiles, warps, L2 prefetch]``. ``--kernels triton``: the Triton fallback, as follows.
 
 For each linear shape of a model (default: Llama-3.1-8B's qkv, o, fc + gate, down projection at group 128, and
 SmolLM2-135M's at group 64 for correctness) and each row bucket (1, 2-16, 17-32, 33-64, 65-128, 129-256):
@@ -205,7 +206,8 @@ def tune_shape(spec, report: dict, quick: bool) -> dict:
         kernel_cfg = KernelConfig(*entry["buckets"][-1][1:])
         kernel_t = time_graph(lambda: [layer.matmul(x, kernel_cfg) for layer in layers])
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        rows_report[f"dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1), "kernel_us": round(kernel_t * 1e6, 1),
+        rows_report[f"dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
+                                     "kernel_us": round(kernel_t * 1e6, 1),
                                      "cublas_bf16_us": round(cublas * 1e6, 1)}
         print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  kernel {kernel_t * 1e3:7.3f} ms  "
               f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
@@ -300,7 +302,8 @@ def tune_mma_shape(spec, report: dict) -> dict:
         kernel_t = time_graph(lambda: [layer.mma(x, *cfg) for layer in layers])
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
         rows_report[f"mma_dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
-                                         "kernel_us": round(kernel_t * 1e6, 1), "cublas_bf16_us": round(cublas * 1e6, 1)}
+                                         "kernel_us": round(kernel_t * 1e6, 1),
+                                         "cublas_bf16_us": round(cublas * 1e6, 1)}
         print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  mma kernel {kernel_t * 1e3:7.3f} ms  "
               f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
         if entry["dense_from_m"] is None and m in MMA_DENSE_MS and dense_t <= kernel_t:

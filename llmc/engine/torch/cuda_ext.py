@@ -5,10 +5,10 @@
   writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it).
 
 The library has a plain C interface (no PyTorch headers), so the build is one nvcc call of a few seconds for the
-GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, architecture
-and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture records them like any other
-kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU older than sm_80, a
-failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
+GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, flags
+(architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture records
+them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU older
+than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
 """
 
 from __future__ import annotations
@@ -72,10 +72,11 @@ def _arch(device: torch.device | int | None) -> str:
 
 
 def build(nvcc: str, arch: str, out_dir: Path) -> Path:
-    """Compile the library for ``sm_{arch}`` into ``out_dir`` (once per source, arch and nvcc; a file lock keeps
+    """Compile the library for ``sm_{arch}`` into ``out_dir`` (once per source, flags and nvcc; a file lock keeps
     concurrent processes from building twice; the result appears under its final name only when complete)."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    flags = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared", "-Xcompiler", "-fPIC"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [version]).encode()).hexdigest()[:16]
     target = out_dir / f"libllmc_cuda_{arch}_{key}.so"
     if target.exists():
         return target
@@ -86,9 +87,7 @@ def build(nvcc: str, arch: str, out_dir: Path) -> Path:
             return target
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             partial = Path(tmp) / target.name
-            cmd = [nvcc, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-                   "-Xcompiler", "-fPIC", "-o", str(partial), str(SOURCE)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            done = subprocess.run([nvcc, *flags, "-o", str(partial), str(SOURCE)], capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"nvcc failed: {(done.stderr or done.stdout).strip()[-400:]}")
             os.replace(partial, target)
@@ -144,7 +143,8 @@ def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, p
     assert lib is not None and x.dtype in DTYPES and x.stride(-1) == 1 and x.stride(0) % 8 == 0
     assert x.data_ptr() % 16 == 0 and y.stride(-1) == 1
     _check(lib.llmc_w4a16_mma(
-        DTYPES[x.dtype], m_tiles, n_tiles, warps, int(prefetch), x.data_ptr(), x.stride(0), words.data_ptr(), scale_pairs.data_ptr(),
+        DTYPES[x.dtype], m_tiles, n_tiles, warps, int(prefetch), x.data_ptr(), x.stride(0), words.data_ptr(),
+        scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
         group_size, int(silu_out), torch.cuda.current_stream(x.device).cuda_stream), "llmc_w4a16_mma")
 
