@@ -139,7 +139,7 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
 
 def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
     """The GPUs found here that llmc's int4 kernel config table has tuned entries for."""
-    from llmc.engine.torch.int4_cuda import tuned_device_names
+    from llmc.engine.torch.int4_configs import tuned_device_names
 
     return sorted({g.name for g in gpus} & set(tuned_device_names()))
 

@@ -31,6 +31,8 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,8 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
-from llmc.engine.torch.int4_cuda import (Scratch, Int4CudaLinear, KernelConfig, pack_for_cuda,  # noqa: E402
-                                         shape_key)
+from llmc.engine.torch.int4_configs import KernelConfig, shape_key  # noqa: E402
+from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
+from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
 
 # (name, N columns, K, group, silu_output, prequant in kernel): how the loader builds each layer (qkv and fc + gate
 # have their prequant folded into the norms; o and down apply it in the input load; fc + gate, with interleaved
@@ -117,18 +120,6 @@ def precompile(shapes, workers: int, quick: set[str]) -> dict:
     return failed
 
 
-def check(layer, weight, silu, config, m) -> float:
-    """Relative error of the kernel vs a float32 product over the dequantized ``weight`` [N, K] (fresh inputs);
-    with ``silu``, silu(even columns) * odd columns of that product."""
-    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
-    ref = x.float() @ weight.T
-    if silu:
-        ref = torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2]
-    out = torch.full((m, layer.out_features), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out.copy_(layer.matmul(x, config))
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
 def time_graph(fn, replays: int = 20) -> float:
     """Median seconds of one replay of a CUDA graph that runs ``fn`` once (fn itself launches 32 layers)."""
     stream = torch.cuda.Stream()
@@ -173,74 +164,60 @@ def fastest(configs, error_of, seconds_of, label=str) -> tuple:
     return best, best_t, tried
 
 
-def tune_shape(spec, report: dict, quick: bool) -> dict:
-    name, n, k, group, silu, prequant = spec
+def rel_error(layer, weight, silu_ref, run, m) -> float:
+    """Relative error of ``run(x)`` vs a float32 product over the dequantized ``weight`` [N, K] (fresh inputs);
+    ``silu_ref`` (fc + gate layers) turns that product into silu(fc) * gate in the family's column order."""
+    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
+    ref = x.float() @ weight.T
+    if silu_ref is not None:
+        ref = silu_ref(ref)
+    return ((run(x).float() - ref).norm() / ref.norm()).item()
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one kernel family is tuned: its row buckets and configs, its kernel call, its report keys."""
+
+    title: str  # in the printed lines
+    prefix: str  # report keys: f"{prefix}{m}" per bucket, f"{prefix}dense_{m}" for the dense comparison
+    buckets: list  # (bucket's largest M, M tuned at)
+    dense_ms: tuple  # row counts at which dequantize + cuBLAS may take over (dense_from_m)
+    report_ms: tuple  # every row count of the dense comparison
+    candidates: Callable  # (m, quick) -> configs
+    run: Callable  # (layer, x, config) -> y
+    to_list: Callable  # config -> the table's list
+    from_list: Callable  # the table's list -> config
+    silu_ref: Callable  # float32 product -> silu(fc) * gate
+
+
+MMA_BUCKETS = [(1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128)]
+MMA_DENSE_MS = (32, 64, 96, 128, 192, 256, 512)
+MMA_CANDIDATES = [(mt, nt, warps, prefetch) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
+                  for prefetch in (0, 1)
+                  if warps * nt * mt * 512 <= 48 * 1024]  # the kernel's partial sums fit static shared memory
+
+TRITON = Family("int4", "", BUCKETS, DENSE_MS, DENSE_MS, candidates,
+                lambda layer, x, cfg: layer.matmul(x, cfg), lambda cfg: cfg.to_list(),
+                lambda values: KernelConfig(*values),
+                lambda ref: torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2])  # fc, gate interleaved
+MMA = Family("mma int4", "mma_", MMA_BUCKETS, MMA_DENSE_MS, MMA_DENSE_MS + (2048,),
+             lambda m, quick: MMA_CANDIDATES, lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
+             lambda ref: torch.nn.functional.silu(ref[:, : ref.shape[1] // 2]) * ref[:, ref.shape[1] // 2:])
+
+
+def triton_layers(spec, quick: bool) -> tuple[list, torch.Tensor]:
+    """32 random layers of the Triton kernels (their scratch sized for every config tried) and the float32
+    reference weight ``[N, K]`` of the first."""
+    _, n, k, group, silu, prequant = spec
     scratch = Scratch(torch.bfloat16, torch.device("cuda"))
     tried = [(m, c) for _, m in BUCKETS for c in candidates(m, quick)] + [
         (m, c) for m in DENSE_MS for c in candidates(BUCKETS[-1][1], quick)]  # the dense comparison's kernel
     scratch.reserve(partials=max(c.workspace(m, n) for m, c in tried),
                     counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in tried))
     copies = [make_layer(n, k, group, silu, prequant, "cuda", seed, scratch) for seed in range(LAYERS)]
-    layers = [c[0] for c in copies]
     _, packed, scales, pq = copies[0]
-    copies = copies[:1]  # only the first copy's IR tensors are kept (for the reference)
-    weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k, device="cuda"),
-                              group)  # [N, K] float32, the reference of every check
-    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-    entry = {"buckets": [], "dense_from_m": None}
-    rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
-    for m_max, m in BUCKETS:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        best, best_t, tried = fastest(candidates(m, quick), lambda cfg: check(layers[0], weight, silu, cfg, m),
-                                      lambda cfg: time_graph(lambda: [layer.matmul(x, cfg) for layer in layers]),
-                                      lambda cfg: str(cfg.to_list()))
-        entry["buckets"].append([m_max, *best.to_list()])
-        rows_report[str(m)] = {"best": best.to_list(), "us_32_layers": round(best_t * 1e6, 1),
-                               "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
-        print(f"{name:8s} M={m:4d}: int4 {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
-              f"({cublas / best_t:.2f}x)  best {best.to_list()}", flush=True)
-    for m in DENSE_MS:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        dense_t = time_graph(lambda: [layer._dense(x) for layer in layers])
-        kernel_cfg = KernelConfig(*entry["buckets"][-1][1:])
-        kernel_t = time_graph(lambda: [layer.matmul(x, kernel_cfg) for layer in layers])
-        cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        rows_report[f"dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
-                                     "kernel_us": round(kernel_t * 1e6, 1),
-                                     "cublas_bf16_us": round(cublas * 1e6, 1)}
-        print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  kernel {kernel_t * 1e3:7.3f} ms  "
-              f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
-        if entry["dense_from_m"] is None and dense_t <= kernel_t:
-            entry["dense_from_m"] = m
-    entry["dense_from_m"] = entry["dense_from_m"] or DENSE_MS[-1]
-    return entry
-
-
-def step_table(report: dict, shapes) -> list[dict]:
-    """Per row count: the 32-layer sum over the four shapes, int4 vs bf16 cuBLAS."""
-    rows = []
-    for _, m in BUCKETS:
-        keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
-        int4 = sum(report[key][str(m)]["us_32_layers"] for key in keys)
-        bf16 = sum(report[key][str(m)]["cublas_bf16_us_32_layers"] for key in keys)
-        rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
-                     "bf16_over_int4": round(bf16 / int4, 2)})
-    for m in DENSE_MS:
-        keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
-        best = sum(min(report[key][f"dense_{m}"]["dequant_cublas_us"], report[key][f"dense_{m}"]["kernel_us"])
-                   for key in keys)
-        bf16 = sum(report[key][f"dense_{m}"]["cublas_bf16_us"] for key in keys)
-        rows.append({"M": m, "int4_ms": round(best / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
-                     "bf16_over_int4": round(bf16 / best, 2)})
-    return rows
-
-
-MMA_BUCKETS = [(1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128)]  # (bucket's largest M, M tuned at)
-MMA_DENSE_MS = (32, 64, 96, 128, 192, 256, 512)
-MMA_CANDIDATES = [(mt, nt, warps, prefetch) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
-                  for prefetch in (0, 1)
-                  if warps * nt * mt * 512 <= 48 * 1024]  # the kernel's partial sums fit static shared memory
+    return [c[0] for c in copies], dequantize_w4a16(packed, scales, pq if pq is not None else
+                                                    torch.ones(k, device="cuda"), group)
 
 
 def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed: int, scratch: Scratch,
@@ -257,74 +234,75 @@ def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed:
     return layer, (packed, scales, pq)
 
 
-def check_mma(layer, weight, silu, m, config) -> float:
-    x = torch.randn(m, layer.in_features, device="cuda", dtype=torch.bfloat16)
-    ref = x.float() @ weight.T
-    if silu:
-        half = ref.shape[1] // 2
-        ref = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
-    out = layer.mma(x, *config) if config else layer._dense(x)
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def tune_mma_shape(spec, report: dict) -> dict:
-    """The CUDA mma kernel's best (row tiles, warps) per row bucket and its dense_from_m (dequantize + cuBLAS)."""
-    name, n, k, group, silu, prequant = spec
+def mma_layers(spec) -> tuple[list, torch.Tensor]:
+    """32 random layers of the CUDA mma kernels and the float32 reference weight ``[N, K]`` of the first."""
+    _, n, k, group, silu, prequant = spec
     scratch = Scratch(torch.bfloat16, torch.device("cuda"))
     made = [make_mma_layer(n, k, group, silu, prequant, seed, scratch) for seed in range(LAYERS)]
     scratch.allocate()
-    layers = [lay for lay, _ in made]
     packed, scales, pq = made[0][1]
-    del made
-    weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k, device="cuda"), group)
+    return [lay for lay, _ in made], dequantize_w4a16(packed, scales, pq if pq is not None else
+                                                      torch.ones(k, device="cuda"), group)
+
+
+def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report: dict, quick: bool = False
+                ) -> dict:
+    """One shape's table entry ``{"buckets": [[m_max, *config]], "dense_from_m": m}``: the fastest correct config
+    per row bucket, and the smallest row count of ``family.dense_ms`` from which dequantize + cuBLAS (checked
+    too) beats the largest bucket's config. Every timing goes into ``report``."""
+    name, n, k, group, silu, _ = spec
+    silu_ref = family.silu_ref if silu else None
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
     entry = {"buckets": [], "dense_from_m": None}
     rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
-    for m_max, m in MMA_BUCKETS:
+    for m_max, m in family.buckets:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        best, best_t, tried = fastest(MMA_CANDIDATES, lambda cfg: check_mma(layers[0], weight, silu, m, cfg),
-                                      lambda cfg: time_graph(lambda: [layer.mma(x, *cfg) for layer in layers]))
+        best, best_t, tried = fastest(
+            family.candidates(m, quick),
+            lambda cfg: rel_error(layers[0], weight, silu_ref, lambda inp: family.run(layers[0], inp, cfg), m),
+            lambda cfg: time_graph(lambda: [family.run(layer, x, cfg) for layer in layers]),
+            lambda cfg: str(family.to_list(cfg)))
         if best is None:
-            raise SystemExit(f"{name} M={m}: no mma config is correct: {tried}")
-        entry["buckets"].append([m_max, *best])
-        rows_report[f"mma_{m}"] = {"best": list(best), "us_32_layers": round(best_t * 1e6, 1),
-                                   "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
-        print(f"{name:8s} M={m:4d}: mma int4 {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
-              f"({cublas / best_t:.2f}x)  best {best}", flush=True)
-    for m in MMA_DENSE_MS + (2048,):
+            raise SystemExit(f"{name} M={m}: no {family.title} config is correct: {tried}")
+        entry["buckets"].append([m_max, *family.to_list(best)])
+        rows_report[f"{family.prefix}{m}"] = {"best": family.to_list(best), "us_32_layers": round(best_t * 1e6, 1),
+                                              "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
+        print(f"{name:8s} M={m:4d}: {family.title} {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
+              f"({cublas / best_t:.2f}x)  best {family.to_list(best)}", flush=True)
+    kernel_cfg = family.from_list(entry["buckets"][-1][1:])
+    for m in family.report_ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        err = check_mma(layers[0], weight, silu, m, None)
+        err = rel_error(layers[0], weight, silu_ref, layers[0]._dense, m)
         if not err < 1e-2:
             raise SystemExit(f"{name} M={m}: dequantize + cuBLAS is wrong: rel err {err:.3g}")
         dense_t = time_graph(lambda: [layer._dense(x) for layer in layers])
-        cfg = tuple(entry["buckets"][-1][1:])
-        kernel_t = time_graph(lambda: [layer.mma(x, *cfg) for layer in layers])
+        kernel_t = time_graph(lambda: [family.run(layer, x, kernel_cfg) for layer in layers])
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
-        rows_report[f"mma_dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
-                                         "kernel_us": round(kernel_t * 1e6, 1),
-                                         "cublas_bf16_us": round(cublas * 1e6, 1)}
-        print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  mma kernel {kernel_t * 1e3:7.3f} ms  "
+        rows_report[f"{family.prefix}dense_{m}"] = {"dequant_cublas_us": round(dense_t * 1e6, 1),
+                                                    "kernel_us": round(kernel_t * 1e6, 1),
+                                                    "cublas_bf16_us": round(cublas * 1e6, 1)}
+        print(f"{name:8s} M={m:4d}: dequant+cuBLAS {dense_t * 1e3:7.3f} ms  {family.title} {kernel_t * 1e3:7.3f} ms  "
               f"bf16 {cublas * 1e3:7.3f} ms", flush=True)
-        if entry["dense_from_m"] is None and m in MMA_DENSE_MS and dense_t <= kernel_t:
+        if entry["dense_from_m"] is None and m in family.dense_ms and dense_t <= kernel_t:
             entry["dense_from_m"] = m
-    entry["dense_from_m"] = entry["dense_from_m"] or MMA_DENSE_MS[-1]
+    entry["dense_from_m"] = entry["dense_from_m"] or family.dense_ms[-1]
     return entry
 
 
-def mma_step_table(report: dict, shapes) -> list[dict]:
-    """Per row count: the 32-layer sum over the four shapes, mma int4 vs bf16 cuBLAS."""
+def step_table(report: dict, shapes, family: Family) -> list[dict]:
+    """Per row count: the 32-layer sum over the shapes, int4 (the faster path at dense row counts) vs bf16."""
     keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
     rows = []
-    for _, m in MMA_BUCKETS:
-        int4 = sum(report[key][f"mma_{m}"]["us_32_layers"] for key in keys)
-        bf16 = sum(report[key][f"mma_{m}"]["cublas_bf16_us_32_layers"] for key in keys)
+    for _, m in family.buckets:
+        int4 = sum(report[key][f"{family.prefix}{m}"]["us_32_layers"] for key in keys)
+        bf16 = sum(report[key][f"{family.prefix}{m}"]["cublas_bf16_us_32_layers"] for key in keys)
         rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
                      "bf16_over_int4": round(bf16 / int4, 2)})
-    for m in MMA_DENSE_MS + (2048,):
-        best = sum(min(report[key][f"mma_dense_{m}"]["dequant_cublas_us"], report[key][f"mma_dense_{m}"]["kernel_us"])
-                   for key in keys)
-        bf16 = sum(report[key][f"mma_dense_{m}"]["cublas_bf16_us"] for key in keys)
+    for m in family.report_ms:
+        cells = [report[key][f"{family.prefix}dense_{m}"] for key in keys]
+        best = sum(min(c["dequant_cublas_us"], c["kernel_us"]) for c in cells)
+        bf16 = sum(c["cublas_bf16_us"] for c in cells)
         rows.append({"M": m, "int4_ms": round(best / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
                      "bf16_over_int4": round(bf16 / best, 2)})
     return rows
@@ -345,28 +323,31 @@ def main() -> None:
     table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
     tuned = table["devices"].setdefault(device_name, {})
     if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
+        family, title = MMA, "decode-step linears (mma), 32 layers"
         for spec in shapes:
-            tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_mma_shape(spec, report["shapes"])
+            tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_family(
+                spec, MMA, *mma_layers(spec), report["shapes"])
             torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
-        steps, title = mma_step_table, "decode-step linears (mma), 32 layers"
     else:
+        family, title = TRITON, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"
         quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
         report["compile_failures"] = precompile(shapes, args.workers, quick)
         for spec in shapes:
             key = shape_key(spec[1], spec[2], spec[3])
-            tuned.setdefault(key, {}).update(tune_shape(spec, report["shapes"], key in quick))  # keeps "mma"
+            tuned.setdefault(key, {}).update(  # keeps the shape's "mma" entry
+                tune_family(spec, TRITON, *triton_layers(spec, key in quick), report["shapes"], key in quick))
             torch.cuda.empty_cache()
-        steps, title = step_table, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"
     args.configs.write_text(json.dumps(table, indent=1) + "\n")
     for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):
         if all(shape_key(n, k, g) in report["shapes"] for _, n, k, g, _, _ in model_shapes):
-            report[f"step_{label}"] = steps(report["shapes"], model_shapes)
+            report[f"step_{label}"] = step_table(report["shapes"], model_shapes, family)
             print(f"\n{label}: {title}")
             for row in report[f"step_{label}"]:
                 print(f"  M={row['M']:5d}  int4 {row['int4_ms']:8.3f} ms  bf16 cuBLAS {row['bf16_ms']:8.3f} ms  "
                       f"({row['bf16_over_int4']:.2f}x)")
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

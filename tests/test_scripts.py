@@ -61,7 +61,8 @@ def test_make_w4a16_twin_rounds_every_linear_of_a_16bit_build(tiny_build_dir, tm
     from llmc.builder.commands import inspect_build
     from llmc.engine.torch.loader import weight_bytes
 
-    from llmc.engine.torch.int4_cuda import Int4CudaLinear, mma_supported
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear
+    from llmc.engine.torch.int4_layout import mma_supported
 
     held = load_model(out / "checkpoint", "cpu", triton_on_cpu=True)
     layers = [m for m in held.modules() if isinstance(m, Int4CudaLinear)]

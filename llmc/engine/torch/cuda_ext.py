@@ -1,7 +1,7 @@
 """llmc's CUDA C++ kernels (``csrc_cuda/*.cu``), compiled on first use with nvcc and loaded with ctypes.
 
 - ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
-  one read of the packed weight (layout: :func:`llmc.engine.torch.int4_cuda.pack_mma`); ``llmc_w4a16_mma_dequant``
+  one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`); ``llmc_w4a16_mma_dequant``
   writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it).
 
 The library has a plain C interface (no PyTorch headers), so the build is one nvcc call of a few seconds for the

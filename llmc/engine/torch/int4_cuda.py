@@ -1,4 +1,4 @@
-"""W4A16_AWQ linears that stay int4 on CUDA: packing at load, tuned kernel configs, the per-step kernel choice.
+"""W4A16_AWQ linears that stay int4 on CUDA: the layer, the per-step kernel choice, its installation in a model.
 
 A decode step multiplies few rows (M = the batch) by every weight: it is bound by reading the weights, so the
 int4 kernel (:mod:`llmc.engine.torch.int4_triton`) reads a quarter of the bf16 bytes. A prefill step multiplies
@@ -9,198 +9,38 @@ layer) and multiplied by cuBLAS. Which rows count as "few" is measured per shape
 Two kernel families, chosen per layer at load (:func:`choose_backend`):
 
 - ``mma`` (:mod:`llmc.engine.torch.cuda_ext`, CUDA C++): the weight in tensor-core fragment order
-  (:func:`pack_mma`), 1-32 rows per block on the tensor cores with one read of the weight; used where nvcc and an
-  sm_80+ GPU are there and the shape is whole tiles of 16 columns x 64 inputs (every Llama shape).
-- ``triton`` (:mod:`llmc.engine.torch.int4_triton`): the portable fallback (:func:`pack_for_cuda`), and the path
-  Triton's CPU interpreter tests.
+  (:func:`llmc.engine.torch.int4_layout.pack_mma`), 1-32 rows per block on the tensor cores with one read of
+  the weight; used where nvcc and an sm_80+ GPU are there and the shape is whole tiles of 16 columns x 64 inputs
+  (every Llama shape).
+- ``triton`` (:mod:`llmc.engine.torch.int4_triton`): the portable fallback
+  (:func:`llmc.engine.torch.int4_layout.pack_for_cuda`), and the path Triton's CPU interpreter tests.
 
-The kernel configs are tuned on the GPU (``scripts/tune_int4_cuda.py``) and shipped; a shape or GPU without a
-tuned entry gets :func:`heuristic_config` (:func:`heuristic_mma_config`). Nothing is autotuned while serving.
+The kernel configs are tuned on the GPU and shipped (:mod:`llmc.engine.torch.int4_configs`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import json
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from llmc.checkpoint import names
 from llmc.checkpoint.int4 import unpack_int4
-from llmc.engine.torch import triton_support
+from llmc.engine.torch import cuda_ext, triton_support
+from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
+                                            heuristic_mma_config, tuned_entry)
+from llmc.engine.torch.int4_layout import (MMA_COLS, MMA_INPUTS, TILE, interleave_tiles, mma_supported,
+                                           pack_for_cuda, pack_mma)
 from llmc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# The kernels' layout (see llmc/engine/torch/int4_triton.py): input features in tiles of 128 = 8 chunks of 16.
-TILE, CHUNK = 128, 16
-WORDS_PER_TILE = TILE // 8
 # (magic bits, offset) per activation dtype: ``u | magic`` read as that 16-bit float is ``q + offset`` exactly;
 # float32 activations convert the nibble directly (magic 0) and subtract 8.
 MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0), torch.float32: (0, 8.0)}
-
-CONFIG_FILE = Path(__file__).with_name("int4_cuda_configs.json")
-DENSE_FROM_M_DEFAULT = 512  # rows from which dequantize + cuBLAS is used when a shape has no tuned threshold
-GROUP_SIZES = (64, 128)
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters of ``int4_triton.w4a16_matmul`` for one (shape, rows) bucket."""
-
-    block_m: int
-    block_n: int
-    unroll: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1
-
-    def to_list(self) -> list[int]:
-        return [self.block_m, self.block_n, self.unroll, self.num_warps, self.num_stages, self.split_k]
-
-    def grid(self, m: int, n: int) -> tuple[int, int, int]:
-        return (-(-n // self.block_n), -(-m // self.block_m), self.split_k)
-
-    def workspace(self, m: int, n: int) -> int:
-        """float32 elements of split-K partials this config needs for ``m`` rows (0 without split-K)."""
-        return 0 if self.split_k == 1 else self.split_k * -(-m // self.block_m) * self.block_m * n
-
-
-TARGET_PROGRAMS = 4 * 132  # a few programs per multiprocessor of an H100/H200 keep enough loads in flight
-
-
-def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
-    """A reasonable config where nothing was tuned: rows padded to 16..64, narrow column blocks for few rows, and
-    split-K up to about TARGET_PROGRAMS programs (one program per column block leaves multiprocessors idle)."""
-    block_m = min(64, triton_support.pow2_at_least(m, 16))
-    block_n = 32 if m <= 16 or n <= 2048 else 64
-    blocks = -(-n // block_n) * -(-m // block_m)
-    tiles = -(-k // TILE)
-    split = 1
-    while split < 16 and blocks * split * 2 <= TARGET_PROGRAMS and tiles // (split * 2) >= 2:
-        split *= 2
-    return KernelConfig(block_m, block_n, 1, 4, 3, split)
-
-
-@functools.cache
-def _tuned_table() -> dict:
-    try:
-        return json.loads(CONFIG_FILE.read_text())
-    except (OSError, ValueError) as exc:
-        logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
-        return {}
-
-
-def tuned_device_names() -> list[str]:
-    """The GPU names the shipped config table has tuned entries for."""
-    return list(_tuned_table().get("devices", {}))
-
-
-def shape_key(n: int, k: int, group_size: int) -> str:
-    """The tuned table's key of one linear shape: ``N x K g G``."""
-    return f"{n}x{k}g{group_size}"
-
-
-def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | None:
-    """The tuned entry ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` of a shape on a GPU, or None."""
-    return _tuned_table().get("devices", {}).get(device_name, {}).get(shape_key(n, k, group_size))
-
-
-def pack_for_cuda(packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """IR tensors of one linear -> the kernels' ``(words int32 [Kp/8, N], scales [K/g, N])`` on packed's device.
-
-    ``packed`` int8 [N/2, K] (two's-complement nibble pairs along the output dim), ``scales`` [N, K/g]. See
-    :mod:`llmc.engine.torch.int4_triton` for the layout.
-    """
-    q = unpack_int4(packed)  # [N, K] int8 in [-8, 7]
-    n, k = q.shape
-    if group_size not in GROUP_SIZES or k % group_size:
-        raise CheckpointError(f"W4A16 group size {group_size} with {k} input features is not supported on CUDA. "
-                              f"Fix: use group size 64 or 128 dividing the input features")
-    if tuple(scales.shape) != (n, k // group_size):
-        raise CheckpointError(f"weights_scaling_factor has shape {tuple(scales.shape)}, expected "
-                              f"{(n, k // group_size)}. Fix: re-run the quantization with `llmc build --force`")
-    tiles = -(-k // TILE)
-    u = torch.full((tiles * TILE, n), 8, dtype=torch.int64, device=q.device)  # pad inputs: q = 0
-    u[:k] = q.t().to(torch.int64) + 8  # [Kp, N] offset binary
-    chunks = u.view(tiles, 8, CHUNK, n)  # input 128 t + 16 j + i -> [t, j, i, N]
-    shifts = (4 * torch.arange(8, device=q.device, dtype=torch.int64)).view(1, 8, 1, 1)
-    words = (chunks << shifts).sum(dim=1)  # [t, i, N], nibble j of word (t, i); < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # same bits, as int32
-    return words.reshape(tiles * WORDS_PER_TILE, n).contiguous(), scales.t().contiguous()
-
-
-MMA_COLS, MMA_INPUTS = 16, 64  # the mma layout's tile: 16 output columns x 64 inputs
-# Nibble j of a lane's word: column half h = j & 1 (column g + 8 h) and input kk = 2 ((j >> 1) & 1) + (j >> 2) of
-# the lane's four inputs 16 t + 4 s + kk; as an index into a trailing [h, kk] axis of 8: 4 h + kk.
-_MMA_NIBBLE_SOURCE = [4 * (j & 1) + 2 * ((j >> 1) & 1) + (j >> 2) for j in range(8)]  # index into [h, kk]
-
-
-def mma_supported(n: int, k: int, group_size: int) -> bool:
-    """Whole mma tiles: columns a multiple of 16, inputs of 64, group size 64 or 128."""
-    return n % MMA_COLS == 0 and k % MMA_INPUTS == 0 and group_size in GROUP_SIZES
-
-
-def interleave_tiles(fc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """Rows of fc and gate ``[I, ...]`` -> ``[2I, ...]`` in blocks of 8 (fc 8i..8i+7, then gate 8i..8i+7): each
-    16-column mma tile holds a feature's fc in column c and its gate in column c + 8, the same lane's results."""
-    rows = fc.shape[0]
-    return torch.stack([fc.reshape(rows // 8, 8, -1), gate.reshape(rows // 8, 8, -1)], dim=1).reshape(
-        2 * rows, *fc.shape[1:])
-
-
-def pack_mma(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 values ``q`` int8 ``[N, K]`` in [-8, 7] and ``scales`` ``[N, K/g]`` (16-bit) -> the mma kernel's
-    ``(words int32 [N/16, K/64, 32, 4], scale pairs int32 [K/g, N/16, 8])`` on q's device.
-
-    Tile (nt, kt) lane (g, t) word s holds in nibble j the value ``q + 8`` of column ``16 nt + g + 8 (j & 1)``,
-    input ``64 kt + 16 t + 4 s + 2 ((j >> 1) & 1) + (j >> 2)`` (see ``csrc_cuda/w4a16_mma.cu``); scale pair
-    (grp, nt, g) is ``(s[16 nt + g], s[16 nt + g + 8])`` of group grp.
-    """
-    n, k = q.shape
-    if not mma_supported(n, k, group_size):
-        raise CheckpointError(f"the mma int4 layout needs columns in 16s, inputs in 64s and group size 64 or 128, "
-                              f"got {n} x {k} g{group_size}. Fix: use the Triton layout (pack_for_cuda)")
-    if tuple(scales.shape) != (n, k // group_size) or scales.element_size() != 2:
-        raise CheckpointError(f"scales of shape {tuple(scales.shape)} {scales.dtype}, expected "
-                              f"{(n, k // group_size)} 16-bit. Fix: re-run the quantization with `llmc build --force`")
-    u = (q.to(torch.int64) + 8).view(n // 16, 2, 8, k // 64, 4, 4, 4)  # [nt, h, g, kt, t, s, kk]
-    u = u.permute(0, 3, 2, 4, 5, 1, 6).reshape(n // 16, k // 64, 8, 4, 4, 8)  # [nt, kt, g, t, s, h*4 + kk]
-    nibbles = u[..., _MMA_NIBBLE_SOURCE]  # [..., j]
-    shifts = 4 * torch.arange(8, device=q.device, dtype=torch.int64)
-    words = (nibbles << shifts).sum(dim=-1)  # < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    words = words.reshape(n // 16, k // 64, 32, 4).contiguous()  # lane = 4 g + t
-    pairs = scales.t().reshape(k // group_size, n // 16, 2, 8).transpose(2, 3).contiguous()  # [grp, nt, g, h]
-    return words, pairs.view(torch.int32).reshape(k // group_size, n // 16, 8)
-
-
-def unpack_mma(words: torch.Tensor, pairs: torch.Tensor, group_size: int, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_mma` (for tests and checks): ``(q int8 [N, K], scales [N, K/g])``."""
-    ntiles, ktiles = words.shape[:2]
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    nib = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], dim=-1)  # [nt, kt, 32, 4 (s), 8 (j)]
-    out = torch.empty_like(nib).view(ntiles, ktiles, 8, 4, 4, 8)  # [nt, kt, g, t, s, h*4 + kk]
-    out[..., _MMA_NIBBLE_SOURCE] = nib.view(ntiles, ktiles, 8, 4, 4, 8)
-    q = out.view(ntiles, ktiles, 8, 4, 4, 2, 4).permute(0, 5, 2, 1, 3, 4, 6)  # [nt, h, g, kt, t, s, kk]
-    q = (q.reshape(ntiles * 16, ktiles * 64) - 8).to(torch.int8)
-    scales = pairs.view(dtype).view(-1, ntiles, 8, 2).transpose(2, 3).reshape(-1, ntiles * 16).t()
-    return q, scales.contiguous()
-
-
-def heuristic_mma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """``(row tiles of 8, column tiles of 16, warps, L2 prefetch)`` per block of the mma kernel where nothing was
-    tuned: one column tile for few rows (more blocks), two from 9 rows on (each activation fragment then serves two
-    tiles); the prefetch from 9 rows on (on the H200 it helped from 16 rows and cost ~10 % at 1-8)."""
-    n_tiles = 1 if m <= 8 or (n // MMA_COLS) % 2 else 2
-    return (1 if m <= 8 else 2 if m <= 16 else 4), n_tiles, (8 if k >= 2048 else 4), int(m > 8)
-
 
 MMA_DENSE_FROM_M_DEFAULT = 96
 
@@ -209,8 +49,6 @@ def choose_backend(n: int, k: int, group_size: int, dtype: torch.dtype, device: 
     """``mma`` where llmc's CUDA library loads and the shape and dtype fit it, else ``triton``."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or not mma_supported(n, k, group_size):
         return "triton"
-    from llmc.engine.torch import cuda_ext
-
     return "mma" if cuda_ext.load() is not None else "triton"
 
 
@@ -345,8 +183,6 @@ class Int4CudaLinear(nn.Module):
 
     def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, prefetch: int = 0) -> torch.Tensor:
         """The CUDA tensor-core kernel with an explicit config (the tuning script calls this)."""
-        from llmc.engine.torch import cuda_ext
-
         assert x.shape[-1] == self.in_features
         if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
@@ -388,8 +224,6 @@ class Int4CudaLinear(nn.Module):
         """The effective weight ``[K, N]`` (q * scale * prequant; N = the weight's columns) written into ``out``."""
         k, n = self.in_features, self.columns
         if self.backend == "mma":  # fc + gate come out as [fc | gate]
-            from llmc.engine.torch import cuda_ext
-
             cuda_ext.w4a16_mma_dequant(self.words, self.scales, self.prequant, out, n, k, self.group_size,
                                        self.silu_output)
             return out

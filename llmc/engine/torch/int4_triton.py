@@ -1,6 +1,6 @@
 """W4A16 Triton kernels for CUDA: the int4 matmul of decode steps and the dequantization of prefill steps.
 
-Packed layout (made once at load by :func:`llmc.engine.torch.int4_cuda.pack_for_cuda` from the IR's
+Packed layout (made once at load by :func:`llmc.engine.torch.int4_layout.pack_for_cuda` from the IR's
 ``[O/2, K]`` bytes): ``words`` int32 ``[Kp / 8, N]`` with ``Kp`` = K rounded up to a multiple of 128. Input
 features are taken in tiles of 128 = 8 chunks of 16; word ``16 t + i`` of column ``n`` holds, in its nibble ``j``
 (bits ``4j .. 4j + 3``), the weight of input ``128 t + 16 j + i`` as ``u = q + 8`` (offset binary, 0 .. 15). Pad

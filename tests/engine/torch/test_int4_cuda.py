@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
 from llmc.engine.torch import triton_support
-from llmc.engine.torch.int4_cuda import (CHUNK, TILE, Scratch, Int4CudaLinear, KernelConfig, heuristic_config,
-                                         pack_for_cuda, silu_mul)
+from llmc.engine.torch.int4_configs import KernelConfig, heuristic_config
+from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear, silu_mul
+from llmc.engine.torch.int4_layout import CHUNK, TILE, pack_for_cuda
 
 
 # tests/conftest.py turns the interpreter on for the whole session where there is no GPU (it must be on before

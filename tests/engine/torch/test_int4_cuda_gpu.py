@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
-from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear, heuristic_config, pack_for_cuda
+from llmc.engine.torch.int4_configs import heuristic_config
+from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
+from llmc.engine.torch.int4_layout import pack_for_cuda
 
 pytestmark = pytest.mark.gpu
 

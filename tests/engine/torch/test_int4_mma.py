@@ -1,4 +1,4 @@
-"""The mma int4 layout (llmc/engine/torch/csrc_cuda/w4a16_mma.cu) checked on CPU: :func:`pack_mma` against the
+"""The mma int4 layout (llmc/engine/torch/csrc_cuda/w4a16_mma.cu) checked on CPU: ``int4_layout.pack_mma`` against the
 documented nibble order, its inverse, the fc + gate tile interleave, and an emulation of the kernel's lanes and
 mma fragments (PTX's m16n8k16 operand layouts) that must reproduce the product over the dequantized weight. The
 kernel itself runs on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import pack_int4
-from llmc.engine.torch.int4_cuda import (Int4CudaLinear, Scratch, choose_backend, heuristic_mma_config,
-                                         interleave_tiles, mma_supported, pack_mma, unpack_mma)
+from llmc.engine.torch.int4_configs import heuristic_mma_config
+from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch, choose_backend
+from llmc.engine.torch.int4_layout import interleave_tiles, mma_supported, pack_mma, unpack_mma
 from llmc.errors import CheckpointError
 
 
