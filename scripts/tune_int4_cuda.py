@@ -2,9 +2,10 @@
 """Check and tune llmc's W4A16 CUDA kernels on this GPU; write the shipped config table and a timing report.
 
 ``--kernels mma`` (default): llmc's CUDA tensor-core kernels (``csrc_cuda/w4a16_mma.cu``): every (row tiles,
-column tiles, warps, L2 prefetch) config per row bucket (1, 8, 16, 32, 64, 128), checked and timed as below, and
-``dense_from_m`` against dequantize + cuBLAS; stored under the shape's ``"mma"`` key as ``[m_max, row tiles,
-column tiles, warps, L2 prefetch]``. ``--kernels triton``: the Triton fallback, as follows.
+column tiles, warps, stages) config of ``int4_configs.mma_configs`` per row bucket (1, 8, 16, 32, 64, 128),
+checked and timed as below, and ``dense_from_m`` against dequantize + cuBLAS; stored under the shape's ``"mma"``
+key as ``[m_max, row tiles, column tiles, warps, stages]`` (table version 2). ``--kernels triton``: the Triton
+fallback, as follows.
 
 For each linear shape of a model (default: Llama-3.1-8B's qkv, o, fc + gate, down projection at group 128, and
 SmolLM2-135M's at group 64 for correctness) and each row bucket (1, 2-16, 17-32, 33-64, 65-128, 129-256):
@@ -40,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
-from llmc.engine.torch.int4_configs import KernelConfig, shape_key  # noqa: E402
+from llmc.engine.torch.int4_configs import TABLE_VERSION, KernelConfig, mma_configs, shape_key  # noqa: E402
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
 
@@ -192,16 +193,13 @@ class Family:
 
 MMA_BUCKETS = [(1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128)]
 MMA_DENSE_MS = (32, 64, 96, 128, 192, 256, 512)
-MMA_CANDIDATES = [(mt, nt, warps, prefetch) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
-                  for prefetch in (0, 1)
-                  if warps * nt * mt * 512 <= 48 * 1024]  # the kernel's partial sums fit static shared memory
 
 TRITON = Family("int4", "", BUCKETS, DENSE_MS, DENSE_MS, candidates,
                 lambda layer, x, cfg: layer.matmul(x, cfg), lambda cfg: cfg.to_list(),
                 lambda values: KernelConfig(*values),
                 lambda ref: torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2])  # fc, gate interleaved
 MMA = Family("mma int4", "mma_", MMA_BUCKETS, MMA_DENSE_MS, MMA_DENSE_MS + (2048,),
-             lambda m, quick: MMA_CANDIDATES, lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
+             lambda m, quick: mma_configs(), lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
              lambda ref: torch.nn.functional.silu(ref[:, : ref.shape[1] // 2]) * ref[:, ref.shape[1] // 2:])
 
 
@@ -320,9 +318,15 @@ def main() -> None:
     device_name = torch.cuda.get_device_name()
     shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
     report = {"device": device_name, "torch": torch.__version__, "shapes": {}, "kernels": args.kernels}
-    table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": 1, "devices": {}}
+    table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": TABLE_VERSION,
+                                                                                "devices": {}}
     tuned = table["devices"].setdefault(device_name, {})
     if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
+        if table.get("version", 1) < TABLE_VERSION:  # an older kernel's configs: none of them exists any more
+            for device_shapes in table["devices"].values():
+                for entry in device_shapes.values():
+                    entry.pop("mma", None)
+            table["version"] = TABLE_VERSION
         family, title = MMA, "decode-step linears (mma), 32 layers"
         for spec in shapes:
             tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_family(

@@ -1,11 +1,12 @@
 """llmc's CUDA C++ kernels (``csrc_cuda/*.cu``), compiled on first use with nvcc and loaded with ctypes.
 
 - ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
-  one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`); ``llmc_w4a16_mma_dequant``
-  writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it).
+  one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`), each warp streaming its
+  weight tiles through a cp.async ring of ``stages`` tiles in shared memory; ``llmc_w4a16_mma_dequant`` writes the
+  effective 16-bit weight for prefill steps (cuBLAS multiplies it).
 
-The library has a plain C interface (no PyTorch headers), so the build is one nvcc call of a few seconds for the
-GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, flags
+The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about a minute, once per
+machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, flags
 (architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture records
 them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU older
 than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
@@ -30,11 +31,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 3
+ABI_VERSION = 5
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-M_TILES = (1, 2, 4)  # rows per block / 8
-N_TILES = (1, 2, 4)  # column tiles of 16 per block
-WARPS = (4, 8, 16)
 
 _why_not: str | None = None
 
@@ -137,13 +135,13 @@ def _check(code: int, what: str) -> None:
 
 def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
               y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
-              warps: int, prefetch: bool = False) -> None:
+              warps: int, stages: int) -> None:
     """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream."""
     lib = load()
     assert lib is not None and x.dtype in DTYPES and x.stride(-1) == 1 and x.stride(0) % 8 == 0
     assert x.data_ptr() % 16 == 0 and y.stride(-1) == 1
     _check(lib.llmc_w4a16_mma(
-        DTYPES[x.dtype], m_tiles, n_tiles, warps, int(prefetch), x.data_ptr(), x.stride(0), words.data_ptr(),
+        DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
         group_size, int(silu_out), torch.cuda.current_stream(x.device).cuda_stream), "llmc_w4a16_mma")

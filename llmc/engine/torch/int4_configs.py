@@ -58,13 +58,21 @@ def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
     return KernelConfig(block_m, block_n, 1, 4, 3, split)
 
 
+TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages]
+
+
 @functools.cache
 def _tuned_table() -> dict:
     try:
-        return json.loads(CONFIG_FILE.read_text())
+        table = json.loads(CONFIG_FILE.read_text())
     except (OSError, ValueError) as exc:
         logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
         return {}
+    if table.get("version", 1) < TABLE_VERSION:  # mma entries of an older kernel: their configs no longer exist
+        for shapes in table.get("devices", {}).values():
+            for entry in shapes.values():
+                entry.pop("mma", None)
+    return table
 
 
 def tuned_device_names() -> list[str]:
@@ -82,10 +90,21 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | Non
     return _tuned_table().get("devices", {}).get(device_name, {}).get(shape_key(n, k, group_size))
 
 
+MMA_STAGES = (2, 4, 8)  # depths of each warp's cp.async ring
+
+
+def mma_configs() -> list[tuple[int, int, int, int]]:
+    """Every ``(row tiles, column tiles, warps, stages)`` llmc's CUDA library launches (before the shape's own
+    constraint: column tiles dividing N / 16): 16 warps only with at most 2 (row tile, column tile) pairs (a
+    thread then has 128 registers)."""
+    return [(mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
+            for stages in MMA_STAGES if warps < 16 or mt * nt <= 2]
+
+
 def heuristic_mma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """``(row tiles of 8, column tiles of 16, warps, L2 prefetch)`` per block of the mma kernel where nothing was
-    tuned: one column tile for few rows (more blocks), two from 9 rows on (each activation fragment then serves two
-    tiles); the L2 prefetch from 9 rows on (a guess: the H200's tuning turned it off in every bucket of the 8B
-    shapes and on in some of SmolLM2's)."""
-    n_tiles = 1 if m <= 8 or (n // MMA_COLS) % 2 else 2
-    return (1 if m <= 8 else 2 if m <= 16 else 4), n_tiles, (8 if k >= 2048 else 4), int(m > 8)
+    """``(row tiles of 8, column tiles of 16, warps, stages)`` per block of the mma kernel where nothing was tuned,
+    after what the H200's tuning chose for the 8B shapes: one row tile per 8 rows up to 32 rows, column tiles
+    sharing each activation fragment (4 for wide layers, 2 for narrow ones), 8 warps with a ring of 4 tiles each."""
+    tiles = n // MMA_COLS
+    n_tiles = next(nt for nt in (4, 2, 1) if tiles % nt == 0 and (nt < 4 or tiles >= 4 * 132))
+    return (1 if m <= 8 else 2 if m <= 16 else 4), n_tiles, 8, 4

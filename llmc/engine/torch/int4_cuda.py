@@ -113,7 +113,7 @@ class Int4CudaLinear(nn.Module):
         self.out_features = self.columns // 2 if silu_output else self.columns
         self.group_size, self.silu_output, self.scratch = group_size, silu_output, scratch
         self.register_buffer("words", words, persistent=False)  # triton: [Kp/8, N]; mma: [N/16, K/64, 32, 4]
-        self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [K/g, N/16, 8]
+        self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [N/16, K/g, 8]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
         name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
         entry = tuned_entry(name, self.columns, in_features, group_size) or {}
@@ -159,8 +159,8 @@ class Int4CudaLinear(nn.Module):
                 f"prequant={self.prequant is not None}, silu_output={self.silu_output}, backend={self.backend}")
 
     def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
-        """The mma kernel's ``(row tiles, column tiles, warps, prefetch)`` for ``m`` rows: the tuned bucket, else
-        the heuristic."""
+        """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket, else the
+        heuristic."""
         return next((c for m_max, c in self._mma_buckets if m <= m_max), None) or heuristic_mma_config(
             m, self.columns, self.in_features)
 
@@ -181,15 +181,16 @@ class Int4CudaLinear(nn.Module):
             return self.mma(x, *self.mma_config_for(m))
         return self.matmul(x, self.config_for(m))
 
-    def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, prefetch: int = 0) -> torch.Tensor:
-        """The CUDA tensor-core kernel with an explicit config (the tuning script calls this)."""
+    def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, stages: int) -> torch.Tensor:
+        """The CUDA tensor-core kernel with an explicit config (the tuning script calls this); ``stages``: the depth
+        of each warp's cp.async ring."""
         assert x.shape[-1] == self.in_features
         if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         if x.shape[0]:
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
-                               self.group_size, self.silu_output, m_tiles, n_tiles, warps, bool(prefetch))
+                               self.group_size, self.silu_output, m_tiles, n_tiles, warps, stages)
         return y
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:

@@ -65,11 +65,12 @@ def interleave_tiles(fc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def pack_mma(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int4 values ``q`` int8 ``[N, K]`` in [-8, 7] and ``scales`` ``[N, K/g]`` (16-bit) -> the mma kernel's
-    ``(words int32 [N/16, K/64, 32, 4], scale pairs int32 [K/g, N/16, 8])`` on q's device.
+    ``(words int32 [N/16, K/64, 32, 4], scale pairs int32 [N/16, K/g, 8])`` on q's device.
 
     Tile (nt, kt) lane (g, t) word s holds in nibble j the value ``q + 8`` of column ``16 nt + g + 8 (j & 1)``,
     input ``64 kt + 16 t + 4 s + 2 ((j >> 1) & 1) + (j >> 2)`` (see ``csrc_cuda/w4a16_mma.cu``); scale pair
-    (grp, nt, g) is ``(s[16 nt + g], s[16 nt + g + 8])`` of group grp.
+    (nt, grp, g) is ``(s[16 nt + g], s[16 nt + g + 8])`` of group grp: a column tile's scales are contiguous, like its
+    weight tiles.
     """
     n, k = q.shape
     if not mma_supported(n, k, group_size):
@@ -85,8 +86,8 @@ def pack_mma(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[to
     words = (nibbles << shifts).sum(dim=-1)  # < 2^32
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     words = words.reshape(n // 16, k // 64, 32, 4).contiguous()  # lane = 4 g + t
-    pairs = scales.t().reshape(k // group_size, n // 16, 2, 8).transpose(2, 3).contiguous()  # [grp, nt, g, h]
-    return words, pairs.view(torch.int32).reshape(k // group_size, n // 16, 8)
+    pairs = scales.reshape(n // 16, 2, 8, k // group_size).permute(0, 3, 2, 1).contiguous()  # [nt, grp, g, h]
+    return words, pairs.view(torch.int32).reshape(n // 16, k // group_size, 8)
 
 
 def unpack_mma(words: torch.Tensor, pairs: torch.Tensor, group_size: int, dtype: torch.dtype
@@ -99,5 +100,5 @@ def unpack_mma(words: torch.Tensor, pairs: torch.Tensor, group_size: int, dtype:
     out[..., _MMA_NIBBLE_SOURCE] = nib.view(ntiles, ktiles, 8, 4, 4, 8)
     q = out.view(ntiles, ktiles, 8, 4, 4, 2, 4).permute(0, 5, 2, 1, 3, 4, 6)  # [nt, h, g, kt, t, s, kk]
     q = (q.reshape(ntiles * 16, ktiles * 64) - 8).to(torch.int8)
-    scales = pairs.view(dtype).view(-1, ntiles, 8, 2).transpose(2, 3).reshape(-1, ntiles * 16).t()
+    scales = pairs.view(dtype).view(ntiles, -1, 8, 2).permute(0, 3, 2, 1).reshape(ntiles * 16, -1)
     return q, scales.contiguous()

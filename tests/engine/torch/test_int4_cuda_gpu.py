@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
-from llmc.engine.torch.int4_configs import heuristic_config
+from llmc.engine.torch.int4_configs import heuristic_config, mma_configs
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
@@ -97,12 +97,9 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
 
         assert rel(layer(x)) < 8e-3, (rows, layer.dense_from_m)
         if rows <= 255:
-            for m_tiles in (1, 2, 4):
-                for n_tiles in (1, 2, 4):
-                    for warps in (4, 8, 16):
-                        if warps * n_tiles * m_tiles * 512 <= 48 * 1024 and (n // 16) % n_tiles == 0:
-                            got = layer.mma(x, m_tiles, n_tiles, warps, prefetch=rows % 2)
-                            assert rel(got) < 8e-3, (rows, m_tiles, n_tiles, warps)
+            for config in mma_configs():
+                if (n // 16) % config[1] == 0:
+                    assert rel(layer.mma(x, *config)) < 8e-3, (rows, config)
         if rows in (3, 64):  # the prefill path at any row count
             assert rel(layer._dense(x)) < 8e-3, rows
     strided = torch.randn(5, k + 64, device="cuda").to(dtype)[:, :k]  # a view: rows 16-byte aligned, not contiguous

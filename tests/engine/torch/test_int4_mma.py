@@ -5,12 +5,14 @@ kernel itself runs on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import pack_int4
-from llmc.engine.torch.int4_configs import heuristic_mma_config
+from llmc.engine.torch.int4_configs import CONFIG_FILE, TABLE_VERSION, heuristic_mma_config, mma_configs
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch, choose_backend
 from llmc.engine.torch.int4_layout import interleave_tiles, mma_supported, pack_mma, unpack_mma
 from llmc.errors import CheckpointError
@@ -34,8 +36,12 @@ def test_pack_mma_puts_each_value_where_the_layout_says():
         inp = 64 * kt + 16 * t + 4 * s + 2 * ((j >> 1) & 1) + (j >> 2)
         nibble = (int(words[nt, kt, lane, s]) >> (4 * j)) & 0xF
         assert nibble == int(q[col, inp]) + 8, (nt, kt, lane, s, j)
-    raw = pairs.view(torch.bfloat16).view(2, 2, 8, 2)  # [group, nt, g, (col g, col g + 8)]
-    assert torch.equal(raw[1, 1, 3], torch.stack([scales[16 + 3, 1], scales[16 + 11, 1]]))
+    q, scales = random_q(48, 128, 64)  # three column tiles, two groups: the two axes of the pairs differ
+    pairs = pack_mma(q, scales, 64)[1]
+    assert pairs.shape == (3, 2, 8)
+    raw = pairs.view(torch.bfloat16).view(3, 2, 8, 2)  # [nt, group, g, (col g, col g + 8)]: a tile's scales together
+    for nt, grp, g in [(2, 1, 3), (1, 0, 5), (0, 1, 7), (2, 0, 0)]:
+        assert torch.equal(raw[nt, grp, g], torch.stack([scales[16 * nt + g, grp], scales[16 * nt + g + 8, grp]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -61,24 +67,30 @@ def test_pack_mma_refuses_shapes_without_whole_tiles():
 
 def test_backend_choice_without_a_gpu_is_triton():
     assert choose_backend(4096, 4096, 128, torch.bfloat16, torch.device("cpu")) == "triton"
-    assert heuristic_mma_config(1, 4096, 4096) == (1, 1, 8, 0) and heuristic_mma_config(16, 4096, 4096)[:2] == (2, 2)
-    assert heuristic_mma_config(40, 960, 576) == (4, 2, 4, 1) and heuristic_mma_config(40, 976, 576)[1] == 1
+    assert heuristic_mma_config(1, 4096, 4096) == (1, 2, 8, 4) and heuristic_mma_config(16, 28672, 4096) == (2, 4, 8, 4)
+    assert heuristic_mma_config(40, 960, 576) == (4, 2, 8, 4) and heuristic_mma_config(40, 976, 576)[1] == 1
+    assert all(config in mma_configs() for config in (heuristic_mma_config(m, n, 4096) for m in (1, 9, 17, 64)
+                                                      for n in (976, 4096, 28672)))
 
 
 def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
-    """The CUDA kernel's arithmetic, lane by lane: A fragments from each word as the kernel decodes them, B
-    fragments from the activations as it loads them, PTX's m16n8k16 fragment layouts, its epilogue's indexing."""
+    """The CUDA kernel's arithmetic, lane by lane: A fragments from each word as the kernel decodes them (``base + u``),
+    B fragments from the activations as it loads them, PTX's m16n8k16 fragment layouts, each tile's accumulator
+    started at ``-(base + 8) * sum(x)`` by an mma with a constant A, the group scale applied once per tile, and the
+    epilogue's indexing."""
     dtype, rows = x.dtype, x.shape[0]
+    base = 128.0 if dtype == torch.bfloat16 else 1024.0  # magic | nibble read as a 16-bit float
     xs = x if prequant is None else (x.float() * prequant.float()).to(dtype)  # rounded once, as hmul2
     ntiles, ktiles = n // 16, k // 64
     mtiles = -(-rows // 8)
     xpad = torch.zeros(mtiles * 8, k, dtype=dtype)
     xpad[:rows] = xs
-    s_all = pairs.view(dtype).view(k // group, ntiles, 8, 2)
+    s_all = pairs.view(dtype).view(ntiles, k // group, 8, 2)
     acc = torch.zeros(ntiles, mtiles, 32, 4, dtype=torch.float64)  # per lane: c0..c3
     for nt in range(ntiles):
         for kt in range(ktiles):
-            s_pair = s_all[(kt * 64) // group, nt]  # [g, 2]
+            s_pair = s_all[nt, (kt * 64) // group]  # [g, 2]
+            tile_sum = torch.zeros(mtiles, 16, 8, dtype=torch.float64)  # [mt, column, row] of the mma's D
             for s in range(4):
                 a = torch.zeros(16, 16, dtype=torch.float64)  # A [16 columns, 16 mma-k]
                 b = torch.zeros(mtiles, 16, 8, dtype=torch.float64)  # B [16 mma-k, 8 rows]
@@ -86,25 +98,28 @@ def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
                     g, t = lane // 4, lane % 4
                     word = int(words[nt, kt, lane, s]) & 0xFFFFFFFF
                     regs = []
-                    for i in range(4):  # (word >> 4i) & 0x000F000F: nibbles i (low half) and i + 4 (high half)
+                    for i in range(4):  # (word >> 4i) & 0x000F000F | magic: nibbles i (low half) and i + 4 (high half)
                         lo, hi = (word >> (4 * i)) & 0xF, (word >> (4 * i + 16)) & 0xF
-                        scale = s_pair[g, i & 1].float()  # a0, a2: column g (s_lo); a1, a3: column g + 8 (s_hi)
-                        regs.append([((torch.tensor(float(v - 8)) * scale).to(dtype)).double() for v in (lo, hi)])
-                    a[g, 2 * t: 2 * t + 2] = torch.stack(regs[0])
-                    a[g + 8, 2 * t: 2 * t + 2] = torch.stack(regs[1])
-                    a[g, 2 * t + 8: 2 * t + 10] = torch.stack(regs[2])
-                    a[g + 8, 2 * t + 8: 2 * t + 10] = torch.stack(regs[3])
+                        regs.append(torch.tensor([base + lo, base + hi], dtype=torch.float64))
+                    a[g, 2 * t: 2 * t + 2] = regs[0]
+                    a[g + 8, 2 * t: 2 * t + 2] = regs[1]
+                    a[g, 2 * t + 8: 2 * t + 10] = regs[2]
+                    a[g + 8, 2 * t + 8: 2 * t + 10] = regs[3]
                     for mt in range(mtiles):
                         chunk = xpad[8 * mt + g, 64 * kt + 16 * t: 64 * kt + 16 * t + 16].double()  # two uint4
                         word_index = 4 * (s >> 1) + 2 * (s & 1)  # b0 = .x / .z of xv[s >> 1], b1 = .y / .w
                         b[mt, 2 * t: 2 * t + 2, g] = chunk[2 * word_index: 2 * word_index + 2]
                         b[mt, 2 * t + 8: 2 * t + 10, g] = chunk[2 * word_index + 2: 2 * word_index + 4]
+                offset = torch.full((16, 16), -(base + 8.0), dtype=torch.float64)  # the start's constant A
                 for mt in range(mtiles):
-                    c = a @ b[mt]  # [16 columns, 8 rows]
-                    for lane in range(32):
-                        g, t = lane // 4, lane % 4
-                        acc[nt, mt, lane] += torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t],
-                                                          c[g + 8, 2 * t + 1]])
+                    tile_sum[mt] += offset @ b[mt] + a @ b[mt]  # [16 columns, 8 rows]
+            for mt in range(mtiles):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    c = tile_sum[mt]
+                    sums = torch.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]])
+                    scale = torch.stack([s_pair[g, 0], s_pair[g, 0], s_pair[g, 1], s_pair[g, 1]]).double()
+                    acc[nt, mt, lane] += scale * sums  # columns g, g, g + 8, g + 8
     out = torch.zeros(rows, n // 2 if silu else n, dtype=torch.float64)
     for nt in range(ntiles):
         for mt in range(mtiles):
@@ -123,7 +138,7 @@ def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
 
 
 @pytest.mark.parametrize("silu,prequant,group", [(False, False, 64), (False, True, 128), (True, False, 64)])
-def test_kernel_emulation_over_the_packed_layout_equals_the_dequantized_product(silu, prequant, group):
+def test_kernel_emulation_over_the_packed_layout_equals_the_unrounded_dequantized_product(silu, prequant, group):
     dtype, n, k, rows = torch.bfloat16, 32, 128, 11
     gen = torch.Generator().manual_seed(1)
     q, scales = random_q(n, k, group, dtype, seed=2)
@@ -135,7 +150,7 @@ def test_kernel_emulation_over_the_packed_layout_equals_the_dequantized_product(
     else:
         words, pairs = pack_mma(q, scales, group)
     got = emulate_kernel(x, words, pairs, pq, n, k, group, silu)
-    weight = (q.float() * scales.float().repeat_interleave(group, dim=1)).to(dtype).double()  # round(q * s)
+    weight = q.double() * scales.double().repeat_interleave(group, dim=1)  # q * s, never rounded
     xs = x if pq is None else (x.float() * pq.float()).to(dtype)
     ref = xs.double() @ weight.T
     if silu:
@@ -160,3 +175,32 @@ def test_cuda_weight_bytes_pads_only_shapes_the_mma_layout_cannot_hold():
     ragged = {name: ("I8", (500, 576), 500 * 576)}  # N = 1000: Triton's layout, K padded to 640
     assert cuda_weight_bytes(whole, tied=False) == 480 * 576
     assert cuda_weight_bytes(ragged, tied=False) == 640 // 8 * 1000 * 4
+
+
+def test_the_shipped_table_holds_only_configs_the_cuda_library_launches():
+    """Every tuned mma bucket is a config of the current kernel (table version 2), for every shipped shape."""
+    table = json.loads(CONFIG_FILE.read_text())
+    assert table["version"] == TABLE_VERSION
+    entries = [(shape, entry["mma"]) for shapes in table["devices"].values() for shape, entry in shapes.items()
+               if "mma" in entry]
+    assert len(entries) >= 8  # the 8B and SmolLM2 shapes on the H200
+    for shape, mma in entries:
+        columns = int(shape.split("x")[0])
+        for bucket in mma["buckets"]:
+            config = tuple(bucket[1:])
+            assert config in mma_configs() and (columns // 16) % config[1] == 0, (shape, bucket)
+
+
+def test_a_table_of_the_older_kernel_falls_back_to_the_heuristics(tmp_path, monkeypatch):
+    from llmc.engine.torch import int4_configs
+
+    old = {"version": 1, "devices": {"GPU": {"4096x4096g128": {"mma": {"buckets": [[1, 1, 2, 16, 0]]},
+                                                              "buckets": [[1, 16, 64, 1, 2, 3, 8]]}}}}
+    (tmp_path / "t.json").write_text(json.dumps(old))
+    monkeypatch.setattr(int4_configs, "CONFIG_FILE", tmp_path / "t.json")
+    int4_configs._tuned_table.cache_clear()
+    try:
+        entry = int4_configs.tuned_entry("GPU", 4096, 4096, 128)
+        assert "mma" not in entry and entry["buckets"] == [[1, 16, 64, 1, 2, 3, 8]]  # the Triton entry stays
+    finally:
+        int4_configs._tuned_table.cache_clear()

@@ -12,14 +12,18 @@
 // nibble j: exactly lane (g, t)'s A fragment of the s-th mma of the tile, once the mma's 16 "k" positions are
 // mapped to the tile's inputs as {2t, 2t+1, 2t+8, 2t+9} -> 16 t + 4 s + {0, 1, 2, 3}. The B fragment of row m is
 // then x[m, 16 t .. 16 t + 15] of the tile: two 16-byte loads per lane. Nibble pairs (j, j + 4) sit in the two
-// halves of a 32-bit word, so ``(w >> 4i) & 0x000F000F | magic`` is two 16-bit floats 128 + u (bf16) or
-// 1024 + u (fp16) in two integer ops; minus 136 (1032) is q exactly, times the group scale is round(q * s), the
-// weight the dequantized model holds. Sums are float32 (the mma's accumulator).
+// halves of a 32-bit word, so ``(w >> 4i) & 0x000F000F | magic`` (one shift, one lop3) is two 16-bit floats
+// 128 + u (bf16) or 1024 + u (fp16), exactly. The mma sums (base + u) x in float32, starting from
+// -(base + 8) * sum(x) (see multiply_tile), which leaves sum(q x); the group scale multiplies that sum once per
+// tile. So the weight q * s is never rounded to 16 bits (the float32 reference's weight), and the decoding costs
+// two integer ops per pair of weights (a subtraction and a multiply per pair made the loop issue-bound before).
 //
-// Scales: ``[K/G][N/16][8]`` pairs (s[c], s[c + 8]) of tile column c, one 32-bit load per lane per tile.
+// Scales: ``[N/16][K/G][8]`` pairs (s[c], s[c + 8]) of tile column c, one 32-bit load per lane per tile; a column
+// tile's scales are contiguous, as its weight tiles are.
 // A block is NT column tiles x 8 * MT rows; its WARPS warps take the input tiles in turn (tile kt goes to warp
-// kt % WARPS) and add their partial sums in shared memory in a fixed order (deterministic). With ``prefetch``, warp 0
-// first asks the bulk-copy engine to bring the block's whole weight slice into L2 (sm_90; tuned per shape and rows).
+// kt % WARPS) and add their partial sums in shared memory in a fixed order (deterministic). Each warp streams its
+// tiles through a ring of STAGES slots in shared memory, filled with cp.async, so its weight loads stay in flight
+// while it multiplies (the activations of the next tile are loaded into registers one tile ahead).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,13 +32,7 @@
 
 namespace {
 
-// Two 16-bit floats in a 32-bit register: q from (magic | nibble) - offset, products with scales and inputs.
-template <typename T2>
-__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
-  T2 r = __hsub2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
+// Two 16-bit floats in a 32-bit register: products (AWQ's input scale times the activations).
 template <typename T2>
 __device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
   T2 r = __hmul2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
@@ -58,8 +56,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 template <typename T, typename T2, uint32_t Magic, uint32_t Offset>
 struct Half2OpsOf {
   static constexpr uint32_t kMagic = Magic;
-  static constexpr uint32_t kOffset = Offset;
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return sub2<T2>(a, b); }
+  static constexpr uint32_t kNegOffset = Offset | 0x80008000u;  // -(base + 8) in both halves
+  static __device__ __forceinline__ float low(uint32_t pair) {  // the pair's first value as float
+    return static_cast<float>(*reinterpret_cast<const T*>(&pair));
+  }
+  static __device__ __forceinline__ float high(uint32_t pair) {
+    const uint32_t h = pair >> 16;
+    return static_cast<float>(*reinterpret_cast<const T*>(&h));
+  }
   static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return mul2<T2>(a, b); }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     mma_16816(d, a, b0, b1, T());
@@ -74,134 +78,120 @@ template <> struct Half2Ops<__nv_bfloat16>  // (128, 128) and (136, 136) as bf16
 template <> struct Half2Ops<__half>  // (1024, 1024) and (1032, 1032) as fp16 pairs
     : Half2OpsOf<__half, __half2, 0x64006400u, 0x64086408u> {};
 
-// The packed weight is read once per step: stream it past L1 (the activations, read by every column tile, stay).
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
-
-// Start copying [p, p + bytes) from HBM into L2 in the background (sm_90's bulk-copy engine): the warps' own loads
-// then find their tiles in L2, and many more bytes are in flight than the registers could hold. Lanes of one warp
-// take 16 KB pieces.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes, int lane) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const char* base = static_cast<const char*>(p);
-  for (unsigned off = static_cast<unsigned>(lane) * 16384u; off < bytes; off += 32u * 16384u) {
-    const unsigned size = bytes - off < 16384u ? bytes - off : 16384u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(base + off), "r"(size) : "memory");
-  }
-#endif
+// (a & b) | c in one instruction: with two constants as immediates the compiler would split it in two.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
 }
 
-template <typename T, int MT, int NT, int WARPS, int UNROLL>
-__global__ void __launch_bounds__(WARPS * 32)
-w4a16_mma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
-                 const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
-                 int silu_out, int prefetch) {
-  // A block: NT column tiles (16 NT columns) x 8 MT rows; each warp multiplies its input tiles with all NT column
-  // tiles, so one activation fragment serves NT mma.
-  using Ops = Half2Ops<T>;
-  const int nt0 = blockIdx.x * NT, row0 = blockIdx.y * (8 * MT);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int ktiles = k >> 6, ntiles = n >> 4;
-  const uint4* wt = w + static_cast<size_t>(nt0) * ktiles * 32 + lane;  // NT column tiles: contiguous
-  if (prefetch && warp == 0) prefetch_l2(w + static_cast<size_t>(nt0) * ktiles * 32, NT * ktiles * 512u, lane);
+__device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v)); }
 
-  bool row_ok[MT];
-  const T* xrow[MT];
+// cp.async into the shared-memory address ``dst``; ``bytes`` 0 reads nothing (the slot is zero-filled), so a request
+// past the warp's last tile needs no branch.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(unsigned dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared16(unsigned addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr)
+               : "memory");
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_shared4(unsigned addr) {
+  uint32_t r;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
+  return r;
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// One input tile of a warp (64 inputs) for NT column tiles and MT row tiles, added into acc. The A fragments are the
+// nibbles as 16-bit floats ``base + u`` (u = q + 8; one lop3 each), so the mma sums ``(base + u) x``; the
+// accumulator of each column tile starts at ``-(base + 8) * sum(x)`` over the tile's inputs (an mma whose A
+// operand is that constant: the same for every column, computed once per tile and row tile), which leaves
+// ``sum(q x)`` in float32; the group scale then multiplies it once per tile: acc += s * sum(q x). The weight q * s is
+// never rounded to 16 bits.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void multiply_tile(float (&acc)[NT][MT][4], const uint4 (&wq)[NT], const uint32_t (&sc)[NT],
+                                              const uint4 (&xv)[MT][2]) {
+  using Ops = Half2Ops<T>;
+  const uint32_t mask = 0x000F000Fu, magic = Ops::kMagic;  // operands of lop3, not immediates (one per instruction)
+  const uint32_t neg_offset[4] = {Ops::kNegOffset, Ops::kNegOffset, Ops::kNegOffset, Ops::kNegOffset};
+  float start[MT][4];  // -(base + 8) * sum(x) of the lane's accumulator rows
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const int r = row0 + 8 * mt + g;
-    row_ok[mt] = r < rows;
-    xrow[mt] = x + static_cast<size_t>(row_ok[mt] ? r : 0) * ldx + 16 * t;
-  }
-
-  float acc[NT][MT][4];
+    start[mt][0] = start[mt][1] = start[mt][2] = start[mt][3] = 0.f;
 #pragma unroll
-  for (int c = 0; c < NT; ++c)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc[c][mt][0] = acc[c][mt][1] = acc[c][mt][2] = acc[c][mt][3] = 0.f;
-
-  for (int kt0 = warp; kt0 < ktiles; kt0 += WARPS * UNROLL) {
-    uint4 wq[UNROLL][NT];
-    uint32_t sc[UNROLL][NT];
-    uint4 xv[UNROLL][MT][2];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {  // every load of the group first: UNROLL tiles in flight per warp
-      const int kt = kt0 + u * WARPS;
-      if (kt < ktiles) {
-#pragma unroll
-        for (int c = 0; c < NT; ++c) {
-          wq[u][c] = load_stream(wt + (static_cast<size_t>(c) * ktiles + kt) * 32);
-          sc[u][c] = __ldg(scales + (static_cast<size_t>(kt >> group_shift) * ntiles + nt0 + c) * 8 + g);
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          if (row_ok[mt]) {
-            const uint4* xp = reinterpret_cast<const uint4*>(xrow[mt] + kt * 64);
-            xv[u][mt][0] = __ldg(xp);
-            xv[u][mt][1] = __ldg(xp + 1);
-          } else {
-            xv[u][mt][0] = xv[u][mt][1] = make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int kt = kt0 + u * WARPS;
-      if (kt >= ktiles) break;  // uniform across the warp
-      if (prequant != nullptr) {  // AWQ's input scale: x * s rounded to 16 bits, as the reference computes it
-        const uint4* pp = reinterpret_cast<const uint4*>(prequant + kt * 64 + 16 * t);
-        const uint4 p0 = __ldg(pp), p1 = __ldg(pp + 1);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint4& a = xv[u][mt][0];
-          uint4& b = xv[u][mt][1];
-          a.x = Ops::mul(a.x, p0.x); a.y = Ops::mul(a.y, p0.y); a.z = Ops::mul(a.z, p0.z); a.w = Ops::mul(a.w, p0.w);
-          b.x = Ops::mul(b.x, p1.x); b.y = Ops::mul(b.y, p1.y); b.z = Ops::mul(b.z, p1.z); b.w = Ops::mul(b.w, p1.w);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < NT; ++c) {
-        const uint32_t s_lo = __byte_perm(sc[u][c], 0, 0x1010), s_hi = __byte_perm(sc[u][c], 0, 0x3232);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const uint32_t word = word_of(wq[u][c], s);
-          uint32_t a[4];
-          a[0] = Ops::mul(Ops::sub((word & 0x000F000Fu) | Ops::kMagic, Ops::kOffset), s_lo);          // col g, +0 +1
-          a[1] = Ops::mul(Ops::sub(((word >> 4) & 0x000F000Fu) | Ops::kMagic, Ops::kOffset), s_hi);   // col g+8
-          a[2] = Ops::mul(Ops::sub(((word >> 8) & 0x000F000Fu) | Ops::kMagic, Ops::kOffset), s_lo);   // col g, +2 +3
-          a[3] = Ops::mul(Ops::sub(((word >> 12) & 0x000F000Fu) | Ops::kMagic, Ops::kOffset), s_hi);  // col g+8
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint4& lo = xv[u][mt][s >> 1];
-            const uint32_t b0 = (s & 1) ? lo.z : lo.x, b1 = (s & 1) ? lo.w : lo.y;
-            Ops::mma(acc[c][mt], a, b0, b1);
-          }
-        }
-      }
+    for (int s = 0; s < 4; ++s) {
+      const uint4& lo = xv[mt][s >> 1];
+      Ops::mma(start[mt], neg_offset, (s & 1) ? lo.z : lo.x, (s & 1) ? lo.w : lo.y);
     }
   }
-
-  // Partial sums of the warps -> one result per (row, column), added in warp order.
-  __shared__ float partial[WARPS][NT * MT * 4][32];
 #pragma unroll
-  for (int c = 0; c < NT; ++c)
+  for (int c = 0; c < NT; ++c) {
+    float sum[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) partial[warp][(c * MT + mt) * 4 + i][lane] = acc[c][mt][i];
-  __syncthreads();
+      for (int i = 0; i < 4; ++i) sum[mt][i] = start[mt][i];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t word = word_of(wq[c], s);
+      const uint32_t a[4] = {and_or(word, mask, magic),         // col g, inputs +0 +1
+                             and_or(word >> 4, mask, magic),    // col g + 8
+                             and_or(word >> 8, mask, magic),    // col g, inputs +2 +3
+                             and_or(word >> 12, mask, magic)};  // col g + 8
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4& lo = xv[mt][s >> 1];
+        Ops::mma(sum[mt], a, (s & 1) ? lo.z : lo.x, (s & 1) ? lo.w : lo.y);
+      }
+    }
+    const float s_lo = Ops::low(sc[c]), s_hi = Ops::high(sc[c]);  // columns g and g + 8
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      acc[c][mt][0] = fmaf(s_lo, sum[mt][0], acc[c][mt][0]);
+      acc[c][mt][1] = fmaf(s_lo, sum[mt][1], acc[c][mt][1]);
+      acc[c][mt][2] = fmaf(s_hi, sum[mt][2], acc[c][mt][2]);
+      acc[c][mt][3] = fmaf(s_hi, sum[mt][3], acc[c][mt][3]);
+    }
+  }
+}
+
+// AWQ's input scale on a tile's activations: x * s rounded to 16 bits, as the reference computes it.
+template <typename T, int MT>
+__device__ __forceinline__ void scale_inputs(uint4 (&xv)[MT][2], const uint4& p0, const uint4& p1) {
+  using Ops = Half2Ops<T>;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    uint4& a = xv[mt][0];
+    uint4& b = xv[mt][1];
+    a.x = Ops::mul(a.x, p0.x); a.y = Ops::mul(a.y, p0.y); a.z = Ops::mul(a.z, p0.z); a.w = Ops::mul(a.w, p0.w);
+    b.x = Ops::mul(b.x, p1.x); b.y = Ops::mul(b.y, p1.y); b.z = Ops::mul(b.z, p1.z); b.w = Ops::mul(b.w, p1.w);
+  }
+}
+
+// The block's result: the warps' partial sums (``partial``: [WARPS][NT * MT * 4][32] floats in shared memory,
+// written by the caller) added in warp order, written as y or silu(fc) * gate.
+template <typename T, int MT, int NT, int WARPS>
+__device__ __forceinline__ void write_block(const float* partial, T* __restrict__ y, int ldy, int rows, int nt0,
+                                           int row0, int silu_out) {
+  using Ops = Half2Ops<T>;
+  constexpr int PER_WARP = NT * MT * 4 * 32;
   // acc[c][mt][i] of lane (g, t): column g + 8 * (i >> 1) of tile nt0 + c, row 8 mt + 2 t + (i & 1) of the block.
   if (silu_out) {  // columns g (fc) and g + 8 (gate) of a tile -> output column 8 nt + g
     for (int idx = threadIdx.x; idx < NT * MT * 2 * 32; idx += WARPS * 32) {
@@ -209,8 +199,8 @@ w4a16_mma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, 
       float fc = 0.f, gate = 0.f;
 #pragma unroll
       for (int wi = 0; wi < WARPS; ++wi) {
-        fc += partial[wi][cm * 4 + j][l];
-        gate += partial[wi][cm * 4 + 2 + j][l];
+        fc += partial[wi * PER_WARP + (cm * 4 + j) * 32 + l];
+        gate += partial[wi * PER_WARP + (cm * 4 + 2 + j) * 32 + l];
       }
       const int r = row0 + 8 * mt + 2 * (l & 3) + j;
       if (r < rows) y[static_cast<size_t>(r) * ldy + 8 * (nt0 + c) + (l >> 2)] = Ops::from_float(silu(fc) * gate);
@@ -220,11 +210,142 @@ w4a16_mma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, 
       const int l = idx & 31, i = (idx >> 5) & 3, cm = idx >> 7, c = cm / MT, mt = cm % MT;
       float v = 0.f;
 #pragma unroll
-      for (int wi = 0; wi < WARPS; ++wi) v += partial[wi][cm * 4 + i][l];
+      for (int wi = 0; wi < WARPS; ++wi) v += partial[wi * PER_WARP + (cm * 4 + i) * 32 + l];
       const int r = row0 + 8 * mt + 2 * (l & 3) + (i & 1);
       if (r < rows) y[static_cast<size_t>(r) * ldy + 16 * (nt0 + c) + (l >> 2) + 8 * (i >> 1)] = Ops::from_float(v);
     }
   }
+}
+
+// The product, each warp streaming its input tiles through a ring of STAGES slots in shared memory (cp.async):
+// slot j holds one input tile of the warp (tile kt = warp + WARPS * i, slot i % STAGES) for the NT column tiles, NT
+// x 32 weight words (one uint4 per lane) and NT x 32 scale pairs (one word per lane). Each lane copies, and later
+// reads, only its own words, so the warp never synchronizes; tile i + STAGES - 1 is requested before tile i is
+// multiplied. The activations of tile i + 1 are loaded into registers while tile i is multiplied (two register
+// sets, by parity). The loop is unrolled by STAGES so slots and register sets are compile-time, and every address
+// moves by a constant step per tile: the loop is little more than the decoding and the mma. Shared memory
+// (dynamic): the ring, reused for the warps' partial sums at the end.
+template <typename T, int MT, int NT, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32)
+w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
+                  const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
+                  int silu_out) {
+  static_assert(STAGES % 2 == 0, "the activations alternate between two register sets by tile parity");
+  extern __shared__ uint4 smem[];
+  constexpr int SLOT = NT * 40;  // uint4s per slot: NT x 32 weight words, then NT x 32 scale pairs
+  const int nt0 = blockIdx.x * NT, row0 = blockIdx.y * (8 * MT);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int ktiles = k >> 6, groups = ktiles >> group_shift;
+  const int count = warp < ktiles ? (ktiles - warp + WARPS - 1) / WARPS : 0;  // this warp's input tiles
+
+  // The next tile to request: column tile c's weight words at wreq + c * wcol, its scale pair at sreq + c * scol.
+  // With WARPS even, the group of tile i is (warp >> shift) + i * (WARPS >> shift).
+  const size_t wcol = static_cast<size_t>(ktiles) * 32, scol = static_cast<size_t>(groups) * 8;
+  const uint4* wreq = w + static_cast<size_t>(nt0) * wcol + warp * 32 + lane;
+  const uint32_t* sreq = scales + static_cast<size_t>(nt0) * scol + (warp >> group_shift) * 8 + g;
+  const int sstep = (WARPS >> group_shift) * 8;
+  // Shared addresses of this lane's words: slot j, column tile c: weights at wsh + 16 (j SLOT + 32 c), scale pair at
+  // ssh + 16 j SLOT + 4 * 32 c.
+  const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(smem)) + warp * (STAGES * SLOT * 16);
+  const unsigned wsh = ring + lane * 16, ssh = ring + NT * 32 * 16 + lane * 4;
+  int left = count;  // tiles not yet requested
+  auto request = [&](int j) {
+    const unsigned wbytes = left > 0 ? 16u : 0u, sbytes = left > 0 ? 4u : 0u;
+#pragma unroll
+    for (int c = 0; c < NT; ++c) {
+      cp_async16(wsh + 16 * (j * SLOT + 32 * c), wreq + c * wcol, wbytes);
+      cp_async4(ssh + 16 * j * SLOT + 4 * 32 * c, sreq + c * scol, sbytes);
+    }
+    wreq += WARPS * 32;
+    sreq += sstep;
+    --left;
+    cp_async_commit();
+  };
+  // One commit group per tile (empty past the warp's last tile), so "tile i has landed" is always
+  // cp.async.wait_group(STAGES - 1) after tile i + STAGES - 1 was requested.
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) request(j);
+
+  // Activations (and AWQ's input scale) of the next tile to load; rows past the end stay zero.
+  bool row_ok[MT];
+  const uint4* xp[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = row0 + 8 * mt + g;
+    row_ok[mt] = r < rows;
+    xp[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(row_ok[mt] ? r : 0) * ldx + 16 * t + warp * 64);
+  }
+  const bool has_prequant = prequant != nullptr;
+  const uint4* pp = reinterpret_cast<const uint4*>(prequant + 16 * t + warp * 64);  // unused without prequant
+  uint4 xb[2][MT][2], pb[2][2];
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    pb[b][0] = pb[b][1] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) xb[b][mt][0] = xb[b][mt][1] = make_uint4(0, 0, 0, 0);
+  }
+  auto load_inputs = [&](int b, bool more) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (row_ok[mt] && more) {
+        xb[b][mt][0] = __ldg(xp[mt]);
+        xb[b][mt][1] = __ldg(xp[mt] + 1);
+      }
+      xp[mt] += WARPS * 8;
+    }
+    if (has_prequant && more) {
+      pb[b][0] = __ldg(pp);
+      pb[b][1] = __ldg(pp + 1);
+    }
+    pp += WARPS * 8;
+  };
+
+  float acc[NT][MT][4];
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[c][mt][0] = acc[c][mt][1] = acc[c][mt][2] = acc[c][mt][3] = 0.f;
+
+  load_inputs(0, count > 0);
+  for (int i0 = 0; i0 < count; i0 += STAGES) {
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j) {  // tile i = i0 + j: slot j, activations in set j & 1 (i0 is even)
+      const int i = i0 + j;
+      if (i >= count) break;
+      request((j + STAGES - 1) % STAGES);
+      load_inputs((j + 1) & 1, i + 1 < count);
+      cp_async_wait<STAGES - 1>();
+      uint4 wq[NT];
+      uint32_t sc[NT];
+#pragma unroll
+      for (int c = 0; c < NT; ++c) {
+        wq[c] = ld_shared16(wsh + 16 * (j * SLOT + 32 * c));
+        sc[c] = ld_shared4(ssh + 16 * j * SLOT + 4 * 32 * c);
+      }
+      if (has_prequant) scale_inputs<T, MT>(xb[j & 1], pb[j & 1][0], pb[j & 1][1]);
+      multiply_tile<T, MT, NT>(acc, wq, sc, xb[j & 1]);
+    }
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its ring: the shared memory now holds the partial sums
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
+  __syncthreads();
+  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
+}
+
+template <int MT, int NT, int WARPS, int STAGES>
+constexpr int pipe_smem_bytes() {
+  constexpr int ring = WARPS * STAGES * (NT * 32 + NT * 8) * 16;
+  constexpr int partial = WARPS * NT * MT * 4 * 32 * 4;
+  return ring > partial ? ring : partial;
 }
 
 // The effective weight [K, N] (q * s * prequant, rounded once) for prefill steps (cuBLAS multiplies it). A block
@@ -252,7 +373,8 @@ w4a16_mma_dequant_kernel(const uint4* __restrict__ w, const uint32_t* __restrict
   if (threadIdx.x < TILES * 8) {
     const int c = threadIdx.x >> 3;
     if (nt0 + c < ntiles)
-      pairs[c][threadIdx.x & 7] = scales[(static_cast<size_t>(kt >> group_shift) * ntiles + nt0 + c) * 8 + (threadIdx.x & 7)];
+      pairs[c][threadIdx.x & 7] = scales[(static_cast<size_t>(nt0 + c) * (ktiles >> group_shift) + (kt >> group_shift)) * 8 +
+                                         (threadIdx.x & 7)];
   }
   __syncthreads();
   // Thread (c, h) = (tile, column half) of the block's 4 x 2 sixteen-byte pieces of a row; 16 rows at a time, so
@@ -286,61 +408,80 @@ w4a16_mma_dequant_kernel(const uint4* __restrict__ w, const uint32_t* __restrict
   }
 }
 
-template <typename T, int MT, int NT, int WARPS>
-int launch_t(const void* x, int ldx, const void* w, const void* scales, const void* prequant, void* y, int ldy,
-             int rows, int n, int k, int group_shift, int silu_out, int prefetch, cudaStream_t stream) {
-  // Four input tiles in flight per warp; fewer where the fragments of MT row tiles and NT column tiles would not
-  // fit the registers.
-  constexpr int UNROLL = MT * NT >= 8 ? 1 : MT * NT >= 4 ? 2 : 4;
-  if constexpr (WARPS * NT * MT * 4 * 32 * 4 > 48 * 1024) {
-    return -1;  // the partial sums would not fit static shared memory
+// Launches on ``stream`` (more than 48 KB of dynamic shared memory must be allowed per kernel first).
+template <typename Kernel, typename... Args>
+int launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  return static_cast<int>(cudaGetLastError());
+}
+
+constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory a pipe config may take (the H100/H200 allow 227 KB)
+
+struct Call {
+  const void* x; int ldx; const void* w; const void* scales; const void* prequant; void* y; int ldy;
+  int rows, n, k, group_shift, silu_out;
+  cudaStream_t stream;
+};
+
+template <typename T, int MT, int NT, int WARPS, int STAGES>
+int launch_t(const Call& a) {
+  constexpr int smem = pipe_smem_bytes<MT, NT, WARPS, STAGES>();
+  // 16 warps cap a thread at 128 registers: enough (no spills) for up to 2 (row tile, column tile) pairs
+  if constexpr ((WARPS == 16 && MT * NT > 2) || smem > kMaxSmem) {
+    return -1;
   } else {
-    if ((n / 16) % NT) return -1;
-    const dim3 grid(n / (16 * NT), (rows + 8 * MT - 1) / (8 * MT));
-    w4a16_mma_kernel<T, MT, NT, WARPS, UNROLL><<<grid, WARPS * 32, 0, stream>>>(
-        static_cast<const T*>(x), ldx, static_cast<const uint4*>(w), static_cast<const uint32_t*>(scales),
-        static_cast<const T*>(prequant), static_cast<T*>(y), ldy, rows, n, k, group_shift, silu_out, prefetch);
-    return static_cast<int>(cudaGetLastError());
+    if ((a.n / 16) % NT) return -1;
+    const dim3 grid(a.n / (16 * NT), (a.rows + 8 * MT - 1) / (8 * MT));
+    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, smem, a.stream,
+                  static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
+                  static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
+                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out);
   }
 }
 
-#define LLMC_ARGS x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_shift, silu_out, prefetch, stream
+template <typename T, int MT, int NT, int WARPS>
+int launch_stages(int stages, const Call& a) {
+  switch (stages) {
+    case 2: return launch_t<T, MT, NT, WARPS, 2>(a);
+    case 4: return launch_t<T, MT, NT, WARPS, 4>(a);
+    case 8: return launch_t<T, MT, NT, WARPS, 8>(a);
+    default: return -1;
+  }
+}
 
 template <typename T, int MT, int NT>
-int launch_warps(int warps, const void* x, int ldx, const void* w, const void* scales, const void* prequant, void* y,
-                 int ldy, int rows, int n, int k, int group_shift, int silu_out, int prefetch, cudaStream_t stream) {
+int launch_warps(int warps, int stages, const Call& a) {
   switch (warps) {
-    case 4: return launch_t<T, MT, NT, 4>(LLMC_ARGS);
-    case 8: return launch_t<T, MT, NT, 8>(LLMC_ARGS);
-    case 16: return launch_t<T, MT, NT, 16>(LLMC_ARGS);
+    case 4: return launch_stages<T, MT, NT, 4>(stages, a);
+    case 8: return launch_stages<T, MT, NT, 8>(stages, a);
+    case 16: return launch_stages<T, MT, NT, 16>(stages, a);
     default: return -1;
   }
 }
 
 template <typename T, int MT>
-int launch_cols(int ntile, int warps, const void* x, int ldx, const void* w, const void* scales, const void* prequant,
-                void* y, int ldy, int rows, int n, int k, int group_shift, int silu_out, int prefetch, cudaStream_t stream) {
+int launch_cols(int ntile, int warps, int stages, const Call& a) {
   switch (ntile) {
-    case 1: return launch_warps<T, MT, 1>(warps, LLMC_ARGS);
-    case 2: return launch_warps<T, MT, 2>(warps, LLMC_ARGS);
-    case 4: return launch_warps<T, MT, 4>(warps, LLMC_ARGS);
+    case 1: return launch_warps<T, MT, 1>(warps, stages, a);
+    case 2: return launch_warps<T, MT, 2>(warps, stages, a);
+    case 4: return launch_warps<T, MT, 4>(warps, stages, a);
     default: return -1;
   }
 }
 
 template <typename T>
-int launch_dtype(int mtiles, int ntile, int warps, const void* x, int ldx, const void* w, const void* scales,
-                 const void* prequant, void* y, int ldy, int rows, int n, int k, int group_shift, int silu_out,
-                 int prefetch, cudaStream_t stream) {
+int launch_dtype(int mtiles, int ntile, int warps, int stages, const Call& a) {
   switch (mtiles) {
-    case 1: return launch_cols<T, 1>(ntile, warps, LLMC_ARGS);
-    case 2: return launch_cols<T, 2>(ntile, warps, LLMC_ARGS);
-    case 4: return launch_cols<T, 4>(ntile, warps, LLMC_ARGS);
+    case 1: return launch_cols<T, 1>(ntile, warps, stages, a);
+    case 2: return launch_cols<T, 2>(ntile, warps, stages, a);
+    case 4: return launch_cols<T, 4>(ntile, warps, stages, a);
     default: return -1;
   }
 }
-
-#undef LLMC_ARGS
 
 }  // namespace
 
@@ -348,18 +489,16 @@ extern "C" {
 
 // y [rows, n] (or [rows, n/2] with silu_out) = x [rows, k] (row stride ldx, 16-byte aligned) times the packed
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
-// per block, dividing n / 16), warps in {4, 8, 16}, prefetch: the L2 bulk prefetch of the block's weight slice
-// (sm_90). Returns 0 or a CUDA error code (-1: an unsupported config).
-int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int prefetch, const void* x, int ldx, const void* w,
-                   const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k, int group_size,
-                   int silu_out, void* stream) {
+// per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
+// (the depth of each warp's cp.async ring). Returns 0 or a CUDA error code (-1: an unsupported config).
+int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
+                   const void* w, const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k,
+                   int group_size, int silu_out, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
-  const int shift = group_size == 128 ? 1 : 0;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, x, ldx, w, scales, prequant, y, ldy, rows, n,
-                                                  k, shift, silu_out, prefetch, s)
-                    : launch_dtype<__half>(mtiles, ntile, warps, x, ldx, w, scales, prequant, y, ldy, rows, n, k,
-                                           shift, silu_out, prefetch, s);
+  const Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, silu_out,
+                  static_cast<cudaStream_t>(stream)};
+  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
+                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
 
 int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const void* prequant, void* out, int n,
@@ -368,18 +507,16 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
   const int shift = group_size == 128 ? 1 : 0;
   const dim3 grid((n / 16 + 3) / 4, k / 64);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const uint4* words = static_cast<const uint4*>(w);
+  const uint32_t* pairs = static_cast<const uint32_t*>(scales);
   if (dtype == 0) {
-    w4a16_mma_dequant_kernel<__nv_bfloat16><<<grid, 128, 0, s>>>(
-        static_cast<const uint4*>(w), static_cast<const uint32_t*>(scales),
-        static_cast<const __nv_bfloat16*>(prequant), static_cast<__nv_bfloat16*>(out), n, k, shift, halves);
-  } else {
-    w4a16_mma_dequant_kernel<__half><<<grid, 128, 0, s>>>(
-        static_cast<const uint4*>(w), static_cast<const uint32_t*>(scales), static_cast<const __half*>(prequant),
-        static_cast<__half*>(out), n, k, shift, halves);
+    return launch(w4a16_mma_dequant_kernel<__nv_bfloat16>, grid, 128, 0, s, words, pairs,
+                  static_cast<const __nv_bfloat16*>(prequant), static_cast<__nv_bfloat16*>(out), n, k, shift, halves);
   }
-  return static_cast<int>(cudaGetLastError());
+  return launch(w4a16_mma_dequant_kernel<__half>, grid, 128, 0, s, words, pairs,
+                static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 3; }
+int llmc_w4a16_abi_version() { return 5; }
 
 }  // extern "C"
