@@ -33,7 +33,7 @@
   (as a decode step does), prefetching the rows 16 tokens ahead took 16 sequences from 114-121 to 97-100 us.
 
 Availability: an x86-64 CPU with AVX-512 (PyTorch's CPU capability ``AVX512``), a C++ compiler and ninja.
-The build takes ~40 s once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default
+The build takes ~13 s (2-core Xeon) once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``); ``llmc build`` does it in its compile step. ``LLMC_CPU_KERNELS=torch`` skips it.
 Whenever it is unavailable, the engine uses PyTorch's ops (its int4 op, gathered SDPA attention), and
 :func:`status` says why. The bfloat16 kernels (``bf16_gemm``, ``prefill_attention``) run only on CPUs with
@@ -174,7 +174,7 @@ def _cpu_flags() -> frozenset[str]:
 def bf16_prefill_why_not(build: bool = True) -> str | None:
     """None when prefill GEMMs and attention of 16-bit checkpoints run in bfloat16 here (AVX512-BF16, llmc's
     kernels, not turned off), else why they stay float32. ``build``: build the kernels if needed to be sure (as
-    :func:`load`); without it, judge from :func:`static_why_not` (``llmc doctor``: no 40 s build)."""
+    :func:`load`); without it, judge from :func:`static_why_not` (``llmc doctor``: no build)."""
     if os.environ.get(PREFILL_ENV, "").lower() == "float32":
         return f"{PREFILL_ENV}=float32"
     if not has_avx512_bf16():
