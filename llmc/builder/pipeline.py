@@ -30,6 +30,7 @@ from llmc.builder.progress import BuildProgress
 from llmc.builder.quantize import quantize_checkpoint
 from llmc.builder.verify import accuracy_gate
 from llmc.engine.base import compile_engine
+from llmc.engine.torch import cpu_ext
 from llmc.errors import BuildError, SourceError
 from llmc.recipe import Recipe, recipe_hash, recipe_to_dict
 from llmc.recipe.checks import check_recipe_against_model
@@ -140,6 +141,10 @@ def _build_into(tmp: Path, out_dir: Path, recipe: Recipe, recipe_sha: str, sourc
     """Run every build step into the empty folder ``tmp`` (renamed to ``out_dir`` afterwards); returns the
     written manifest."""
     started = time.perf_counter()
+    if recipe.backend == "torch":
+        # The compile step (and self-generated calibration text on the CPU) load llmc's CPU kernels; on a machine's
+        # first build that compiles them (~13 s of g++), which here overlaps the single-threaded GGUF conversion.
+        cpu_ext.load_in_background()
     with progress.step("resolve source"):
         source = load.resolve_source(recipe.model, cache_dir=cache_dir, sha256=source_sha)
     reports: dict[str, Any] = {"eos_warnings": list(source.eos_warnings)}

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 from llmc import manifest as mf
 from llmc.builder import pipeline
 from llmc.builder.pipeline import build
+from llmc.engine.torch import cpu_ext
 from llmc.errors import BuildError, RecipeError, SourceError
 from llmc.recipe import load_recipe, recipe_hash, recipe_to_dict
 from llmc.source import load
@@ -117,6 +118,16 @@ def test_default_output_is_build_name_in_the_current_directory(tmp_path, tiny_hf
     result = build(recipe)
     assert result.build_dir == (tmp_path / "build" / "tiny").absolute()
     assert (result.build_dir / "manifest.json").exists()
+
+
+def test_a_torch_build_starts_the_cpu_kernels_build_before_resolving_the_source(tmp_path, tiny_hf_dir, monkeypatch):
+    """The first build on a machine compiles llmc's CPU kernels while the source is converted, not after it."""
+    steps: list[str] = []
+    resolve = load.resolve_source
+    monkeypatch.setattr(cpu_ext, "load_in_background", lambda: steps.append("kernels"))
+    monkeypatch.setattr(load, "resolve_source", lambda *args, **kw: steps.append("source") or resolve(*args, **kw))
+    build(load_recipe(write_recipe(tmp_path, tiny_hf_dir)), out_dir=tmp_path / "out" / "tiny")
+    assert steps == ["kernels", "source"]
 
 
 def test_failure_mid_build_leaves_no_folder(tmp_path, tiny_hf_dir, monkeypatch):

@@ -242,10 +242,17 @@ def test_batched_chat_check_ends_where_each_prompt_alone_ends(tiny_hf_dir):
     assert got == expected
 
 
-def test_window_scores_from_a_kept_reference_equal_those_from_logits():
+def test_window_scores_in_row_chunks_equal_those_of_the_whole_window_bit_for_bit():
+    """window_scores goes SCORE_ROWS positions at a time on the CPU; every figure equals the whole window's
+    computation exactly, the last chunk (one position short of targets) included."""
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 300, (12,), generator=gen)
-    p_logits, q_logits = torch.randn(12, 300, generator=gen), torch.randn(12, 300, generator=gen)
-    direct = gate_report.window_scores(ids, p_logits, q_logits)
-    kept = gate_report.window_scores(ids, gate_report.reference(p_logits), q_logits)
-    assert all(torch.equal(a, b) for a, b in zip(direct, kept)) and float(direct[0].mean()) > 0
+    length, vocab = 2 * gate_report.SCORE_ROWS + 7, 300
+    ids = torch.randint(0, vocab, (length,), generator=gen)
+    p_logits, q_logits = torch.randn(length, vocab, generator=gen), torch.randn(length, vocab, generator=gen)
+    logp, logq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    targets = ids[1:].unsqueeze(-1)
+    whole = ((logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0), -logp[:-1].gather(-1, targets).squeeze(-1),
+             -logq[:-1].gather(-1, targets).squeeze(-1), logp.argmax(-1), logq.argmax(-1))
+    chunked = gate_report.window_scores(ids, p_logits, q_logits)
+    assert [tuple(t.shape) for t in chunked] == [(length,), (length - 1,), (length - 1,), (length,), (length,)]
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole)) and float(chunked[0].mean()) > 0

@@ -121,6 +121,32 @@ def test_package_recipe_source_uses_the_same_cache(smollm2_hf_dir):
     assert src.from_cache and src.hf_dir == smollm2_hf_dir and src.origin == factories.embedded_gguf_path()
 
 
+def test_the_conversion_parses_the_gguf_file_once_and_writes_the_same_folder(tmp_path, smollm2_hf_dir, monkeypatch):
+    """transformers reads the GGUF header for the config, the model and twice for the tokenizer, and builds the
+    tensor-name map per submodule: within the conversion each is made once, and the converted files are byte for
+    byte those of the cached conversion."""
+    import gguf
+
+    made = {"readers": 0, "maps": 0}
+    make_reader, make_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counted_reader(*args, **kwargs):
+        made["readers"] += 1
+        return make_reader(*args, **kwargs)
+
+    def counted_map(*args, **kwargs):
+        made["maps"] += 1
+        return make_map(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted_map)
+    load.convert_gguf(factories.embedded_gguf_path(), tmp_path / "hf")
+    assert made == {"readers": 1, "maps": 1}
+    assert gguf.GGUFReader is counted_reader and gguf.get_tensor_name_map is counted_map  # restored afterwards
+    for path in (tmp_path / "hf").iterdir():
+        assert path.read_bytes() == (smollm2_hf_dir / path.name).read_bytes(), path.name
+
+
 def test_conversion_cache_hit_skips_conversion_and_ignores_stale_temp_folders(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF fake")

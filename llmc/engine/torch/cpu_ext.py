@@ -33,8 +33,9 @@
   (as a decode step does), prefetching the rows 16 tokens ahead took 16 sequences from 114-121 to 97-100 us.
 
 Availability: an x86-64 CPU with AVX-512 (PyTorch's CPU capability ``AVX512``), a C++ compiler and ninja.
-The build takes ~40 s once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``); ``llmc build`` does it in its compile step. ``LLMC_CPU_KERNELS=torch`` skips it.
+The build takes ~13 s on 2 cores, once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions``); ``llmc build`` starts it in the background when it begins
+(:func:`load_in_background`), so it overlaps the GGUF conversion. ``LLMC_CPU_KERNELS=torch`` skips it.
 Whenever it is unavailable, the engine uses PyTorch's ops (its int4 op, gathered SDPA attention), and
 :func:`status` says why. The bfloat16 kernels (``bf16_gemm``, ``prefill_attention``) run only on CPUs with
 AVX512-BF16 (:func:`has_avx512_bf16`); elsewhere, or with ``LLMC_CPU_PREFILL=float32``, prefill stays float32 and
@@ -48,6 +49,7 @@ import functools
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,9 +97,41 @@ def static_why_not() -> str | None:
     return None
 
 
-@functools.cache
+_module: ModuleType | None = None
+_loaded = False  # _module (and _why_not) hold the answer
+_load_lock = threading.Lock()  # one build per process, whichever thread asks first
+_background: threading.Thread | None = None
+
+
 def load() -> ModuleType | None:
-    """The compiled extension, or None (logged once, with the reason, and kept for :func:`status`)."""
+    """The compiled extension, or None (logged once, with the reason, and kept for :func:`status`).
+
+    Thread-safe: the first caller builds (or waits for the build that :func:`load_in_background` started), and
+    every caller gets that one answer."""
+    global _module, _loaded
+    if not _loaded:  # unlocked fast path: every kernel call asks
+        with _load_lock:
+            if not _loaded:
+                _module = _build()
+                _loaded = True
+    return _module
+
+
+def load_in_background() -> None:
+    """Start :func:`load` in a thread and return at once; a later :func:`load` waits for it.
+
+    The first build compiles (~13 s of g++ on 2 cores) while the caller does mostly single-threaded work (``llmc
+    build``: the GGUF conversion). The thread is not a daemon: a process that ends early waits for the compile
+    instead of leaving a half-written build folder behind."""
+    global _background
+    with _load_lock:
+        if _loaded or _background is not None:
+            return
+        _background = threading.Thread(target=load, name="llmc-cpu-kernels")
+    _background.start()
+
+
+def _build() -> ModuleType | None:
     global _why_not
     _why_not = static_why_not()
     if _why_not is not None:
@@ -174,7 +208,7 @@ def _cpu_flags() -> frozenset[str]:
 def bf16_prefill_why_not(build: bool = True) -> str | None:
     """None when prefill GEMMs and attention of 16-bit checkpoints run in bfloat16 here (AVX512-BF16, llmc's
     kernels, not turned off), else why they stay float32. ``build``: build the kernels if needed to be sure (as
-    :func:`load`); without it, judge from :func:`static_why_not` (``llmc doctor``: no 40 s build)."""
+    :func:`load`); without it, judge from :func:`static_why_not` (``llmc doctor``: no build)."""
     if os.environ.get(PREFILL_ENV, "").lower() == "float32":
         return f"{PREFILL_ENV}=float32"
     if not has_avx512_bf16():

@@ -15,6 +15,7 @@ from llmc.checkpoint.convert import hf_to_trtllm, shard
 from llmc.checkpoint.int4 import quantize_rtn
 from llmc.checkpoint.io import write_checkpoint
 from llmc.engine.base import compile_engine
+from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.kv_alloc import allocate_kv_cache
 from llmc.engine.torch.model import LlamaForCausalLM
@@ -163,3 +164,9 @@ class MiniScheduler:
     def update(self, sampled: dict[str, int]) -> None:
         for rid, token in sampled.items():
             self.reqs[rid]["out"].append(token)
+
+
+def forget_cpu_kernels() -> None:
+    """Make :func:`cpu_ext.load` answer afresh, as in a new process (after changing ``LLMC_CPU_KERNELS`` or the
+    build); a background build must have finished."""
+    cpu_ext._module, cpu_ext._loaded, cpu_ext._background = None, False, None

@@ -13,6 +13,7 @@ from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.compile import read_engine_config
 from llmc.errors import CheckpointError, EngineError
 from llmc.recipe import recipe_from_dict
+from tests.engine.torch.helpers import forget_cpu_kernels
 
 
 def recipe(tiny_hf_dir, **kv_cache):
@@ -48,15 +49,15 @@ def test_the_compile_step_itself_builds_the_cpu_kernels(tiny_hf_dir, tmp_path):
            "16-bit": write_ir(tiny_hf_dir, tmp_path / "plain_checkpoint")}
     try:
         for name, ir in irs.items():
-            cpu_ext.load.cache_clear()  # as in a fresh process: the kernels are not loaded
+            forget_cpu_kernels()  # as in a fresh process: the kernels are not loaded
             report = compile_engine(recipe(tiny_hf_dir), ir, tmp_path / f"engine-{name}")
-            assert cpu_ext.load.cache_info().currsize == 1, name  # loaded by compile_engine, not by this test
+            assert cpu_ext._loaded, name  # loaded by compile_engine, not by this test
             built = cpu_ext.load() is not None
             assert report["cpu_kernels"] == ("llmc AVX-512 kernels" if built else
                                              f"PyTorch's ops ({cpu_ext._why_not})")
             assert built or torch.backends.cpu.get_cpu_capability() != "AVX512"
     finally:
-        cpu_ext.load.cache_clear()
+        forget_cpu_kernels()
 
 
 def test_a_failed_kernel_build_is_reported_by_the_compile_step(tiny_hf_dir, tiny_ir_dir, tmp_path, monkeypatch):
@@ -67,11 +68,11 @@ def test_a_failed_kernel_build_is_reported_by_the_compile_step(tiny_hf_dir, tiny
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # so a build is attempted
-    cpu_ext.load.cache_clear()
+    forget_cpu_kernels()
     try:
         report = compile_engine(recipe(tiny_hf_dir), tiny_ir_dir, tmp_path / "engine")
     finally:
-        cpu_ext.load.cache_clear()  # later tests load the real kernels again
+        forget_cpu_kernels()  # later tests load the real kernels again
     assert report["cpu_kernels"] == "PyTorch's ops (building it failed (RuntimeError: no C++ compiler found))"
 
 

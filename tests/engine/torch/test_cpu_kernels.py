@@ -12,7 +12,7 @@ from llmc.engine.torch.attention import decode_attention, build_attention_metada
 from llmc.engine.torch.loader import load_model
 from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
-from tests.engine.torch.helpers import write_ir
+from tests.engine.torch.helpers import forget_cpu_kernels, write_ir
 
 AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 needs_kernels = pytest.mark.skipif(not AVX512, reason="llmc's CPU kernels need an AVX-512 CPU")
@@ -70,7 +70,7 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
     assert not cpu_ext.decode_attention_available(q.bfloat16(), k_cache)
     assert not cpu_ext.decode_attention_available(q[..., :48], k_cache[..., :48])
     monkeypatch.setenv(cpu_ext.ENV, "torch")
-    cpu_ext.load.cache_clear()
+    forget_cpu_kernels()
     try:
         assert not cpu_ext.decode_attention_available(q, k_cache)
         ref = decode_attention(q, k_cache, v_cache, meta, scale)
@@ -78,7 +78,7 @@ def test_the_decode_path_uses_the_kernel_for_float32_and_the_reference_otherwise
         assert not torch.equal(ref, kernel)  # the two paths really differ in summation order
     finally:
         monkeypatch.delenv(cpu_ext.ENV)
-        cpu_ext.load.cache_clear()
+        forget_cpu_kernels()
 
 
 @needs_kernels

@@ -10,7 +10,7 @@ from llmc.checkpoint.int4 import pack_int4
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.int4_cpu import MAX_INT4_ROWS, Int4Linear, int4_kernel_available
 from llmc.engine.torch.loader import load_model
-from tests.engine.torch.helpers import rtn_quantize_hf, write_ir
+from tests.engine.torch.helpers import forget_cpu_kernels, rtn_quantize_hf, write_ir
 
 
 
@@ -86,13 +86,13 @@ def test_llmc_kernel_is_batch_invariant():
 def test_the_kernel_choice_follows_the_environment(monkeypatch):
     q, scale, prequant, dense = random_layer()
     monkeypatch.setenv(cpu_ext.ENV, "torch")
-    cpu_ext.load.cache_clear()
+    forget_cpu_kernels()
     try:
         assert cpu_ext.load() is None and cpu_ext.status() == f"PyTorch's ops ({cpu_ext.ENV}=torch)"
         assert Int4Linear(q, scale, prequant, 32, dense).kernel == "torch"
     finally:
         monkeypatch.delenv(cpu_ext.ENV)
-        cpu_ext.load.cache_clear()
+        forget_cpu_kernels()
     assert Int4Linear(q, scale, prequant, 32, dense).kernel == EXPECTED_KERNEL
 
 

@@ -15,7 +15,7 @@
 // Compiled for AVX512-BF16 (the target pragma below, this file only); callers check the CPU first
 // (cpu_ext.bf16_prefill_why_not).
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op declared): half the build time
-#include <ATen/ops/empty.h>
+#include <ATen/EmptyTensor.h>  // at::detail::empty_cpu: ATen/ops/empty.h (the dispatched op) costs 1.5 s more to build
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -177,7 +177,7 @@ void check_operands(const at::Tensor& x, const at::Tensor& w) {
 
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
   check_operands(x, w);
-  auto y = at::empty({x.size(0), w.size(0) * 16}, x.options());
+  at::Tensor y = at::detail::empty_cpu({x.size(0), w.size(0) * 16}, x.options());
   gemm(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint32_t*>(w.data_ptr()), w.size(0), false,
        y.data_ptr<float>());
   return y;
@@ -186,7 +186,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& w) {
 at::Tensor bf16_gemm_silu_mul(const at::Tensor& x, const at::Tensor& w) {
   check_operands(x, w);
   TORCH_CHECK(w.size(0) % 2 == 0, "w: a stacked [fc; gate] weight of whole tiles each");
-  auto y = at::empty({x.size(0), w.size(0) * 8}, x.options());
+  at::Tensor y = at::detail::empty_cpu({x.size(0), w.size(0) * 8}, x.options());
   gemm(x.data_ptr<float>(), x.size(0), x.size(1), reinterpret_cast<const uint32_t*>(w.data_ptr()), w.size(0), true,
        y.data_ptr<float>());
   return y;

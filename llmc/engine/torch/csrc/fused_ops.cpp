@@ -9,8 +9,7 @@
 //   argmax_rows(x [R, V])                     -> int64 [R]: each row's first index of its maximum, as torch.argmax
 //                                                 (NaN never wins: the sampler maps NaN to -inf first)
 #include <ATen/core/Tensor.h>  // not ATen/ATen.h (every op declared): half the build time
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/EmptyTensor.h>  // at::detail::empty_cpu: ATen/ops/empty.h (the dispatched op) costs 1.5 s more to build
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -64,7 +63,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& w) {
 }
 
 at::Tensor norm_rows(const at::Tensor& h, const float* d, const at::Tensor& w, double eps) {
-  auto out = at::empty_like(h);
+  at::Tensor out = at::detail::empty_cpu(h.sizes(), h.options());
   const int64_t n = h.size(1);
   float* hp = h.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -94,7 +93,7 @@ at::Tensor silu_mul(const at::Tensor& a) {
   TORCH_CHECK(a.dim() == 2 && a.scalar_type() == at::kFloat && a.is_contiguous() && a.size(1) % 2 == 0,
               "a: contiguous float32 [T, 2I]");
   const int64_t rows = a.size(0), n = a.size(1) / 2;
-  auto out = at::empty({rows, n}, a.options());
+  at::Tensor out = at::detail::empty_cpu({rows, n}, a.options());
   const float* ap = a.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / n), [&](int64_t begin, int64_t end) {
@@ -120,7 +119,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   for (const auto* table : {&cos, &sin})
     TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->numel() == t * hd,
                 "cos/sin: contiguous float32 [T, 1, hd]");
-  auto out = at::empty({t, heads, hd}, x.options());
+  at::Tensor out = at::detail::empty_cpu({t, heads, hd}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -149,7 +148,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) >= 1,
               "x: contiguous float32 [R, V] with V >= 1");
   const int64_t rows = x.size(0), v = x.size(1);
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor out = at::detail::empty_cpu({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements * 4 / v), [&](int64_t begin, int64_t end) {
