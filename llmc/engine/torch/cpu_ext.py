@@ -128,6 +128,10 @@ def load_in_background() -> None:
         if _loaded or _background is not None:
             return
         _background = threading.Thread(target=load, name="llmc-cpu-kernels")
+    # torch's cpp_extension imports setuptools, whose distutils shim inserts a finder at sys.meta_path[0] and removes
+    # it again: done in the thread, that removal can make an import running meanwhile in this thread skip the path
+    # finder ("No module named 'transformers'", seen in CI). So the import happens here, before the thread starts.
+    import torch.utils.cpp_extension  # noqa: F401
     _background.start()
 
 

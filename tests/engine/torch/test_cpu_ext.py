@@ -5,6 +5,8 @@ test_cpu_kernels.py)."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 
@@ -107,3 +109,25 @@ def test_nothing_is_built_where_the_kernels_cannot_run(stub_build, monkeypatch):
     cpu_ext.load_in_background()
     assert cpu_ext.load() is None and build.calls == 0
     assert cpu_ext.status() == f"PyTorch's ops ({cpu_ext.ENV}=torch)"
+
+
+def test_the_background_build_imports_setuptools_in_the_calling_thread():
+    """Importing setuptools mutates sys.meta_path (its distutils shim); from the build thread that races with imports
+    in the main thread, so it must already be imported when the thread starts."""
+    code = """
+import sys, threading
+from llmc.engine.torch import cpu_ext
+assert "setuptools" not in sys.modules and "torch.utils.cpp_extension" not in sys.modules
+release = threading.Event()
+seen = {}
+def build():
+    seen["setuptools"] = "setuptools" in sys.modules  # at the thread's start, before anything it imports
+    release.wait(timeout=10)  # a failed assertion below must not leave the process waiting on this thread
+cpu_ext._build = build
+cpu_ext.load_in_background()
+assert "setuptools" in sys.modules and "torch.utils.cpp_extension" in sys.modules
+release.set()
+assert cpu_ext.load() is None and seen == {"setuptools": True}
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
