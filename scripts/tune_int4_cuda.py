@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
-from llmc.engine.torch.int4_configs import TABLE_VERSION, KernelConfig, mma_configs, shape_key  # noqa: E402
+from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, mma_configs, shape_key,  # noqa: E402
+                                            upgrade_table)
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
 
@@ -322,11 +323,7 @@ def main() -> None:
                                                                                 "devices": {}}
     tuned = table["devices"].setdefault(device_name, {})
     if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
-        if table.get("version", 1) < TABLE_VERSION:  # an older kernel's configs: none of them exists any more
-            for device_shapes in table["devices"].values():
-                for entry in device_shapes.values():
-                    entry.pop("mma", None)
-            table["version"] = TABLE_VERSION
+        upgrade_table(table)  # an older kernel's mma configs: none of them exists any more
         family, title = MMA, "decode-step linears (mma), 32 layers"
         for spec in shapes:
             tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_family(

@@ -68,10 +68,17 @@ def _tuned_table() -> dict:
     except (OSError, ValueError) as exc:
         logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
         return {}
-    if table.get("version", 1) < TABLE_VERSION:  # mma entries of an older kernel: their configs no longer exist
+    return upgrade_table(table)
+
+
+def upgrade_table(table: dict) -> dict:
+    """``table`` in the current format: an older table's mma entries are dropped (their configs belong to a kernel
+    that no longer exists; the heuristics, or a new tuning, take over), the Triton entries stay."""
+    if table.get("version", 1) < TABLE_VERSION:
         for shapes in table.get("devices", {}).values():
             for entry in shapes.values():
                 entry.pop("mma", None)
+        table["version"] = TABLE_VERSION
     return table
 
 
