@@ -1,11 +1,14 @@
 """Time the torch engine's decode steps, CUDA graphs on vs off, at several batch sizes (one process, same build).
 
     python scripts/decode_steps.py BUILD_DIR --batch 1,8,64 --context 2048 [--device cuda] [--steps 30] [--profile]
+    python scripts/decode_steps.py BUILD_DIR --batch '' --prefill 1x2048,4x2048 --profile   # prefill steps only
 
 Each step decodes one token for every sequence of the batch at ``--context`` cached tokens (cache contents do
 not change the speed). Reports the median step time of each mode and their ratio; JSON on stdout. ``--profile``
 adds where a graph-replayed step's GPU time goes: kernel time per kind (torch.profiler, CUDA activity), and the
 step's wall time not covered by kernels (host work, launch gaps, the sync that brings the tokens back).
+``--prefill NxL,...`` times prefill steps too: N fresh prompts of L tokens in one step (each samples its first
+token), with the model FLOPs of the step and the rate they ran at (the same kernel breakdown with ``--profile``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,32 @@ def decode_step(batch: int, context: int, block_size: int) -> SchedulerOutput:
     return SchedulerOutput(step=0, sequences=seqs)
 
 
+def prefill_step(prompts: int, length: int, block_size: int, vocab_size: int) -> SchedulerOutput:
+    """One step that computes ``prompts`` whole, distinct prompts of ``length`` tokens from an empty cache."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2**20, ignore_eos=True)
+    per_seq = -(-length // block_size)
+    seqs = []
+    for i in range(prompts):
+        ids = tuple((7919 * (i * length + j) + 10) % vocab_size for j in range(length))
+        seqs.append(ScheduledSequence(f"p{i}", ids, 0, tuple(range(i * per_seq, (i + 1) * per_seq)), True, greedy,
+                                      prompt_token_ids=ids))
+    return SchedulerOutput(step=0, sequences=tuple(seqs))
+
+
+def prefill_flops(config: dict, prompts: int, length: int) -> float:
+    """Model FLOPs of a prefill step (``config``: the IR's config.json): 2 x tokens x linear weights (lm_head only
+    at the sampled rows) plus causal attention (QK^T and PV over the lower triangle)."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head = config.get("head_size") or h // heads
+    inter, vocab = config["intermediate_size"], config["vocab_size"]
+    per_layer = h * head * (heads + 2 * kv_heads) + heads * head * h + 3 * h * inter
+    tokens = prompts * length
+    linear = 2.0 * tokens * per_layer * layers + 2.0 * prompts * h * vocab
+    attention = 2.0 * 2.0 * heads * head * prompts * length * (length + 1) / 2 * layers
+    return linear + attention
+
+
 def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> float:
     for _ in range(3):
         runner.execute(step)
@@ -51,6 +80,7 @@ KINDS = (  # (kind, substrings of kernel names), first match wins
     ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_pipe_kernel")),
     ("int4 dequantize (llmc)", ("w4a16_dequant", "w4a16_mma_dequant")),
     ("attention (llmc paged decode)", ("paged_decode",)),
+    ("attention (prefill: SDPA / flash)", ("flash", "fmha", "attention", "efficient_attention")),
     ("add + RMSNorm (llmc)", ("add_rms_norm",)),
     ("RoPE + KV write (llmc)", ("rope_kv",)),
     ("SiLU x gate (llmc)", ("silu_mul",)),
@@ -75,16 +105,19 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
             runner.execute(step)
     per_kind: dict[str, float] = {}
     top: dict[str, float] = {}
+    from torch.autograd import DeviceType
+
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
-        if us <= 0 or evt.key.startswith("ProfilerStep"):
+        # Kernels only: an operator's event (aten::mm) carries its kernels' time too (counted once, as kernels).
+        if us <= 0 or evt.device_type != DeviceType.CUDA or evt.key.startswith("ProfilerStep"):
             continue
         per_kind[kind_of(evt.key)] = per_kind.get(kind_of(evt.key), 0.0) + us / steps / 1e3
         top[evt.key[:90]] = us / steps / 1e3
     kernels_ms = sum(per_kind.values())
     return {"kernel_ms_by_kind": {k: round(v, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
             "kernel_ms_total": round(kernels_ms, 4),
-            "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]}}
+            "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
 
 
 def main() -> None:
@@ -96,12 +129,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="kernel time by kind for the graph-replayed steps")
     ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma-separated)")
+    ap.add_argument("--prefill", default="", help="prefill steps to time, e.g. 1x2048,4x2048 (prompts x tokens)")
     args = ap.parse_args()
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = [int(b) for b in args.batch.split(",") if b]
+    prefills = [tuple(int(v) for v in item.lower().split("x")) for item in args.prefill.split(",") if item]
     from llmc.manifest import read_manifest
 
     block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
-    blocks_needed = max(batches) * -(-(args.context + 1) // block_size) + 8
+    blocks_needed = max([b * -(-(args.context + 1) // block_size) for b in batches]
+                        + [n * -(-length // block_size) for n, length in prefills]) + 8
     result = {"context": args.context, "device": args.device, "steps": args.steps, "batches": {}}
     runners = {}
     modes = [m for m in ("graphs", "eager") if m in args.modes.split(",")]
@@ -124,6 +160,20 @@ def main() -> None:
         result["batches"][batch] = row
         print(json.dumps({batch: row}), file=sys.stderr, flush=True)
     first = next(iter(runners.values()))
+    if prefills:
+        config = json.loads((Path(args.build) / "checkpoint" / "config.json").read_text())  # the IR's config
+        result["prefill"] = {}
+        for prompts, length in prefills:
+            step = prefill_step(prompts, length, first.block_size, first.vocab_size)
+            row = {"tokens": prompts * length, "ms": round(time_steps(first, step, max(3, args.steps // 3)) * 1e3, 3)}
+            flops = prefill_flops(config, prompts, length)
+            row["tflop"] = float(f"{flops / 1e12:.4g}")
+            row["tflop_per_s"] = round(flops / (row["ms"] / 1e3) / 1e12, 1)
+            if args.profile:
+                row["profile"] = profile_steps(first, step, steps=3)
+                row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
+            result["prefill"][f"{prompts}x{length}"] = row
+            print(json.dumps({f"prefill {prompts}x{length}": row}), file=sys.stderr, flush=True)
     result["graphs_used"] = "graphs" in runners and runners["graphs"].graphs is not None
     result["weight_bytes_on_device"] = first.weight_bytes
     if torch.cuda.is_available():

@@ -47,6 +47,8 @@ def run_level(engine: Any, prompts: Sequence[BenchPrompt], concurrency: int, par
         records, wall = closed_loop(list(prompts), concurrency,
                                     lambda p: run_request(engine, p, per_prompt[p.max_new_tokens]), engine.clock)
     t1 = engine.clock()
+    if step_log is not None:
+        engine.flush_metrics()  # the last step's record is written after its requests' final events
     after = engine.stats()
     steps = summarize_steps(read_metrics_log(step_log), t0, t1) if step_log is not None and step_log.exists() else {}
     memory = _memory(engine, monitor.peaks, cuda, steps)

@@ -46,6 +46,26 @@ def _special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
 
 
+def backend_decoder(tokenizer: Any) -> Any:
+    """``decode(ids, skip_special_tokens)`` of the ``tokenizers`` library behind a Hugging Face fast tokenizer
+    whose own ``decode`` adds nothing to it with ``clean_up_tokenization_spaces=False`` (transformers' ``decode``
+    then converts its input and calls exactly this), else None. Skipping transformers' wrapper makes a
+    detokenizer step ~3x cheaper: at concurrency 64 the engine decodes 128 windows per step."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decode = getattr(backend, "decode", None)
+    if decode is None:
+        return None
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its decode
+        return None
+    cls = type(tokenizer)
+    if cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode:
+        return None  # a model-specific tokenizer that changes decoding
+    return decode
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time (see the module docstring).
 
@@ -62,6 +82,7 @@ class IncrementalDetokenizer:
         byte_token_ids: frozenset[int] | None = None,
     ):
         self._tokenizer = tokenizer
+        self._backend_decode = backend_decoder(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         byte_ids = byte_fallback_token_ids(tokenizer) if byte_token_ids is None else byte_token_ids
         # tokens after which the window is not decoded yet: their text may still change or be empty
@@ -122,6 +143,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(list(ids), skip_special_tokens=self._skip_special_tokens)
         return self._tokenizer.decode(
             list(ids), skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -72,7 +72,8 @@ class RequestMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record: the raw fields plus the derived latencies."""
-        d = asdict(self)
+        d = _shallow_dict(self)
+        d["token_times"] = list(self.token_times)
         d.update(queue_time=self.queue_time, ttft=self.ttft, itls=self.itls, e2e_latency=self.e2e_latency,
                  ttft_bucket=ttft_bucket(self.prompt_tokens))
         return d
@@ -96,20 +97,30 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record of every field."""
-        return asdict(self)
+        return _shallow_dict(self)
+
+
+def _shallow_dict(obj: Any) -> dict[str, Any]:
+    """The dataclass's fields as a dict (``asdict`` deep-copies every value: ~10x slower, once per step)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
 class MetricsLog:
     """Appends records as JSON lines (``{"type": "request" | "step", ...}``); safe to share between threads.
 
-    Usable as a context manager; every line is flushed as it is written so a crash loses nothing.
+    Usable as a context manager. Lines reach the file at least every ``flush_interval_s`` seconds, at
+    :meth:`flush` (the engine flushes whenever it goes idle) and at :meth:`close`, so a crash loses at most the
+    last interval's records; flushing every line cost ~0.2 ms per engine step (5 % of a 3.7 ms decode step).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, flush_interval_s: float = 0.5, clock: Any = time.monotonic):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.flush_interval_s = flush_interval_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._file = self.path.open("a", encoding="utf-8")
+        self._last_flush = clock()
 
     def log_request(self, metrics: RequestMetrics, request_id: str | None = None, **extra: Any) -> None:
         """Write one request record (``request_id`` and ``extra`` keys are added to it)."""
@@ -123,7 +134,17 @@ class MetricsLog:
         line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
         with self._lock:
             self._file.write(line)
-            self._file.flush()
+            now = self._clock()
+            if now - self._last_flush >= self.flush_interval_s:
+                self._file.flush()
+                self._last_flush = now
+
+    def flush(self) -> None:
+        """Write every record so far to the file."""
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                self._last_flush = self._clock()
 
     def close(self) -> None:
         """Close the file (idempotent)."""

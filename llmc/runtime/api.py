@@ -4,6 +4,13 @@ One engine step: ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler
 goes through its request's output pipeline (stop ids, incremental detokenization, stop strings, lengths)
 and becomes a :class:`StreamEvent` delivered to that request's sink.
 
+With a runner whose steps run asynchronously (CUDA: ``runner.async_steps``), a step's tokens are turned into
+events while the GPU computes the next step: ``update()`` applies them to the scheduler at once (the next step
+needs them), the requests they finish by a stop id or the length limit are processed before the next
+``schedule()`` (so they are not scheduled again), and the rest are processed right after the next step is
+launched. Host work per step (detokenizing, stop strings, waking the consumers) then overlaps the GPU instead of
+adding to it; a request ended by a stop string computes one extra row in the next step, which is discarded.
+
 Threading: request preparation (tokenization, chat templates, validation) runs in the caller's thread;
 scheduler state is guarded by one lock that is *not* held while the model runs, so callers can add and
 abort requests during a step. ``start()`` runs steps in a background thread for concurrent callers
@@ -90,6 +97,8 @@ class Engine:
         self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
         self._step_lock = threading.Lock()  # one step at a time
         self._metrics_log = MetricsLog(metrics_log) if metrics_log else None
+        self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
+        self._unprocessed: dict[str, int] = {}  # overlapped steps: tokens applied to the scheduler, no events yet
         self._loop = EngineLoop(self.step, self.scheduler.has_unfinished)
 
     @classmethod
@@ -179,21 +188,68 @@ class Engine:
         An exception in the step fails the requests it scheduled (an "error" event each, blocks freed);
         the other requests keep going."""
         with self._step_lock:
-            start = self.clock()
-            scheduled: SchedulerOutput | None = None
-            try:
-                with self._lock:
-                    scheduled = self.scheduler.schedule()
-                result = ModelRunnerOutput()
-                if scheduled.sequences:
-                    result = run_compute(self.runner.execute, scheduled)
-                with self._lock:
-                    events = self._process(self.scheduler.update(result))
-                    self._record_step(scheduled, start)
-            except Exception as exc:
-                log.exception("engine step failed")
-                events = self._fail(scheduled, exc)
+            if self._overlap:
+                events = self._step_overlapped()
+            else:
+                events = self._step_serial()
+            if self._metrics_log is not None and not self.scheduler.has_unfinished():
+                self._metrics_log.flush()  # idle now: the log is complete up to here
         return events
+
+    def _step_serial(self) -> list[StreamEvent]:
+        start = self.clock()
+        scheduled: SchedulerOutput | None = None
+        try:
+            with self._lock:
+                scheduled = self.scheduler.schedule()
+            result = ModelRunnerOutput()
+            if scheduled.sequences:
+                result = run_compute(self.runner.execute, scheduled)
+            with self._lock:
+                events = self._process(self.scheduler.update(result))
+                self._record_step(scheduled, start)
+        except Exception as exc:
+            log.exception("engine step failed")
+            events = self._fail(scheduled, exc)
+        return events
+
+    def _step_overlapped(self) -> list[StreamEvent]:
+        """Schedule and launch this step, turn the previous step's tokens into events while it runs, then wait
+        for it and apply its tokens to the scheduler (their events come with the next step)."""
+        start = self.clock()
+        scheduled: SchedulerOutput | None = None
+        events: list[StreamEvent] = []
+        rest: dict[str, int] = {}
+        try:
+            with self._lock:
+                unprocessed, self._unprocessed = self._unprocessed, {}
+                ending = {rid: t for rid, t in unprocessed.items()
+                          if rid in self._outputs and self._outputs[rid].ends_on(t)}
+                rest = {rid: t for rid, t in unprocessed.items() if rid not in ending}
+                events += self._process(ending)  # finished requests leave before they could be scheduled again
+                scheduled = self.scheduler.schedule()
+            pending = run_compute(self.runner.launch, scheduled) if scheduled.sequences else None
+            with self._lock:
+                todo, rest = rest, {}
+                events += self._process(todo)  # while the GPU runs this step
+            result = pending.result() if pending is not None else ModelRunnerOutput()
+            with self._lock:
+                self._unprocessed = self.scheduler.update(result)
+                self._record_step(scheduled, start)
+        except Exception as exc:
+            log.exception("engine step failed")
+            if rest:  # the launch failed: the previous step's tokens still reach their requests
+                with self._lock:
+                    events += self._process(rest)
+            events += self._fail(scheduled, exc)
+        return events
+
+    def flush_metrics(self) -> None:
+        """Wait for the step in progress, then write every metrics record so far to the metrics log's file
+        (readers of the log call this first: records are buffered between steps)."""
+        with self._step_lock:
+            if self._metrics_log is not None:
+                self._metrics_log.flush()
 
     def _process(self, new_tokens: dict[str, int]) -> list[StreamEvent]:
         """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed). Under the lock."""

@@ -203,3 +203,25 @@ def test_window_stays_small(smollm2_tokenizer):
 def test_byte_fallback_ids(sp_tokenizer, smollm2_tokenizer):
     assert len(byte_fallback_token_ids(sp_tokenizer)) == 256
     assert byte_fallback_token_ids(smollm2_tokenizer) == frozenset()
+
+
+def test_fast_tokenizers_decode_through_their_backend(smollm2_tokenizer, sp_tokenizer):
+    """A plain fast tokenizer's windows are decoded by the tokenizers library directly (transformers' decode adds
+    only input conversion there); a tokenizer class that changes decoding keeps its own decode."""
+    from llmc.request.detokenize import backend_decoder
+
+    for tokenizer in (smollm2_tokenizer, sp_tokenizer):
+        assert backend_decoder(tokenizer) is not None
+        ids = tokenizer.encode(CHINESE[:40] + EMOJI[:20], add_special_tokens=False)
+        assert backend_decoder(tokenizer)(ids, skip_special_tokens=True) == tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=smollm2_tokenizer.backend_tokenizer)
+    assert backend_decoder(shouting) is None
+    ids = smollm2_tokenizer.encode("hello world, again", add_special_tokens=False)
+    assert "".join(stream(shouting, ids)) == "HELLO WORLD, AGAIN"
+    assert backend_decoder(object()) is None  # not a Hugging Face tokenizer: no backend

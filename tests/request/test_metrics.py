@@ -93,3 +93,26 @@ def test_ttft_buckets():
     assert [ttft_bucket(n) for n in (0, 128, 129, 512, 513, 4096)] == [
         "<=128", "<=128", "129-512", "129-512", ">512", ">512"
     ]
+
+
+def test_metrics_log_buffers_lines_between_flushes(tmp_path):
+    """Lines reach the file once ``flush_interval_s`` passed since the last flush, at flush() and at close()."""
+    now = [0.0]
+    path = tmp_path / "metrics.jsonl"
+    step = StepMetrics(step=1, time=1.0, duration_s=0.02, running=1, waiting=0, scheduled_tokens=1,
+                       prefill_tokens=0, decode_tokens=1, kv_blocks_used=1, kv_blocks_free=9)
+    log = MetricsLog(path, flush_interval_s=0.5, clock=lambda: now[0])
+    log.log_step(step)
+    now[0] = 0.4
+    log.log_step(step)
+    assert path.read_text() == ""  # within the interval: buffered
+    now[0] = 0.6
+    log.log_step(step)
+    assert len(read_metrics_log(path)) == 3  # the interval passed: everything so far is written
+    log.log_step(step)
+    log.flush()
+    assert len(read_metrics_log(path)) == 4
+    log.log_request(make_request(), request_id="r")
+    log.close()
+    records = read_metrics_log(path)
+    assert len(records) == 5 and records[-1]["request_id"] == "r" and records[0] == {"type": "step", **step.to_dict()}

@@ -37,14 +37,48 @@ def _loaded(build_dir: Path) -> Engine:
     return Engine.from_dir(build_dir, device="cpu")
 
 
+class LazyStepRunner:
+    """The CPU runner presented as an asynchronous one (the CUDA runner's ``launch`` / ``result()`` split):
+    ``launch`` only records the step and ``result()`` computes it, so the engine's overlapped step path runs in
+    the CPU tests. ``log`` records ("launch", step), ("result", step) in call order; tests may append to it."""
+
+    async_steps = True
+
+    def __init__(self, runner, fail_on_launch: set[int] = frozenset()):
+        self._runner = runner
+        self.block_size, self.num_blocks, self.vocab_size = runner.block_size, runner.num_blocks, runner.vocab_size
+        self.fail_on_launch = set(fail_on_launch)
+        self.launches = 0
+        self.log: list[tuple[str, object]] = []
+
+    def execute(self, scheduled):
+        return self._runner.execute(scheduled)
+
+    def launch(self, scheduled):
+        self.launches += 1
+        if self.launches in self.fail_on_launch:
+            raise RuntimeError("simulated device failure")
+        self.log.append(("launch", scheduled.step))
+        runner, log = self._runner, self.log
+
+        class Pending:
+            def result(self):
+                log.append(("result", scheduled.step))
+                return runner.execute(scheduled)
+
+        return Pending()
+
+
 def make_engine(build_dir: Path, num_blocks: int | None = None, max_wait_s: float | None = None,
-                **serving_overrides) -> Engine:
-    """A fresh Engine (own scheduler and block manager) over the build's runner, loaded once per session."""
+                overlap: bool = False, **serving_overrides) -> Engine:
+    """A fresh Engine (own scheduler and block manager) over the build's runner, loaded once per session;
+    ``overlap``: through :class:`LazyStepRunner` (the engine's overlapped path, as on CUDA)."""
     base = _loaded(Path(build_dir))
     recipe = base.recipe
     if serving_overrides:
         recipe = dataclasses.replace(recipe, serving=dataclasses.replace(recipe.serving, **serving_overrides))
-    return Engine(base.runner, base.tokenizer, recipe, base.eos_token_ids, num_blocks=num_blocks,
+    runner = LazyStepRunner(base.runner) if overlap else base.runner
+    return Engine(runner, base.tokenizer, recipe, base.eos_token_ids, num_blocks=num_blocks,
                   max_wait_s=max_wait_s)
 
 

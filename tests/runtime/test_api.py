@@ -36,8 +36,9 @@ def run_staggered(engine, prompts, params, arrive_every: int = 2) -> dict[int, l
 
 
 # ------------------------------------------------------------------------------------ greedy equivalence
-def test_staggered_mixed_batch_equals_single_request_transformers_greedy(tiny_build_dir, tiny_hf_dir):
-    engine = make_engine(tiny_build_dir)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staggered_mixed_batch_equals_single_request_transformers_greedy(tiny_build_dir, tiny_hf_dir, overlap):
+    engine = make_engine(tiny_build_dir, overlap=overlap)
     prompts = random_prompts(0, [5, 70, 1, 33, 100, 17])  # 70 and 100 are prefilled in chunks of <= 32
     got = run_staggered(engine, prompts, GREEDY)
     for i, prompt in enumerate(prompts):
@@ -45,8 +46,9 @@ def test_staggered_mixed_batch_equals_single_request_transformers_greedy(tiny_bu
     assert_all_blocks_free(engine)
 
 
-def test_tiny_cache_forces_preemption_and_outputs_stay_exact(tiny_build_dir, tiny_hf_dir):
-    engine = make_engine(tiny_build_dir, num_blocks=12)  # 96 slots for 4 requests of ~50 tokens
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_cache_forces_preemption_and_outputs_stay_exact(tiny_build_dir, tiny_hf_dir, overlap):
+    engine = make_engine(tiny_build_dir, num_blocks=12, overlap=overlap)  # 96 slots for 4 requests of ~50 tokens
     prompts = random_prompts(1, [30, 38, 25, 40])
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     got = run_staggered(engine, prompts, params, arrive_every=1)
@@ -100,8 +102,9 @@ def test_stream_deltas_concatenate_to_generate_text_and_decode(tiny_build_dir):
     assert text == engine.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def test_abort_mid_stream_frees_blocks(tiny_build_dir):
-    engine = make_engine(tiny_build_dir)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_mid_stream_frees_blocks(tiny_build_dir, overlap):
+    engine = make_engine(tiny_build_dir, overlap=overlap)
     params = SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True)
     rid = engine.add_request("Tell me a long story", params)
     other = engine.add_request("Another request", params)
@@ -199,18 +202,53 @@ class FailingRunner:
         return self._runner.execute(scheduled)
 
 
-def test_step_failure_fails_affected_requests_frees_blocks_and_keeps_serving(tiny_build_dir):
+def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir):
+    """With an asynchronous runner a step's tokens become events after the next step was launched (their host
+    work overlaps the GPU), except a request's last token: that one is processed before the next schedule, so a
+    finished request is never scheduled again. Outputs equal the serial engine's, stop strings included."""
+    serial, engine = make_engine(tiny_build_dir), make_engine(tiny_build_dir, overlap=True)
+    runner = engine.runner
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    engine.add_request("Once upon a time", params, request_id="r", sink=lambda e: runner.log.append(("event", e)))
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    launches = [step for kind, step in runner.log if kind == "launch"]
+    events = [(i, item) for i, (kind, item) in enumerate(runner.log) if kind == "event"]
+    assert len(events) == 5 and events[-1][1].finished and len(launches) == 5  # no step after the last token
+    for k, (position, event) in enumerate(events[:-1]):
+        # token k was sampled by step launches[k]; its event follows the launch of the next step
+        assert runner.log.index(("launch", launches[k + 1])) < position, k
+    last_launch = runner.log.index(("launch", launches[-1]))
+    assert events[-1][0] > last_launch and ("launch", launches[-1] + 1) not in runner.log
+    assert_all_blocks_free(engine)
+    # Same completions as the serial engine, also when a stop string (known only from the text) ends them.
+    stops = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, stop=[" Hmm", " upl", "SESE"])
+    for p in (params, stops, SamplingParams(max_new_tokens=16, temperature=0.8, seed=3)):
+        prompts = ["Once upon a time", "The capital of", "1, 2, 3,"]  # the tiny model's greedy texts hit the stops
+        got, want = engine.generate(prompts, p), serial.generate(prompts, p)
+        assert [(c.text, c.token_ids, c.finish_reason) for c in got] == \
+            [(c.text, c.token_ids, c.finish_reason) for c in want]
+        if p is stops:
+            assert [c.finish_reason for c in got] == ["stop"] * 3
+        assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_failure_fails_affected_requests_frees_blocks_and_keeps_serving(tiny_build_dir, overlap):
+    """The third runner call raises: ``execute`` of the serial engine, ``launch`` of the overlapped one."""
     from llmc.runtime.api import Engine
+    from tests.runtime.engine_helpers import LazyStepRunner
 
     base = make_engine(tiny_build_dir)
-    engine = Engine(FailingRunner(base.runner, {3}), base.tokenizer, base.recipe, base.eos_token_ids)
+    runner = LazyStepRunner(base.runner, fail_on_launch={3}) if overlap else FailingRunner(base.runner, {3})
+    engine = Engine(runner, base.tokenizer, base.recipe, base.eos_token_ids)
     engine.start()
     try:
         with pytest.raises(EngineError, match="simulated device failure"):
             list(engine.stream("this one fails", GREEDY))
         assert_all_blocks_free(engine)
         (ok,) = engine.generate(["this one works"], GREEDY)
-        assert ok.finish_reason == "length"
+        assert ok.finish_reason == "length" and len(ok.token_ids) == GREEDY.max_new_tokens
     finally:
         engine.shutdown()
 
@@ -223,6 +261,8 @@ def test_request_and_step_metrics(tiny_build_dir, tmp_path):
     log = tmp_path / "metrics.jsonl"
     engine = Engine(base.runner, base.tokenizer, base.recipe, base.eos_token_ids, metrics_log=log)
     (completion,) = engine.generate(["metrics please"], GREEDY)
+    # Records are buffered between steps; an engine that goes idle has flushed them (read before shutdown).
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
     engine.shutdown()
     m = completion.metrics
     assert m.prompt_tokens == len(engine.tokenizer("metrics please")["input_ids"])
@@ -230,7 +270,6 @@ def test_request_and_step_metrics(tiny_build_dir, tmp_path):
     assert m.ttft is not None and m.ttft > 0 and m.queue_time >= 0
     assert len(m.itls) == m.generated_tokens - 1 and all(g >= 0 for g in m.itls)
     assert m.e2e_latency >= m.ttft
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [r for r in lines if r["type"] == "step"]
     assert len(steps) >= GREEDY.max_new_tokens
     assert sum(r["decode_tokens"] for r in steps) == GREEDY.max_new_tokens - 1

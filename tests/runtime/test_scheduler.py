@@ -305,3 +305,13 @@ def test_abort_while_a_step_runs_is_ignored_by_update():
 def test_bookkeeping_is_device_free():
     code = "import sys, llmc.runtime.kv_cache, llmc.runtime.scheduler; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_token_slice_equals_slicing_the_whole_sequence():
+    """Scheduled tokens come from ``Request.token_slice`` (no prompt + outputs concatenation per step)."""
+    request = Request("r", tuple(range(100, 107)), SamplingParams(max_new_tokens=8))
+    request.output_token_ids.extend([7, 8, 9])
+    whole = request.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 2):
+            assert request.token_slice(start, end) == whole[start:end], (start, end)

@@ -170,14 +170,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     bf16_prefill: bool = False,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
 
-    ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first. Returns ``[T, nh, hd]``.
+    ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first (``kv_written``: the
+    caller's fused RoPE kernel wrote them already). Returns ``[T, nh, hd]``.
     ``bf16_prefill`` (CPU, a model whose prefill GEMMs run in bfloat16): prefill chunks attend in bfloat16 products
     with float32 sums too, through llmc's kernel where it runs (:func:`cpu_ext.prefill_attention_available`).
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if meta.all_decode:  # pure decode step: no packing to undo
         return decode_attention(q, k_cache, v_cache, meta, scale)
     if bf16_prefill and cpu_ext.prefill_attention_available(q, k_cache):
@@ -250,6 +253,12 @@ def _prefill_attention(
     k_t, v_t = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [nkv, ctx, hd]
     # Inputs are 4-D ([1, heads, len, hd]) throughout: 3-D inputs make PyTorch's CPU SDPA fall back to its
     # unfused math path (measured 1.5-2.5x slower for a 128-token prompt).
+    if q.is_cuda and num_computed == 0 and ctx == n:
+        # A whole fresh prompt on CUDA: causal attention with the kv heads shared by their query groups in the
+        # kernel (no repeated k/v): 0.096 vs 0.189 ms per 2,048-token layer of the 8B shape on an H200 (cuDNN's
+        # flash kernel either way; equal outputs).
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_t[None], v_t[None], is_causal=True,
+                                              scale=scale, enable_gqa=True)[0].transpose(0, 1)
     if (num_computed == 0 and ctx == n) or q.is_cuda:
         # A whole fresh prompt (plain causal attention), or on CUDA any chunk: no mask tensor.
         return chunk_attention_lower_right(q, k_t, v_t, scale)

@@ -42,11 +42,12 @@ def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, st
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                    stride_qkv, stride_cs, stride_q, stride_slot, NH, NKV,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr):
-    """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot),
-    copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened blocks)."""
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr,
+                    stride_qkv, stride_cs, stride_q, stride_slot, stride_k_out, NH, NKV,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_K_OUT: tl.constexpr):
+    """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot,
+    and to ``k_out`` when given), copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened
+    blocks)."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HD)
     rot = (d + HD // 2) % HD  # NeoX halves: x_rot = cat(x2, x1); the table's sin has its first half negated
@@ -70,6 +71,8 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     k = (x * cos + xr * sin).to(qkv_ptr.dtype.element_ty)
     cache = slot * NKV * HD + g * HD + d[None, :]
     tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    if HAS_K_OUT:
+        tl.store(k_out_ptr + t * stride_k_out + g * HD + d[None, :], k, mask=ok)
     v = tl.load(k_row + NKV * HD + g * HD + d[None, :], mask=ok, other=0.0)
     tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
@@ -97,17 +100,19 @@ def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: fl
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_size: int) -> torch.Tensor:
+                  head_size: int, return_k: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RoPE + KV-cache write of one step: ``qkv [T, (nh + 2 nkv) hd]``, tables ``cos, sin [T, 1, hd]`` (from
     :func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``.
-    Returns the rotated queries ``[T, nh, hd]``."""
+    Returns the rotated queries ``[T, nh, hd]``; with ``return_k`` also the rotated keys ``[T, nkv, hd]`` in the
+    activations' dtype (what a fresh prompt's attention reads, instead of gathering them back from the cache)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, head_size, dtype=qkv.dtype, device=qkv.device) if return_k else q
     if t:
         assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
         cos2, sin2 = cos.reshape(t, head_size), sin.reshape(t, head_size)
-        _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, qkv.stride(0), cos2.stride(0),
-                              q.stride(0), slot_mapping.stride(0), num_heads, num_kv_heads, HD=head_size,
+        _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k, qkv.stride(0), cos2.stride(0),
+                              q.stride(0), slot_mapping.stride(0), k.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
-                              num_warps=4)
-    return q
+                              HAS_K_OUT=return_k, num_warps=4)
+    return (q, k) if return_k else q

@@ -2,7 +2,9 @@
 
 One ``execute`` call runs one engine step: build the packed paged-attention metadata, run the forward pass
 under ``torch.inference_mode``, compute logits only for the sequences that sample this step, sample on the
-device and bring the sampled ids to the host with a single ``.tolist()``.
+device and bring the sampled ids to the host with a single ``.tolist()``. On CUDA the step can also be split:
+``launch`` queues the step's GPU work and the copy of its sampled ids to pinned host memory and returns at once;
+``PendingStep.result()`` waits for them (the engine processes the previous step's tokens in between).
 """
 
 from __future__ import annotations
@@ -89,34 +91,42 @@ class TorchModelRunner:
                                        scratch_block=self.num_blocks, device=self.device)
             self.graphs.capture()
 
+    @property
+    def async_steps(self) -> bool:
+        """True when :meth:`launch` returns before the step's GPU work is done (CUDA)."""
+        return self.device.type == "cuda"
+
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the sampled token of every sequence with ``sample=True``.
 
         Raises EngineError when a sequence references a block outside ``0 .. num_blocks - 1``.
         """
+        return self.launch(scheduled).result()
+
+    def launch(self, scheduled: SchedulerOutput) -> PendingStep:
+        """Queue one step (see :meth:`execute`); on CUDA the sampled ids travel to pinned host memory behind the
+        step's kernels and :meth:`PendingStep.result` waits for them, so the caller's host work overlaps the GPU.
+        Call ``result()`` before launching the next step."""
         seqs = scheduled.sequences
         if not seqs:
-            return ModelRunnerOutput()
+            return PendingStep(())
         self._check_blocks(seqs)
         if self.graphs is not None and self.graphs.can_run(seqs):
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs)
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
                 token_ids = greedy if self.sampler.plain_greedy(seqs) else self.sampler(logits, list(seqs))
-            return ModelRunnerOutput(
-                sampled_token_ids={s.request_id: t for s, t in zip(seqs, token_ids.tolist(), strict=True)})
+            return PendingStep(seqs, token_ids)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
-        sampled = [s for s in seqs if s.sample]
+        sampled = tuple(s for s in seqs if s.sample)
         with torch.inference_mode():
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             if not sampled:
-                return ModelRunnerOutput()
+                return PendingStep(())
             logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
-            token_ids = self.sampler(logits, sampled)  # [S] on device
-        return ModelRunnerOutput(
-            sampled_token_ids={s.request_id: t for s, t in zip(sampled, token_ids.tolist(), strict=True)}
-        )
+            token_ids = self.sampler(logits, list(sampled))  # [S] on device
+        return PendingStep(sampled, token_ids)
 
     def warmup(self, prompt_len: int = 8) -> None:
         """One tiny prefill + decode (greedy) so the first real request does not pay the first-call costs.
@@ -142,3 +152,25 @@ class TorchModelRunner:
                     f"request {s.request_id} references blocks {min(s.block_ids)}..{max(s.block_ids)} but the "
                     f"KV cache has {self.num_blocks} blocks. Fix: size the block manager with runner.num_blocks"
                 )
+
+
+class PendingStep:
+    """A launched step's sampled ids: on CUDA an asynchronous copy to pinned host memory and its event."""
+
+    def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None):
+        self._ids = tuple(s.request_id for s in seqs)
+        self._event: torch.cuda.Event | None = None
+        self._host = token_ids
+        if token_ids is not None and token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step; the sampled token of every sequence that samples."""
+        if self._host is None:
+            return ModelRunnerOutput()
+        if self._event is not None:
+            self._event.synchronize()  # releases the GIL while the GPU finishes
+        return ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, self._host.tolist(), strict=True)))

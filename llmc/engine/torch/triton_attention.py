@@ -9,7 +9,9 @@ a decode step reads each cached K/V row once and has fixed-shape inputs (``block
 
 Work split (flash-decoding): one program per (sequence, kv head, split); a split takes a contiguous share of
 the sequence's blocks and keeps an online softmax for the ``group`` query heads of its kv head (padded to 16
-rows for ``tl.dot``). Partial results (running max, sum and weighted values) are merged by a few torch ops.
+rows for ``tl.dot``). Partial results (running max, sum and weighted values) are merged by a second, small
+kernel (one program per (sequence, head); as nine torch ops per layer the merge took ~0.5 ms of a 3.3 ms
+batch-1 decode step of the 8B model on an H200: 288 launches of a few microseconds).
 More splits keep the GPU busy when there are few sequences (at batch 1 an 8-kv-head model has 8 programs
 without splitting).
 
@@ -93,6 +95,47 @@ def _kernel():
     return paged_decode
 
 
+@functools.cache
+def _combine_kernel():
+    triton, tl = triton_support.modules()
+
+    @triton.jit
+    def paged_decode_combine(acc_ptr, ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+                             HEAD: tl.constexpr, SPLITS_P: tl.constexpr):
+        """One program per (sequence, head): out = sum_s acc_s w_s / sum_s l_s w_s, w_s = exp(m_s - max m)."""
+        seq, head = tl.program_id(0), tl.program_id(1)
+        row0 = (seq * tl.num_programs(1) + head) * num_splits
+        s, d = tl.arange(0, SPLITS_P), tl.arange(0, HEAD)
+        ok = s < num_splits
+        m = tl.load(ml_ptr + (row0 + s) * 2, mask=ok, other=float("-inf"))
+        l_sum = tl.load(ml_ptr + (row0 + s) * 2 + 1, mask=ok, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))  # empty splits (m = -inf) weigh 0; a context has >= 1 token
+        acc = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD + d[None, :], mask=ok[:, None], other=0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+    return paged_decode_combine
+
+
+def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Merge the per-split partials ``acc [D, nh, S, hd]``, ``ml [D, nh, S, 2]`` (running max, running sum) of
+    :func:`paged_decode_attention` into ``[D, nh, hd]`` in ``dtype`` (one Triton launch)."""
+    d, nh, splits, head = acc.shape
+    out = torch.empty(d, nh, head, dtype=dtype, device=acc.device)
+    if d:
+        _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
+                                   SPLITS_P=max(2, _next_pow2(splits)))
+    return out
+
+
+def combine_splits_reference(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`combine_splits` as torch ops (the tests' reference)."""
+    m, s = ml.unbind(-1)  # [D, nh, S] each; empty splits have m = -inf and s = 0
+    weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # [D, nh, S]
+    out = (acc * weight[..., None]).sum(dim=2) / (s * weight).sum(dim=-1)[..., None]
+    return out.to(dtype)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: int | None = None,
@@ -116,10 +159,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
     )
-    m, s = ml.unbind(-1)  # [D, nh, S] each; empty splits have m = -inf and s = 0
-    weight = torch.exp(m - m.amax(dim=-1, keepdim=True))  # [D, nh, S]
-    out = (acc * weight[..., None]).sum(dim=2) / (s * weight).sum(dim=-1)[..., None]
-    return out.to(q.dtype)
+    return combine_splits(acc, ml, q.dtype)
 
 
 def _next_pow2(n: int) -> int:

@@ -143,14 +143,16 @@ class Scheduler:
         prefills = [r for r in order if not is_decode(r.num_remaining)]
         if decodes and self.max_mixed_tokens:
             budget = min(budget, max(self.max_mixed_tokens, len(decodes)))
+        planned_ids: set[int] = set()  # id() of the planned requests (preemption never picks them)
         for request in decodes + prefills:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(request.num_remaining, budget)
-            if self._reserve(request, n, {id(p[0]) for p in planned}, preempted):
+            if self._reserve(request, n, planned_ids, preempted):
                 planned.append((request, n, request.num_computed + n == request.num_tokens))
+                planned_ids.add(id(request))
                 budget -= n
         if not preempted:
             budget = self._admit(budget, planned)
@@ -215,7 +217,7 @@ class Scheduler:
         start = request.num_computed
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + n],
+            token_ids=request.token_slice(start, start + n),
             num_computed=start,
             block_ids=self.block_manager.block_table(request.request_id),
             sample=sample,

@@ -51,6 +51,16 @@ class Request:
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """``all_token_ids[start:end]`` without building the whole sequence (a decode step takes one token of a
+        2,048-token prompt + outputs; the concatenation cost ~8 us per request per step)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return tuple(self.output_token_ids[start - p : end - p])
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[: end - p])
+
     @property
     def rank(self) -> tuple[int, int]:
         """Sort key of importance: smaller is served first and preempted last."""

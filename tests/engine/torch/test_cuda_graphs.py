@@ -43,6 +43,30 @@ def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
     assert num_splits(64, 8, 72) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_split_merge_kernel_matches_the_torch_merge(dtype, splits):
+    """The Triton merge of the decode kernel's split partials (run by Triton's interpreter here; on CUDA by the
+    gpu test above through paged_decode_attention) equals the torch ops it replaced, empty splits included."""
+    from llmc.engine.torch import triton_support
+    from llmc.engine.torch.triton_attention import combine_splits, combine_splits_reference
+
+    if triton_support.modules() is None or not triton_support.interpreting():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1, set by the test suite's conftest)")
+    gen = torch.Generator().manual_seed(splits)
+    d, nh, hd = 3, 4, 16
+    acc = torch.randn(d, nh, splits, hd, generator=gen) * 5
+    m = torch.randn(d, nh, splits, generator=gen) * 3
+    l_sum = torch.rand(d, nh, splits, generator=gen) * 10 + 0.5
+    if splits > 1:  # the last split of sequence 0 and head 1 saw no tokens
+        m[0, 1, -1], l_sum[0, 1, -1], acc[0, 1, -1] = float("-inf"), 0.0, 0.0
+    ml = torch.stack([m, l_sum], dim=-1)
+    got, ref = combine_splits(acc, ml, dtype), combine_splits_reference(acc, ml, dtype)
+    assert got.dtype == dtype and got.shape == (d, nh, hd) and torch.isfinite(got).all()
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # float32 sums in another order; one bf16 rounding
+    assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
+
+
 def test_cpu_never_uses_the_kernel_or_graphs(tiny_hf_dir, tmp_path):
     from llmc.engine.torch.runner import TorchModelRunner
 

@@ -92,12 +92,14 @@ def test_runner_on_cuda_sizes_the_cache_from_free_memory_and_decodes_greedily(tm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_chunk_over_cached_context_on_cuda_equals_the_masked_path(dtype):
-    # CUDA takes the lower-right causal bias (fused SDPA kernel); the float32 boolean-mask path on CPU is the reference.
+@pytest.mark.parametrize("n", [512, 2048])
+def test_chunk_over_cached_context_on_cuda_equals_the_masked_path(dtype, n):
+    # CUDA takes the lower-right causal bias (fused SDPA kernel) for a chunk over cached context, and causal SDPA
+    # with shared kv heads (enable_gqa) for a whole fresh prompt (n == ctx); float32 on CPU is the reference.
     from llmc.engine.torch.attention import _prefill_attention
 
     gen = torch.Generator().manual_seed(0)
-    n, ctx, nh, nkv = 512, 2048, 32, 8
+    ctx, nh, nkv = 2048, 32, 8
     q, k, v = (torch.randn(length, heads, 128, generator=gen) for length, heads in ((n, nh), (ctx, nkv), (ctx, nkv)))
     reference = _prefill_attention(q, k, v, ctx - n, 128 ** -0.5)
     out = _prefill_attention(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), ctx - n, 128 ** -0.5)

@@ -179,6 +179,12 @@ def test_fused_norm_and_rope_kernels_match_the_reference_ops():
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    # Prefill steps also take the rotated keys back (the attention of a fresh prompt reads them, not the cache).
+    k_cache2, v_cache2 = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q2, k2 = fused_triton.rope_write_kv(qkv, cos, sin, k_cache2, v_cache2, slots, nh, nkv, hd, return_k=True)
+    assert torch.equal(q2, q) and k2.shape == (t, nkv, hd) and k2.dtype == qkv.dtype
+    assert torch.equal(k2, k_cache2.view(-1, nkv, hd)[slots]) and torch.equal(k_cache2, k_cache)
+    assert torch.allclose(k2.float(), qk[:, nh:].float(), **close) and torch.equal(v_cache2, v_cache)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +215,10 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     def run(model):
         session = PagedSession(model, block_size=16, num_blocks=16)
         out = [session.step({"a": ids[:12]})["a"], session.step({"a": ids[12:18]})["a"]]
-        out += [session.step({"a": [t]})["a"] for t in ids[18:]]  # decode steps: fused RoPE + KV write
+        out += [session.step({"a": [t]})["a"] for t in ids[18:20]]  # decode steps: fused RoPE + KV write
+        # A mixed step: "a" decodes while "b" prefills from scratch, then "b" continues over its cache.
+        mixed = session.step({"a": [ids[20]], "b": ids[3:10]})
+        out += [mixed["a"], mixed["b"], session.step({"b": ids[10:14], "a": [ids[0]]})["b"]]
         return torch.cat(out).float()
 
     ref, got, got_unfolded = run(reference_model), run(fast), run(unfolded)
