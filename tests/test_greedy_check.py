@@ -65,3 +65,41 @@ def test_tiny_build_matches_transformers_on_cpu(tiny_build_dir, tiny_hf_dir, mon
     assert all(r["match"] and r["first_difference"] is None for r in out["results"])
     prompts = greedy_check.build_prompts(tiny_build_dir, 3)
     assert sizes == [greedy_check.kv_blocks_for(tiny_build_dir, prompts, 8)]  # for the prompts, not the recipe's
+
+
+def test_teacher_forced_logits_follow_the_engines_greedy_tokens(tiny_build_dir):
+    """Along the engine's own greedy tokens (float32 on CPU: exact), each teacher-forced row's argmax is the next
+    token; the float32 arbiter over one float32 IR finds every run exact."""
+    from llmc.engine.torch.loader import load_model
+
+    prompts = greedy_check.build_prompts(tiny_build_dir, 2)
+    tokens, _, _ = greedy_check.greedy_tokens(tiny_build_dir, "cpu", prompts, 6)
+    model = load_model(greedy_check.ir_dir(tiny_build_dir), "cpu")
+    for prompt, generated in zip(prompts, tokens):
+        rows = greedy_check.teacher_forced_logits(model, prompt, generated, "cpu")
+        assert rows.shape == (6, model.config.vocab_size) and rows.dtype == torch.float32
+        assert rows.argmax(-1).tolist() == generated
+    report = greedy_check.float32_arbiter(tiny_build_dir, "cpu", prompts, tokens)
+    assert report["int4_over_dequantized"] == 0.0 and len(report["per_prompt"]) == 2
+    assert report["overall"]["int4"] == {"max_abs": 0.0, "mean_abs": 0.0, "top1_agree": 1.0}
+
+
+def test_arbiter_ratio_compares_the_mean_errors_against_float32():
+    gen = torch.Generator().manual_seed(0)
+    exact = [torch.randn(4, 50, generator=gen) for _ in range(2)]
+    noise = [torch.randn(4, 50, generator=gen) * 0.01 for _ in range(2)]
+    closer = [e + n for e, n in zip(exact, noise)]
+    further = [e + 3 * n for e, n in zip(exact, noise)]
+    report = greedy_check.arbiter_report(closer, further, exact)
+    assert report["int4_over_dequantized"] == pytest.approx(1 / 3, rel=1e-3)
+    assert greedy_check.arbiter_report(further, closer, exact)["int4_over_dequantized"] == pytest.approx(3, rel=1e-3)
+    one = report["per_prompt"][0]["int4"]
+    assert one["max_abs"] == pytest.approx(float((closer[0] - exact[0]).abs().max()), abs=1e-4)
+    assert greedy_check.arbiter_report(exact, exact, exact)["int4_over_dequantized"] == 0.0
+
+
+def test_the_arbiter_needs_the_dequantized_reference(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["greedy_check.py", "x", "y", "--float32-arbiter"])
+    with pytest.raises(SystemExit):
+        greedy_check.main()
+    assert "--float32-arbiter needs --reference dequantized" in capsys.readouterr().err

@@ -138,3 +138,20 @@ def test_http_client_says_in_one_line_when_the_server_is_not_reachable():
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: cannot reach the server at "
                                                                         f"http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_host_steps_measures_the_engine_over_a_sleeping_runner(serial):
+    """scripts/host_steps.py: every level reports its latencies; a step never takes less than the simulated GPU."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.host_steps import main
+    finally:
+        sys.path.remove(str(ROOT))
+    result = main(["--gpu-step-ms", "2", "--concurrency", "1,3", "--isl", "40", "--osl", "6"]
+                  + (["--serial"] if serial else []))
+    assert result["engine_path"] == ("serial" if serial else "overlapped")
+    assert set(result["levels"]) == {1, 3}
+    for level in result["levels"].values():
+        assert level["itl_p50_ms"] >= 2.0 and level["step_p50_ms"] >= 2.0 and level["tgs"] > 0
+        assert level["ttft_p50_ms"] >= 40 * 0.035  # the prompt's simulated prefill

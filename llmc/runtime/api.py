@@ -244,6 +244,11 @@ class Engine:
             events += self._fail(scheduled, exc)
         return events
 
+    @property
+    def overlapped_steps(self) -> bool:
+        """True when a step's tokens are processed while the next step runs (a runner with ``async_steps``)."""
+        return self._overlap
+
     def flush_metrics(self) -> None:
         """Wait for the step in progress, then write every metrics record so far to the metrics log's file
         (readers of the log call this first: records are buffered between steps)."""

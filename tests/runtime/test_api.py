@@ -207,6 +207,7 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
     work overlaps the GPU), except a request's last token: that one is processed before the next schedule, so a
     finished request is never scheduled again. Outputs equal the serial engine's, stop strings included."""
     serial, engine = make_engine(tiny_build_dir), make_engine(tiny_build_dir, overlap=True)
+    assert engine.overlapped_steps and not serial.overlapped_steps
     runner = engine.runner
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     engine.add_request("Once upon a time", params, request_id="r", sink=lambda e: runner.log.append(("event", e)))
