@@ -1,15 +1,8 @@
 """The Python API: ``Engine.from_dir(build_dir)`` -> ``generate`` / ``stream`` / ``astream`` / ``abort``.
 
-One engine step: ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()`` -> each new token
-goes through its request's output pipeline (stop ids, incremental detokenization, stop strings, lengths)
-and becomes a :class:`StreamEvent` delivered to that request's sink.
-
-With a runner whose steps run asynchronously (CUDA: ``runner.async_steps``), a step's tokens are turned into
-events while the GPU computes the next step: ``update()`` applies them to the scheduler at once (the next step
-needs them), the requests they finish by a stop id or the length limit are processed before the next
-``schedule()`` (so they are not scheduled again), and the rest are processed right after the next step is
-launched. Host work per step (detokenizing, stop strings, waking the consumers) then overlaps the GPU instead of
-adding to it; a request ended by a stop string computes one extra row in the next step, which is discarded.
+Each engine step (:mod:`llmc.runtime.step_cycle`) turns the scheduler's plan into a runner call and every new
+token into a :class:`StreamEvent` delivered to its request's sink; on CUDA a step's tokens are processed while
+the GPU runs the next step.
 
 Threading: request preparation (tokenization, chat templates, validation) runs in the caller's thread;
 scheduler state is guarded by one lock that is *not* held while the model runs, so callers can add and
@@ -33,19 +26,20 @@ from typing import Any
 
 from llmc.engine.base import load_runner
 from llmc.engine.tensorrt_llm.engine import TrtllmEngine
-from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
+from llmc.engine.types import StepRunner
 from llmc.errors import EngineError, QueueFullError, RequestError
 from llmc.manifest import read_manifest
 from llmc.recipe import Recipe
 from llmc.request.detokenize import byte_fallback_token_ids
 from llmc.request.inputs import Prompt, check_prompt_length, max_prompt_chars, prompt_to_token_ids
-from llmc.request.metrics import MetricsLog, RequestMetrics, StepMetrics
+from llmc.request.metrics import MetricsLog, RequestMetrics
 from llmc.request.outputs import Completion, RequestOutput, StreamEvent
 from llmc.request.params import SamplingParams
-from llmc.runtime.compute import run_compute
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.kv_cache import BlockManager
+from llmc.runtime.compute import run_compute
 from llmc.runtime.request_events import RequestEvents
+from llmc.runtime.step_cycle import StepCycle
 from llmc.runtime.scheduler import Request, Scheduler
 from llmc.tokenizer import load_tokenizer
 
@@ -95,10 +89,8 @@ class Engine:
                                    if mixed_step_tokens is None else mixed_step_tokens)
         self._outputs: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
-        self._step_lock = threading.Lock()  # one step at a time
-        self._metrics_log = MetricsLog(metrics_log) if metrics_log else None
-        self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
-        self._unprocessed: dict[str, int] = {}  # overlapped steps: tokens applied to the scheduler, no events yet
+        self._steps = StepCycle(self.scheduler, runner, self._outputs, self._lock, clock,
+                                MetricsLog(metrics_log) if metrics_log else None)
         self._loop = EngineLoop(self.step, self.scheduler.has_unfinished)
 
     @classmethod
@@ -177,154 +169,26 @@ class Engine:
             output = self._outputs.get(request_id)
             if output is None:
                 return False
-            self._emit(output, output.terminal(self.clock(), "abort"))
-            self._retire(request_id)
+            self._steps.emit(output, output.terminal(self.clock(), "abort"))
+            self._steps.retire(request_id)
         return True
 
     # --------------------------------------------------------------------------------------------- step
     def step(self) -> list[StreamEvent]:
-        """Run one engine step; returns the events it produced (also delivered to each request's sink).
-
-        An exception in the step fails the requests it scheduled (an "error" event each, blocks freed);
-        the other requests keep going."""
-        with self._step_lock:
-            if self._overlap:
-                events = self._step_overlapped()
-            else:
-                events = self._step_serial()
-            if self._metrics_log is not None and not self.scheduler.has_unfinished():
-                self._metrics_log.flush()  # idle now: the log is complete up to here
-        return events
-
-    def _step_serial(self) -> list[StreamEvent]:
-        start = self.clock()
-        scheduled: SchedulerOutput | None = None
-        try:
-            with self._lock:
-                scheduled = self.scheduler.schedule()
-            result = ModelRunnerOutput()
-            if scheduled.sequences:
-                result = run_compute(self.runner.execute, scheduled)
-            with self._lock:
-                events = self._process(self.scheduler.update(result))
-                self._record_step(scheduled, start)
-        except Exception as exc:
-            log.exception("engine step failed")
-            events = self._fail(scheduled, exc)
-        return events
-
-    def _step_overlapped(self) -> list[StreamEvent]:
-        """Schedule and launch this step, turn the previous step's tokens into events while it runs, then wait
-        for it and apply its tokens to the scheduler (their events come with the next step)."""
-        start = self.clock()
-        scheduled: SchedulerOutput | None = None
-        events: list[StreamEvent] = []
-        rest: dict[str, int] = {}
-        try:
-            with self._lock:
-                unprocessed, self._unprocessed = self._unprocessed, {}
-                ending = {rid: t for rid, t in unprocessed.items()
-                          if rid in self._outputs and self._outputs[rid].ends_on(t)}
-                rest = {rid: t for rid, t in unprocessed.items() if rid not in ending}
-                events += self._process(ending)  # finished requests leave before they could be scheduled again
-                scheduled = self.scheduler.schedule()
-            pending = run_compute(self.runner.launch, scheduled) if scheduled.sequences else None
-            with self._lock:
-                todo, rest = rest, {}
-                events += self._process(todo)  # while the GPU runs this step
-            result = pending.result() if pending is not None else ModelRunnerOutput()
-            with self._lock:
-                self._unprocessed = self.scheduler.update(result)
-                self._record_step(scheduled, start)
-        except Exception as exc:
-            log.exception("engine step failed")
-            if rest:  # the launch failed: the previous step's tokens still reach their requests
-                with self._lock:
-                    events += self._process(rest)
-            events += self._fail(scheduled, exc)
-        return events
+        """Run one engine step (:class:`~llmc.runtime.step_cycle.StepCycle`); returns the events it produced (also
+        delivered to each request's sink). An exception in the step fails the requests it scheduled (an "error"
+        event each, blocks freed); the other requests keep going."""
+        return self._steps.step()
 
     @property
     def overlapped_steps(self) -> bool:
         """True when a step's tokens are processed while the next step runs (a runner with ``async_steps``)."""
-        return self._overlap
+        return self._steps.overlapped_steps
 
     def flush_metrics(self) -> None:
         """Wait for the step in progress, then write every metrics record so far to the metrics log's file
         (readers of the log call this first: records are buffered between steps)."""
-        with self._step_lock:
-            if self._metrics_log is not None:
-                self._metrics_log.flush()
-
-    def _process(self, new_tokens: dict[str, int]) -> list[StreamEvent]:
-        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed). Under the lock."""
-        now = self.clock()
-        events = []
-        for request_id, token in new_tokens.items():
-            output = self._outputs.get(request_id)
-            if output is None:
-                continue
-            request = self.scheduler.get(request_id)
-            output.metrics.record_scheduled(request.first_scheduled_time)
-            output.metrics.num_preemptions = request.num_preemptions
-            event = output.on_token(token, now)
-            events.append(event)
-            self._emit(output, event)
-            if event.finished:
-                self._retire(request_id)
-        return events
-
-    def _emit(self, output: RequestOutput, event: StreamEvent) -> None:
-        """Deliver an event to its request's sink. Called under the lock, so every request's events arrive in
-        order; sinks must not block (queue puts, ``call_soon_threadsafe``)."""
-        if output.sink is None:
-            return
-        try:
-            output.sink(event)
-        except Exception:  # a consumer's broken sink must not fail the other requests of the batch
-            log.exception("the event sink of request %s raised", event.request_id)
-
-    def _retire(self, request_id: str) -> RequestOutput:
-        """Remove a finished, aborted or failed request: free its blocks, log its metrics. Under the lock."""
-        self.scheduler.finish_request(request_id)
-        output = self._outputs.pop(request_id)
-        if self._metrics_log is not None:
-            self._metrics_log.log_request(output.metrics, request_id)
-        return output
-
-    def _fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> list[StreamEvent]:
-        """Fail the requests of a step that raised (all live requests if the failure was not in the runner)."""
-        message = f"{type(exc).__name__}: {exc}"
-        with self._lock:
-            ids = [s.request_id for s in scheduled.sequences] if scheduled is not None else list(self._outputs)
-            events = []
-            now = self.clock()
-            for request_id in ids:
-                output = self._outputs.get(request_id)
-                if output is None:
-                    continue
-                events.append(output.terminal(now, "error", message))
-                self._emit(output, events[-1])
-                self._retire(request_id)
-        return events
-
-    def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
-        if self._metrics_log is None:
-            return
-        decode = sum(1 for s in scheduled.sequences if s.is_decode)
-        self._metrics_log.log_step(StepMetrics(
-            step=scheduled.step,
-            time=start,
-            duration_s=self.clock() - start,
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
-            scheduled_tokens=scheduled.num_tokens,
-            prefill_tokens=scheduled.num_tokens - decode,
-            decode_tokens=decode,
-            kv_blocks_used=self.block_manager.num_used_blocks,
-            kv_blocks_free=self.block_manager.num_free_blocks,
-            preemptions=len(scheduled.preempted_request_ids),
-        ))
+        self._steps.flush_metrics()
 
     # --------------------------------------------------------------------------------- high-level API
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -429,9 +293,7 @@ class Engine:
             ids = list(self._outputs)
         for request_id in ids:
             self.abort(request_id)
-        if self._metrics_log is not None:
-            self._metrics_log.close()
-            self._metrics_log = None  # later steps (the engine stays usable synchronously) are not logged
+        self._steps.close_metrics()  # later steps (the engine stays usable synchronously) are not logged
 
     def __enter__(self) -> Engine:
         return self

@@ -1,0 +1,196 @@
+"""One engine step over the scheduler, the runner and the requests' output pipelines (:class:`StepCycle`).
+
+A step: ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()`` -> each new token goes through
+its request's output pipeline (stop ids, incremental detokenization, stop strings, lengths) and becomes a
+:class:`StreamEvent` delivered to that request's sink.
+
+With a runner whose steps run asynchronously (CUDA: ``runner.async_steps``), a step's tokens are turned into
+events while the GPU computes the next step: ``update()`` applies them to the scheduler at once (the next step
+needs them), the requests they finish by a stop id or the length limit are processed before the next
+``schedule()`` (so they are not scheduled again), and the rest are processed right after the next step is
+launched. Host work per step (detokenizing, stop strings, waking the consumers) then overlaps the GPU instead of
+adding to it; a request ended by a stop string computes one extra row in the next step, which is discarded.
+
+The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
+while the model runs (callers add and abort requests during a step).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
+from llmc.request.metrics import MetricsLog, StepMetrics
+from llmc.request.outputs import RequestOutput, StreamEvent
+from llmc.runtime.compute import run_compute
+from llmc.runtime.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class StepCycle:
+    """Runs engine steps: ``outputs`` (request id -> its output pipeline) and ``scheduler`` are the engine's, guarded
+    by ``lock``; finished, aborted and failed requests leave both through :meth:`retire`."""
+
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, outputs: dict[str, RequestOutput],
+                 lock: threading.RLock, clock: Callable[[], float], metrics_log: MetricsLog | None):
+        self.scheduler, self.runner, self.clock = scheduler, runner, clock
+        self._outputs = outputs
+        self._lock = lock
+        self._step_lock = threading.Lock()  # one step at a time
+        self._metrics_log = metrics_log
+        self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
+        self._unprocessed: dict[str, int] = {}  # overlapped steps: tokens applied to the scheduler, no events yet
+
+    def step(self) -> list[StreamEvent]:
+        """Run one engine step; returns the events it produced (also delivered to each request's sink).
+
+        An exception in the step fails the requests it scheduled (an "error" event each, blocks freed);
+        the other requests keep going."""
+        with self._step_lock:
+            if self._overlap:
+                events = self._step_overlapped()
+            else:
+                events = self._step_serial()
+            if self._metrics_log is not None and not self.scheduler.has_unfinished():
+                self._metrics_log.flush()  # idle now: the log is complete up to here
+        return events
+
+    def _step_serial(self) -> list[StreamEvent]:
+        start = self.clock()
+        scheduled: SchedulerOutput | None = None
+        try:
+            with self._lock:
+                scheduled = self.scheduler.schedule()
+            result = ModelRunnerOutput()
+            if scheduled.sequences:
+                result = run_compute(self.runner.execute, scheduled)
+            with self._lock:
+                events = self.process(self.scheduler.update(result))
+                self._record_step(scheduled, start)
+        except Exception as exc:
+            log.exception("engine step failed")
+            events = self.fail(scheduled, exc)
+        return events
+
+    def _step_overlapped(self) -> list[StreamEvent]:
+        """Schedule and launch this step, turn the previous step's tokens into events while it runs, then wait
+        for it and apply its tokens to the scheduler (their events come with the next step)."""
+        start = self.clock()
+        scheduled: SchedulerOutput | None = None
+        events: list[StreamEvent] = []
+        rest: dict[str, int] = {}
+        try:
+            with self._lock:
+                unprocessed, self._unprocessed = self._unprocessed, {}
+                ending = {rid: t for rid, t in unprocessed.items()
+                          if rid in self._outputs and self._outputs[rid].ends_on(t)}
+                rest = {rid: t for rid, t in unprocessed.items() if rid not in ending}
+                events += self.process(ending)  # finished requests leave before they could be scheduled again
+                scheduled = self.scheduler.schedule()
+            pending = run_compute(self.runner.launch, scheduled) if scheduled.sequences else None
+            with self._lock:
+                todo, rest = rest, {}
+                events += self.process(todo)  # while the GPU runs this step
+            result = pending.result() if pending is not None else ModelRunnerOutput()
+            with self._lock:
+                self._unprocessed = self.scheduler.update(result)
+                self._record_step(scheduled, start)
+        except Exception as exc:
+            log.exception("engine step failed")
+            if rest:  # the launch failed: the previous step's tokens still reach their requests
+                with self._lock:
+                    events += self.process(rest)
+            events += self.fail(scheduled, exc)
+        return events
+
+    @property
+    def overlapped_steps(self) -> bool:
+        """True when a step's tokens are processed while the next step runs (a runner with ``async_steps``)."""
+        return self._overlap
+
+    def flush_metrics(self) -> None:
+        """Wait for the step in progress, then write every metrics record so far to the metrics log's file
+        (readers of the log call this first: records are buffered between steps)."""
+        with self._step_lock:
+            if self._metrics_log is not None:
+                self._metrics_log.flush()
+
+    def process(self, new_tokens: dict[str, int]) -> list[StreamEvent]:
+        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed). Under the lock."""
+        now = self.clock()
+        events = []
+        for request_id, token in new_tokens.items():
+            output = self._outputs.get(request_id)
+            if output is None:
+                continue
+            request = self.scheduler.get(request_id)
+            output.metrics.record_scheduled(request.first_scheduled_time)
+            output.metrics.num_preemptions = request.num_preemptions
+            event = output.on_token(token, now)
+            events.append(event)
+            self.emit(output, event)
+            if event.finished:
+                self.retire(request_id)
+        return events
+
+    def emit(self, output: RequestOutput, event: StreamEvent) -> None:
+        """Deliver an event to its request's sink. Called under the lock, so every request's events arrive in
+        order; sinks must not block (queue puts, ``call_soon_threadsafe``)."""
+        if output.sink is None:
+            return
+        try:
+            output.sink(event)
+        except Exception:  # a consumer's broken sink must not fail the other requests of the batch
+            log.exception("the event sink of request %s raised", event.request_id)
+
+    def retire(self, request_id: str) -> RequestOutput:
+        """Remove a finished, aborted or failed request: free its blocks, log its metrics. Under the lock."""
+        self.scheduler.finish_request(request_id)
+        output = self._outputs.pop(request_id)
+        if self._metrics_log is not None:
+            self._metrics_log.log_request(output.metrics, request_id)
+        return output
+
+    def fail(self, scheduled: SchedulerOutput | None, exc: Exception) -> list[StreamEvent]:
+        """Fail the requests of a step that raised (all live requests if the failure was not in the runner)."""
+        message = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            ids = [s.request_id for s in scheduled.sequences] if scheduled is not None else list(self._outputs)
+            events = []
+            now = self.clock()
+            for request_id in ids:
+                output = self._outputs.get(request_id)
+                if output is None:
+                    continue
+                events.append(output.terminal(now, "error", message))
+                self.emit(output, events[-1])
+                self.retire(request_id)
+        return events
+
+    def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
+        if self._metrics_log is None:
+            return
+        decode = sum(1 for s in scheduled.sequences if s.is_decode)
+        self._metrics_log.log_step(StepMetrics(
+            step=scheduled.step,
+            time=start,
+            duration_s=self.clock() - start,
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            scheduled_tokens=scheduled.num_tokens,
+            prefill_tokens=scheduled.num_tokens - decode,
+            decode_tokens=decode,
+            kv_blocks_used=self.scheduler.block_manager.num_used_blocks,
+            kv_blocks_free=self.scheduler.block_manager.num_free_blocks,
+            preemptions=len(scheduled.preempted_request_ids),
+        ))
+
+    def close_metrics(self) -> None:
+        """Close the metrics log; later steps are not logged."""
+        with self._lock:
+            if self._metrics_log is not None:
+                self._metrics_log.close()
+                self._metrics_log = None
