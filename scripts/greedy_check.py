@@ -114,24 +114,6 @@ def prompts_for(vocab: int, count: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in (7, 33, 130, 517)[:count]]
 
 
-def last_logits(model, ids: list[int], device: str) -> torch.Tensor:
-    """The model's logits [V] after ``ids`` (one packed prefill through a fresh paged cache)."""
-    from llmc.engine.torch.attention import build_attention_metadata
-    from llmc.engine.torch.kv_alloc import allocate_kv_cache
-    from llmc.request.params import SamplingParams
-    from llmc.engine.types import ScheduledSequence
-
-    block = 32
-    blocks = -(-len(ids) // block)
-    dtype = model.transformer.ln_f.weight.dtype
-    kv = allocate_kv_cache(model.config, blocks, block, dtype, torch.device(device))
-    seq = ScheduledSequence("r", tuple(ids), 0, tuple(range(blocks)), True, SamplingParams(temperature=0.0))
-    meta = build_attention_metadata([seq], block, device)
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids, device=device), meta.positions, meta, kv)
-        return model.compute_logits(hidden[-1:])[0].float()
-
-
 def kv_blocks_for(build_dir: Path, prompts, tokens: int) -> int:
     """KV blocks (of the build's ``kv_cache.tokens_per_block``) for every prompt and its new tokens at once."""
     from llmc.manifest import read_manifest
@@ -183,7 +165,7 @@ def against_dequantized(args) -> int:
             first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             gap = None
             if first is not None:
-                gap = gap_of(last_logits(reference_model, p + a[:first], args.device), a[first])
+                gap = gap_of(teacher_forced_logits(reference_model, p + a[:first], [a[first]], args.device)[0], a[first])
             results.append({"prompt_len": len(p), "int4": a, "dequantized": b, "match": a == b,
                             "first_difference": first, "reference_at_first_difference": gap})
     finally:
