@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 5
+ABI_VERSION = 6
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
 _why_not: str | None = None

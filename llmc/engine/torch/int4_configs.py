@@ -98,20 +98,46 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | Non
 
 
 MMA_STAGES = (2, 4, 8)  # depths of each warp's cp.async ring
+MMA_MAX_RING = 200 * 1024  # shared memory a config's ring may take (the CUDA library's kMaxSmem)
+MMA_MAX_BLOCK = 227 * 1024  # shared memory a block may take on the H100/H200: ring + AWQ's input scale
 
 
-def mma_configs() -> list[tuple[int, int, int, int]]:
+def mma_smem_bytes(config: tuple[int, int, int, int], k: int = 0, prequant: bool = False) -> int:
+    """Dynamic shared memory of a block of the mma kernel (as the CUDA library computes it): each warp's ring of
+    ``stages`` slots (the slot: column tiles x (32 weight + 8 scale) uint4, row tiles x 64 uint4 of activations),
+    or the warps' partial sums if larger, then AWQ's input scale (2 K bytes) where the kernel applies it."""
+    mt, nt, warps, stages = config
+    ring = warps * stages * (nt * 40 + mt * 64) * 16
+    partial = warps * nt * mt * 4 * 32 * 4
+    return max(ring, partial) + (2 * k if prequant else 0)
+
+
+@functools.cache
+def mma_configs() -> tuple[tuple[int, int, int, int], ...]:
     """Every ``(row tiles, column tiles, warps, stages)`` llmc's CUDA library launches (before the shape's own
-    constraint: column tiles dividing N / 16): 16 warps only with at most 2 (row tile, column tile) pairs (a
-    thread then has 128 registers)."""
-    return [(mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
-            for stages in MMA_STAGES if warps < 16 or mt * nt <= 2]
+    constraints: column tiles dividing N / 16, the input scale's shared memory): 16 warps only with at most 2 (row
+    tile, column tile) pairs (a thread then has 128 registers), rings of at most 200 KB."""
+    return tuple((mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
+                 for stages in MMA_STAGES if (warps < 16 or mt * nt <= 2)
+                 and mma_smem_bytes((mt, nt, warps, stages)) <= MMA_MAX_RING)
 
 
-def heuristic_mma_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool) -> bool:
+    """Whether the library launches ``config`` for a layer of ``n`` columns and ``k`` inputs."""
+    return (config in mma_configs() and (n // 16) % config[1] == 0
+            and mma_smem_bytes(config, k, prequant) <= MMA_MAX_BLOCK)
+
+
+def heuristic_mma_config(m: int, n: int, k: int, prequant: bool = False) -> tuple[int, int, int, int]:
     """``(row tiles of 8, column tiles of 16, warps, stages)`` per block of the mma kernel where nothing was tuned,
     after what the H200's tuning chose for the 8B shapes: one row tile per 8 rows up to 32 rows, column tiles
-    sharing each activation fragment (4 for wide layers, 2 for narrow ones), 8 warps with a ring of 4 tiles each."""
+    sharing each activation fragment (4 for wide layers, 2 for narrow ones), 8 warps with a ring of 4 tiles each
+    (4 warps for 4 x 4 tiles; shallower rings where the input scale leaves no room)."""
     tiles = n // MMA_COLS
     n_tiles = next(nt for nt in (4, 2, 1) if tiles % nt == 0 and (nt < 4 or tiles >= 4 * 132))
-    return (1 if m <= 8 else 2 if m <= 16 else 4), n_tiles, 8, 4
+    m_tiles = 1 if m <= 8 else 2 if m <= 16 else 4
+    warps = 4 if m_tiles * n_tiles >= 16 else 8
+    for stages in (4, 2):
+        if mma_fits((m_tiles, n_tiles, warps, stages), n, k, prequant):
+            return m_tiles, n_tiles, warps, stages
+    return 1, 1, 4, 2

@@ -31,7 +31,7 @@ from llmc.checkpoint import names
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.engine.torch import cuda_ext, triton_support
 from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
-                                            heuristic_mma_config, tuned_entry)
+                                            heuristic_mma_config, mma_fits, tuned_entry)
 from llmc.engine.torch.int4_layout import (MMA_COLS, MMA_INPUTS, TILE, interleave_tiles, mma_supported,
                                            pack_for_cuda, pack_mma)
 from llmc.errors import CheckpointError
@@ -121,6 +121,7 @@ class Int4CudaLinear(nn.Module):
             mma = entry.get("mma", {})
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
+            self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
             scratch.reserve(dense=in_features * self.columns)
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
@@ -159,10 +160,16 @@ class Int4CudaLinear(nn.Module):
                 f"prequant={self.prequant is not None}, silu_output={self.silu_output}, backend={self.backend}")
 
     def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
-        """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket, else the
-        heuristic."""
-        return next((c for m_max, c in self._mma_buckets if m <= m_max), None) or heuristic_mma_config(
-            m, self.columns, self.in_features)
+        """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket where the
+        library launches it for this layer, else the heuristic (kept per row count: decode steps ask every time)."""
+        config = self._mma_chosen.get(m)
+        if config is None:
+            prequant = self.prequant is not None
+            tuned = next((c for m_max, c in self._mma_buckets if m <= m_max), None)
+            fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant)
+            config = tuned if fits else heuristic_mma_config(m, self.columns, self.in_features, prequant)
+            self._mma_chosen[m] = config
+        return config
 
     def config_for(self, m: int) -> KernelConfig:
         """The tuned config of the smallest bucket holding ``m`` rows, else :func:`heuristic_config`."""

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import pack_int4
-from llmc.engine.torch.int4_configs import CONFIG_FILE, TABLE_VERSION, heuristic_mma_config, mma_configs
+from llmc.engine.torch.int4_configs import (CONFIG_FILE, MMA_MAX_BLOCK, MMA_MAX_RING, TABLE_VERSION,
+                                            heuristic_mma_config, mma_configs, mma_fits, mma_smem_bytes)
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch, choose_backend
 from llmc.engine.torch.int4_layout import interleave_tiles, mma_supported, pack_mma, unpack_mma
 from llmc.errors import CheckpointError
@@ -71,6 +72,33 @@ def test_backend_choice_without_a_gpu_is_triton():
     assert heuristic_mma_config(40, 960, 576) == (4, 2, 8, 4) and heuristic_mma_config(40, 976, 576)[1] == 1
     assert all(config in mma_configs() for config in (heuristic_mma_config(m, n, 4096) for m in (1, 9, 17, 64)
                                                       for n in (976, 4096, 28672)))
+
+
+def test_mma_shared_memory_follows_the_ring_and_the_input_scale():
+    # a slot: 4 column tiles x (32 weight + 8 scale) uint4 + 2 row tiles x 64 uint4 of activations; 8 warps x 4 slots
+    assert mma_smem_bytes((2, 4, 8, 4)) == 8 * 4 * (4 * 40 + 2 * 64) * 16
+    assert mma_smem_bytes((2, 4, 8, 4), k=14336, prequant=True) == mma_smem_bytes((2, 4, 8, 4)) + 2 * 14336
+    assert mma_smem_bytes((4, 4, 4, 2)) == 4 * 2 * (4 * 40 + 4 * 64) * 16  # the partial sums (32 KB) fit in the ring
+    assert all(mma_smem_bytes(c) <= MMA_MAX_RING for c in mma_configs()) and (4, 4, 8, 4) not in mma_configs()
+    # K = 32768: the input scale (64 KB) no longer fits behind a 172 KB ring
+    assert mma_fits((4, 2, 8, 4), 8192, 14336, True) and not mma_fits((4, 2, 8, 4), 8192, 32768, True)
+    assert mma_fits((4, 2, 8, 4), 8192, 32768, False) and not mma_fits((1, 4, 8, 4), 4096 + 16, 4096, False)
+    fallback = heuristic_mma_config(40, 8192, 32768, prequant=True)
+    assert fallback == (4, 2, 8, 2) and mma_smem_bytes(fallback, 32768, True) <= MMA_MAX_BLOCK
+
+
+def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
+
+    n, k = 8192, 32768
+    words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
+    scales = torch.zeros(n // 16, k // 128, 8, dtype=torch.int32)
+    layer = Int4CudaLinear(words, scales, torch.ones(k, dtype=torch.bfloat16), k, 128,
+                           Scratch(torch.bfloat16, torch.device("cpu")), backend="mma")
+    layer._mma_buckets = [(64, (4, 2, 8, 4))]  # fits without the input scale, not with this one
+    assert layer.mma_config_for(40) == (4, 2, 8, 2)
+    layer._mma_buckets, layer._mma_chosen = [(64, (2, 2, 8, 4))], {}
+    assert layer.mma_config_for(40) == (2, 2, 8, 4)
 
 
 def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
@@ -185,10 +213,9 @@ def test_the_shipped_table_holds_only_configs_the_cuda_library_launches():
                if "mma" in entry]
     assert len(entries) >= 8  # the 8B and SmolLM2 shapes on the H200
     for shape, mma in entries:
-        columns = int(shape.split("x")[0])
-        for bucket in mma["buckets"]:
-            config = tuple(bucket[1:])
-            assert config in mma_configs() and (columns // 16) % config[1] == 0, (shape, bucket)
+        columns, k = (int(v) for v in shape.split("g")[0].split("x"))
+        for bucket in mma["buckets"]:  # with the input scale's shared memory too (o and down have one)
+            assert mma_fits(tuple(bucket[1:]), columns, k, prequant=True), (shape, bucket)
 
 
 def test_a_table_of_the_older_kernel_falls_back_to_the_heuristics(tmp_path, monkeypatch):

@@ -22,8 +22,8 @@
 // tile's scales are contiguous, as its weight tiles are.
 // A block is NT column tiles x 8 * MT rows; its WARPS warps take the input tiles in turn (tile kt goes to warp
 // kt % WARPS) and add their partial sums in shared memory in a fixed order (deterministic). Each warp streams its
-// tiles through a ring of STAGES slots in shared memory, filled with cp.async, so its weight loads stay in flight
-// while it multiplies (the activations of the next tile are loaded into registers one tile ahead).
+// tiles, weights and activations alike, through a ring of STAGES slots in shared memory, filled with cp.async, so
+// its loads stay in flight while it multiplies.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -95,6 +95,10 @@ __device__ __forceinline__ float silu(float v) { return v / (1.0f + __expf(-v));
 // past the warp's last tile needs no branch.
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, unsigned bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_ca(unsigned dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async4(unsigned dst, const void* src, unsigned bytes) {
@@ -218,88 +222,90 @@ __device__ __forceinline__ void write_block(const float* partial, T* __restrict_
 }
 
 // The product, each warp streaming its input tiles through a ring of STAGES slots in shared memory (cp.async):
-// slot j holds one input tile of the warp (tile kt = warp + WARPS * i, slot i % STAGES) for the NT column tiles, NT
-// x 32 weight words (one uint4 per lane) and NT x 32 scale pairs (one word per lane). Each lane copies, and later
-// reads, only its own words, so the warp never synchronizes; tile i + STAGES - 1 is requested before tile i is
-// multiplied. The activations of tile i + 1 are loaded into registers while tile i is multiplied (two register
-// sets, by parity). The loop is unrolled by STAGES so slots and register sets are compile-time, and every address
-// moves by a constant step per tile: the loop is little more than the decoding and the mma. Shared memory
-// (dynamic): the ring, reused for the warps' partial sums at the end.
+// slot j holds one input tile of the warp (tile kt = warp + WARPS * i, slot i % STAGES): for the NT column tiles NT
+// x 32 weight words (one uint4 per lane) and NT x 32 scale pairs (one word per lane), then the tile's activations,
+// MT x 2 x 32 uint4 (lane (g, t) copies x[row 8 mt + g, 16 t .. 16 t + 15] of the tile: exactly its B fragments).
+// Each lane copies, and later reads, only its own words, so the warp never synchronizes; tile i + STAGES - 1 is
+// requested (weights and activations alike) before tile i is multiplied, so both stay STAGES - 1 tiles in flight.
+// AWQ's input scale (o and down) is copied whole into shared memory behind the ring once per block. The loop is
+// unrolled by STAGES so slots are compile-time and every address moves by a constant step per tile: the loop is
+// little more than the decoding and the mma. Blocks are ordered row block first (blockIdx.x), so the row blocks of
+// one column tile run together and read its weight once from memory (the others hit L2). Shared memory (dynamic):
+// the ring, reused for the warps' partial sums at the end, then the input scale.
 template <typename T, int MT, int NT, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
                   const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
                   int silu_out) {
-  static_assert(STAGES % 2 == 0, "the activations alternate between two register sets by tile parity");
   extern __shared__ uint4 smem[];
-  constexpr int SLOT = NT * 40;  // uint4s per slot: NT x 32 weight words, then NT x 32 scale pairs
-  const int nt0 = blockIdx.x * NT, row0 = blockIdx.y * (8 * MT);
+  constexpr int WSLOT = NT * 40;        // uint4s of a slot's weight words and scale pairs
+  constexpr int SLOT = WSLOT + MT * 64;  // + its activations
+  const int nt0 = blockIdx.y * NT, row0 = blockIdx.x * (8 * MT);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int ktiles = k >> 6, groups = ktiles >> group_shift;
   const int count = warp < ktiles ? (ktiles - warp + WARPS - 1) / WARPS : 0;  // this warp's input tiles
 
-  // The next tile to request: column tile c's weight words at wreq + c * wcol, its scale pair at sreq + c * scol.
-  // With WARPS even, the group of tile i is (warp >> shift) + i * (WARPS >> shift).
+  // The next tile to request: column tile c's weight words at wreq + c * wcol, its scale pair at sreq + c * scol,
+  // row tile mt's activations at xreq[mt] (two uint4). With WARPS even, the group of tile i is
+  // (warp >> shift) + i * (WARPS >> shift).
   const size_t wcol = static_cast<size_t>(ktiles) * 32, scol = static_cast<size_t>(groups) * 8;
   const uint4* wreq = w + static_cast<size_t>(nt0) * wcol + warp * 32 + lane;
   const uint32_t* sreq = scales + static_cast<size_t>(nt0) * scol + (warp >> group_shift) * 8 + g;
   const int sstep = (WARPS >> group_shift) * 8;
-  // Shared addresses of this lane's words: slot j, column tile c: weights at wsh + 16 (j SLOT + 32 c), scale pair at
-  // ssh + 16 j SLOT + 4 * 32 c.
-  const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(smem)) + warp * (STAGES * SLOT * 16);
-  const unsigned wsh = ring + lane * 16, ssh = ring + NT * 32 * 16 + lane * 4;
+  unsigned xbytes[MT];
+  const uint4* xreq[MT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r = row0 + 8 * mt + g;
+    xbytes[mt] = r < rows ? 16u : 0u;  // rows past the end are zero-filled
+    xreq[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(r < rows ? r : 0) * ldx + 16 * t + warp * 64);
+  }
+  // Shared addresses of this lane's words in slot j: column tile c's weights at wsh + 16 (j SLOT + 32 c), its scale
+  // pair at ssh + 16 j SLOT + 4 * 32 c, row tile mt's activations at xsh + 16 (j SLOT + 64 mt) (+ 16 * 32).
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned ring = base + warp * (STAGES * SLOT * 16);
+  const unsigned wsh = ring + lane * 16, ssh = ring + NT * 32 * 16 + lane * 4, xsh = ring + WSLOT * 16 + lane * 16;
   int left = count;  // tiles not yet requested
   auto request = [&](int j) {
-    const unsigned wbytes = left > 0 ? 16u : 0u, sbytes = left > 0 ? 4u : 0u;
+    const bool more = left > 0;
+    const unsigned wbytes = more ? 16u : 0u, sbytes = more ? 4u : 0u;
 #pragma unroll
     for (int c = 0; c < NT; ++c) {
       cp_async16(wsh + 16 * (j * SLOT + 32 * c), wreq + c * wcol, wbytes);
       cp_async4(ssh + 16 * j * SLOT + 4 * 32 * c, sreq + c * scol, sbytes);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const unsigned bytes = more ? xbytes[mt] : 0u;
+      cp_async16_ca(xsh + 16 * (j * SLOT + 64 * mt), xreq[mt], bytes);
+      cp_async16_ca(xsh + 16 * (j * SLOT + 64 * mt + 32), xreq[mt] + 1, bytes);
+      xreq[mt] += WARPS * 8;
     }
     wreq += WARPS * 32;
     sreq += sstep;
     --left;
     cp_async_commit();
   };
+  // AWQ's input scale, whole, behind the ring (its own commit group, the oldest).
+  const bool has_prequant = prequant != nullptr;
+  constexpr int RING_BYTES = WARPS * STAGES * SLOT * 16, PARTIAL_BYTES = WARPS * NT * MT * 4 * 32 * 4;
+  const unsigned pq = base + (RING_BYTES > PARTIAL_BYTES ? RING_BYTES : PARTIAL_BYTES);
+  if (has_prequant) {
+    const uint4* src = reinterpret_cast<const uint4*>(prequant);
+    for (int i = threadIdx.x; i < (k >> 3); i += WARPS * 32) cp_async16_ca(pq + 16 * i, src + i, 16u);
+    cp_async_commit();
+  }
   // One commit group per tile (empty past the warp's last tile), so "tile i has landed" is always
   // cp.async.wait_group(STAGES - 1) after tile i + STAGES - 1 was requested.
 #pragma unroll
   for (int j = 0; j < STAGES - 1; ++j) request(j);
-
-  // Activations (and AWQ's input scale) of the next tile to load; rows past the end stay zero.
-  bool row_ok[MT];
-  const uint4* xp[MT];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    const int r = row0 + 8 * mt + g;
-    row_ok[mt] = r < rows;
-    xp[mt] = reinterpret_cast<const uint4*>(x + static_cast<size_t>(row_ok[mt] ? r : 0) * ldx + 16 * t + warp * 64);
+  if (has_prequant) {  // every thread's share of the input scale has landed, then the block sees all of it
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
   }
-  const bool has_prequant = prequant != nullptr;
-  const uint4* pp = reinterpret_cast<const uint4*>(prequant + 16 * t + warp * 64);  // unused without prequant
-  uint4 xb[2][MT][2], pb[2][2];
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    pb[b][0] = pb[b][1] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) xb[b][mt][0] = xb[b][mt][1] = make_uint4(0, 0, 0, 0);
-  }
-  auto load_inputs = [&](int b, bool more) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if (row_ok[mt] && more) {
-        xb[b][mt][0] = __ldg(xp[mt]);
-        xb[b][mt][1] = __ldg(xp[mt] + 1);
-      }
-      xp[mt] += WARPS * 8;
-    }
-    if (has_prequant && more) {
-      pb[b][0] = __ldg(pp);
-      pb[b][1] = __ldg(pp + 1);
-    }
-    pp += WARPS * 8;
-  };
+  // This lane's input-scale words of tile i: pq + 128 (warp + WARPS i) + 32 t (two uint4).
+  const unsigned psh = pq + 128 * warp + 32 * t;
 
   float acc[NT][MT][4];
 #pragma unroll
@@ -307,24 +313,31 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[c][mt][0] = acc[c][mt][1] = acc[c][mt][2] = acc[c][mt][3] = 0.f;
 
-  load_inputs(0, count > 0);
   for (int i0 = 0; i0 < count; i0 += STAGES) {
 #pragma unroll
-    for (int j = 0; j < STAGES; ++j) {  // tile i = i0 + j: slot j, activations in set j & 1 (i0 is even)
+    for (int j = 0; j < STAGES; ++j) {  // tile i = i0 + j: slot j
       const int i = i0 + j;
       if (i >= count) break;
       request((j + STAGES - 1) % STAGES);
-      load_inputs((j + 1) & 1, i + 1 < count);
       cp_async_wait<STAGES - 1>();
       uint4 wq[NT];
       uint32_t sc[NT];
+      uint4 xv[MT][2];
 #pragma unroll
       for (int c = 0; c < NT; ++c) {
         wq[c] = ld_shared16(wsh + 16 * (j * SLOT + 32 * c));
         sc[c] = ld_shared4(ssh + 16 * j * SLOT + 4 * 32 * c);
       }
-      if (has_prequant) scale_inputs<T, MT>(xb[j & 1], pb[j & 1][0], pb[j & 1][1]);
-      multiply_tile<T, MT, NT>(acc, wq, sc, xb[j & 1]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        xv[mt][0] = ld_shared16(xsh + 16 * (j * SLOT + 64 * mt));
+        xv[mt][1] = ld_shared16(xsh + 16 * (j * SLOT + 64 * mt + 32));
+      }
+      if (has_prequant) {
+        const unsigned at = psh + 128 * WARPS * i;
+        scale_inputs<T, MT>(xv, ld_shared16(at), ld_shared16(at + 16));
+      }
+      multiply_tile<T, MT, NT>(acc, wq, sc, xv);
     }
   }
 
@@ -341,9 +354,10 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
   write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
 }
 
+// Dynamic shared memory of a pipe config without the input scale (which adds 2 K bytes behind it).
 template <int MT, int NT, int WARPS, int STAGES>
 constexpr int pipe_smem_bytes() {
-  constexpr int ring = WARPS * STAGES * (NT * 32 + NT * 8) * 16;
+  constexpr int ring = WARPS * STAGES * (NT * 40 + MT * 64) * 16;
   constexpr int partial = WARPS * NT * MT * 4 * 32 * 4;
   return ring > partial ? ring : partial;
 }
@@ -419,7 +433,8 @@ int launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
   return static_cast<int>(cudaGetLastError());
 }
 
-constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory a pipe config may take (the H100/H200 allow 227 KB)
+constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory a pipe config's ring may take
+constexpr int kMaxBlockSmem = 227 * 1024;  // what the H100/H200 allow a block (ring + input scale)
 
 struct Call {
   const void* x; int ldx; const void* w; const void* scales; const void* prequant; void* y; int ldy;
@@ -434,9 +449,10 @@ int launch_t(const Call& a) {
   if constexpr ((WARPS == 16 && MT * NT > 2) || smem > kMaxSmem) {
     return -1;
   } else {
-    if ((a.n / 16) % NT) return -1;
-    const dim3 grid(a.n / (16 * NT), (a.rows + 8 * MT - 1) / (8 * MT));
-    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, smem, a.stream,
+    const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);  // + the input scale
+    if ((a.n / 16) % NT || total > kMaxBlockSmem) return -1;
+    const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
+    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, total, a.stream,
                   static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
                   static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
                   a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out);
@@ -517,6 +533,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 5; }
+int llmc_w4a16_abi_version() { return 6; }
 
 }  // extern "C"
