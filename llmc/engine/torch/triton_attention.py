@@ -13,7 +13,7 @@ rows for ``tl.dot``). Partial results (running max, sum and weighted values) are
 kernel (one program per (sequence, head); as nine torch ops per layer the merge took ~0.5 ms of a 3.3 ms
 batch-1 decode step of the 8B model on an H200: 288 launches of a few microseconds).
 More splits keep the GPU busy when there are few sequences (at batch 1 an 8-kv-head model has 8 programs
-without splitting).
+without splitting); small programs (2 warps, one 16-row dot per block) keep more of them resident.
 
 Triton is imported lazily: :func:`kernel_available` is False without it (CPU builds of PyTorch) and the engine
 keeps the reference path.
@@ -28,7 +28,12 @@ import torch
 from llmc.engine.torch import triton_support
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a kv head's query heads are padded to this
-TARGET_PROGRAMS = 256  # splits are chosen so that a step launches about this many programs (H200: 132 SMs)
+# Splits are chosen so that a step launches about TARGET_PROGRAMS programs of NUM_WARPS warps (H200, 8B shape,
+# 2,048 cached tokens, 32 layers in a CUDA graph, 2026-12-01: 256 programs of 4 warps took 9.65 / 33.66 / 138.1 us
+# per layer at batch 1 / 8 / 64, 512 programs of 2 warps and 3 stages 9.31 / 23.2 / 131.3; the KV bound at 4.2
+# TB/s is 2.0 / 16.0 / 127.8 us).
+TARGET_PROGRAMS = 512
+NUM_WARPS, NUM_STAGES = 2, 3
 
 
 def kernel_available(device: torch.device | str, block_size: int, head_size: int) -> bool:
@@ -138,7 +143,8 @@ def combine_splits_reference(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.d
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, splits: int | None = None,
+    context_lens: torch.Tensor, scale: float, splits: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence ``q [D, nh, hd]`` over its cached context -> ``[D, nh, hd]``.
 
@@ -158,6 +164,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
+        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
     )
     return combine_splits(acc, ml, q.dtype)
 

@@ -38,7 +38,8 @@ def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():
 
 
 def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
-    assert num_splits(1, 8, 72) == 32  # batch 1, 8 kv heads: 256 programs
+    assert num_splits(1, 8, 72) == 64  # batch 1, 8 kv heads: 512 programs
+    assert num_splits(8, 8, 72) == 8  # batch 8: 8 blocks of 32 tokens per program at 2,048 cached tokens
     assert num_splits(1, 8, 4) == 4  # never more splits than blocks
     assert num_splits(64, 8, 72) == 1
 
