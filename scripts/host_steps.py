@@ -52,17 +52,19 @@ class SleepRunner:
         time.sleep(seconds)
         return output
 
-    def launch(self, scheduled: SchedulerOutput) -> _Pending:
+    def launch(self, scheduled: SchedulerOutput, previous: _Pending | None = None) -> _Pending:
+        """The step starts when the previous one ends (one GPU queue); placeholder tokens need no values here."""
         seconds, output = self._plan(scheduled)
-        return _Pending(time.perf_counter() + seconds, output)
+        begin = max(time.perf_counter(), previous.done_at if previous is not None else 0.0)
+        return _Pending(begin + seconds, output)
 
 
 class _Pending:
     def __init__(self, done_at: float, output: ModelRunnerOutput):
-        self._done_at, self._output = done_at, output
+        self.done_at, self._output = done_at, output
 
     def result(self) -> ModelRunnerOutput:
-        left = self._done_at - time.perf_counter()
+        left = self.done_at - time.perf_counter()
         if left > 0:
             time.sleep(left)
         return self._output

@@ -153,5 +153,9 @@ def test_host_steps_measures_the_engine_over_a_sleeping_runner(serial):
     assert result["engine_path"] == ("serial" if serial else "overlapped")
     assert set(result["levels"]) == {1, 3}
     for level in result["levels"].values():
-        assert level["itl_p50_ms"] >= 2.0 and level["step_p50_ms"] >= 2.0 and level["tgs"] > 0
+        # Overlapped steps are pipelined (the next is launched before the last is waited for): token intervals
+        # equal the simulated GPU step up to the host clock's jitter between two events, and an engine step's own
+        # duration (launch n + 1, wait for n) is no longer bounded by it.
+        assert level["itl_p50_ms"] >= 1.9 and level["tgs"] > 0
+        assert level["step_p50_ms"] >= (2.0 if serial else 0.5)
         assert level["ttft_p50_ms"] >= 40 * 0.035  # the prompt's simulated prefill

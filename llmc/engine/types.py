@@ -30,9 +30,15 @@ def is_decode(num_new_tokens: int) -> bool:
     return num_new_tokens == 1
 
 
+# A sampled token whose value is not on the host yet: the scheduler plans the next step while the previous one
+# still runs (runners with ``async_steps``); the runner takes the value from that step's ids on the device.
+PLACEHOLDER = -1
+
+
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence's work for one engine step."""
+    """One sequence's work for one engine step. With an asynchronous runner a decode's token may be
+    :data:`PLACEHOLDER` (then its last output token is too): the token the previous step sampled for it."""
 
     request_id: str
     token_ids: tuple[int, ...]  # new tokens to run this step, positions num_computed .. num_computed+len-1
@@ -89,6 +95,11 @@ class StepRunner(ModelRunner, Protocol):
     def execute(self, scheduled: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; return the sampled token of every sequence with ``sample=True``."""
         ...
+
+    # Runners with ``async_steps = True`` also have ``launch(scheduled, previous=None) -> pending`` (the step is
+    # queued; ``pending.result()`` waits for its ModelRunnerOutput), where a :data:`PLACEHOLDER` token of
+    # ``scheduled`` is the token that ``previous`` (the pending step launched just before) sampled for that
+    # request. The engine calls ``previous.result()`` after launching the next step and before launching another.
 
 
 @runtime_checkable

@@ -4,12 +4,14 @@ A step: ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update()
 its request's output pipeline (stop ids, incremental detokenization, stop strings, lengths) and becomes a
 :class:`StreamEvent` delivered to that request's sink.
 
-With a runner whose steps run asynchronously (CUDA: ``runner.async_steps``), a step's tokens are turned into
-events while the GPU computes the next step: ``update()`` applies them to the scheduler at once (the next step
-needs them), the requests they finish by a stop id or the length limit are processed before the next
-``schedule()`` (so they are not scheduled again), and the rest are processed right after the next step is
-launched. Host work per step (detokenizing, stop strings, waking the consumers) then overlaps the GPU instead of
-adding to it; a request ended by a stop string computes one extra row in the next step, which is discarded.
+With a runner whose steps run asynchronously (CUDA: ``runner.async_steps``) the engine plans and launches step
+n + 1 while step n still runs: :meth:`Scheduler.advance` applies step n with a placeholder for each token it
+samples, the runner takes those tokens from step n's ids on the device, and once step n is done its tokens fill
+the placeholders and go through the output pipelines while step n + 1 runs. The GPU then never waits for the host
+between steps, and host work per step (scheduling, detokenizing, stop strings, waking the consumers) overlaps it.
+A request ended by a stop token or string computes one extra row in the next step, which is discarded; one that
+reaches its length limit is not scheduled again. Penalties read earlier tokens' values: while a running request
+uses them, the engine waits for step n before planning step n + 1.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.request.metrics import MetricsLog, StepMetrics
@@ -28,6 +31,16 @@ from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Inflight:
+    """A launched step whose tokens have not reached the host: its plan, the runner's pending step and the
+    scheduler's ticket for :meth:`Scheduler.fill`."""
+
+    scheduled: SchedulerOutput
+    pending: object
+    ticket: list
 
 
 class StepCycle:
@@ -42,7 +55,7 @@ class StepCycle:
         self._step_lock = threading.Lock()  # one step at a time
         self._metrics_log = metrics_log
         self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
-        self._unprocessed: dict[str, int] = {}  # overlapped steps: tokens applied to the scheduler, no events yet
+        self._inflight: _Inflight | None = None  # overlapped steps: the launched step whose tokens are not known
 
     def step(self) -> list[StreamEvent]:
         """Run one engine step; returns the events it produced (also delivered to each request's sink).
@@ -76,35 +89,53 @@ class StepCycle:
         return events
 
     def _step_overlapped(self) -> list[StreamEvent]:
-        """Schedule and launch this step, turn the previous step's tokens into events while it runs, then wait
-        for it and apply its tokens to the scheduler (their events come with the next step)."""
+        """Schedule and launch step n + 1 while step n still runs (its tokens are placeholders the runner takes
+        from the device), then wait for step n and turn its tokens into events while step n + 1 runs."""
         start = self.clock()
         scheduled: SchedulerOutput | None = None
         events: list[StreamEvent] = []
-        rest: dict[str, int] = {}
+        inflight, self._inflight = self._inflight, None
         try:
+            if inflight is not None and self._needs_token_values():
+                events += self._collect(inflight)  # penalties read the previous tokens' values
+                inflight = None
             with self._lock:
-                unprocessed, self._unprocessed = self._unprocessed, {}
-                ending = {rid: t for rid, t in unprocessed.items()
-                          if rid in self._outputs and self._outputs[rid].ends_on(t)}
-                rest = {rid: t for rid, t in unprocessed.items() if rid not in ending}
-                events += self.process(ending)  # finished requests leave before they could be scheduled again
                 scheduled = self.scheduler.schedule()
-            pending = run_compute(self.runner.launch, scheduled) if scheduled.sequences else None
+            pending = None
+            if scheduled.sequences:
+                pending = run_compute(self.runner.launch, scheduled, inflight.pending if inflight else None)
+            if inflight is not None:
+                events += self._collect(inflight)  # while the GPU runs this step
+                inflight = None
             with self._lock:
-                todo, rest = rest, {}
-                events += self.process(todo)  # while the GPU runs this step
-            result = pending.result() if pending is not None else ModelRunnerOutput()
-            with self._lock:
-                self._unprocessed = self.scheduler.update(result)
+                ticket = self.scheduler.advance()
                 self._record_step(scheduled, start)
+                idle = not self.scheduler.has_unfinished()
+            if pending is not None:
+                self._inflight = _Inflight(scheduled, pending, ticket)
+                if idle:  # every request of the step ended meanwhile: nothing will collect it
+                    events += self._collect(self._inflight)
+                    self._inflight = None
         except Exception as exc:
             log.exception("engine step failed")
-            if rest:  # the launch failed: the previous step's tokens still reach their requests
-                with self._lock:
-                    events += self.process(rest)
+            if inflight is not None:  # the launch failed: the previous step's tokens still reach their requests
+                try:
+                    events += self._collect(inflight)
+                except Exception:
+                    events += self.fail(inflight.scheduled, exc)
             events += self.fail(scheduled, exc)
         return events
+
+    def _collect(self, inflight: _Inflight) -> list[StreamEvent]:
+        """Wait for a launched step and turn its tokens into events (finished requests leave)."""
+        result = inflight.pending.result()
+        with self._lock:
+            return self.process(self.scheduler.fill(inflight.ticket, result))
+
+    def _needs_token_values(self) -> bool:
+        """Whether a running request samples with penalties (they read the values of earlier tokens)."""
+        with self._lock:
+            return any(r.params.uses_penalties for r in self.scheduler.running)
 
     @property
     def overlapped_steps(self) -> bool:

@@ -54,7 +54,7 @@ class LazyStepRunner:
     def execute(self, scheduled):
         return self._runner.execute(scheduled)
 
-    def launch(self, scheduled):
+    def launch(self, scheduled, previous=None):
         self.launches += 1
         if self.launches in self.fail_on_launch:
             raise RuntimeError("simulated device failure")
@@ -62,11 +62,30 @@ class LazyStepRunner:
         runner, log = self._runner, self.log
 
         class Pending:
+            _result = None
+
             def result(self):
-                log.append(("result", scheduled.step))
-                return runner.execute(scheduled)
+                if self._result is None:
+                    log.append(("result", scheduled.step))
+                    self._result = runner.execute(resolve_placeholders(scheduled, previous))
+                return self._result
 
         return Pending()
+
+
+def resolve_placeholders(scheduled, previous):
+    """``scheduled`` with each placeholder token replaced by what ``previous`` sampled for that request (what the
+    CUDA runner does on the device)."""
+    from llmc.engine.types import PLACEHOLDER
+
+    seqs = []
+    for s in scheduled.sequences:
+        if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+            token = previous.result().sampled_token_ids[s.request_id]
+            s = dataclasses.replace(s, token_ids=s.token_ids[:-1] + (token,),
+                                    output_token_ids=s.output_token_ids[:-1] + (token,))
+        seqs.append(s)
+    return dataclasses.replace(scheduled, sequences=tuple(seqs))
 
 
 def make_engine(build_dir: Path, num_blocks: int | None = None, max_wait_s: float | None = None,

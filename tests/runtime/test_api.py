@@ -203,9 +203,10 @@ class FailingRunner:
 
 
 def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir):
-    """With an asynchronous runner a step's tokens become events after the next step was launched (their host
-    work overlaps the GPU), except a request's last token: that one is processed before the next schedule, so a
-    finished request is never scheduled again. Outputs equal the serial engine's, stop strings included."""
+    """With an asynchronous runner step n + 1 is planned and launched before step n's tokens are waited for (its
+    decode tokens are placeholders the runner fills from step n), and step n's tokens become events while step
+    n + 1 runs. A request at its length limit is not planned again. Outputs equal the serial engine's, stop
+    strings included (a request they end computes one discarded row)."""
     serial, engine = make_engine(tiny_build_dir), make_engine(tiny_build_dir, overlap=True)
     assert engine.overlapped_steps and not serial.overlapped_steps
     runner = engine.runner
@@ -217,8 +218,9 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
     events = [(i, item) for i, (kind, item) in enumerate(runner.log) if kind == "event"]
     assert len(events) == 5 and events[-1][1].finished and len(launches) == 5  # no step after the last token
     for k, (position, event) in enumerate(events[:-1]):
-        # token k was sampled by step launches[k]; its event follows the launch of the next step
-        assert runner.log.index(("launch", launches[k + 1])) < position, k
+        # token k was sampled by step launches[k]; its event follows the launch of the next step, which came
+        # before the engine waited for step launches[k] at all
+        assert runner.log.index(("launch", launches[k + 1])) < runner.log.index(("result", launches[k])) < position
     last_launch = runner.log.index(("launch", launches[-1]))
     assert events[-1][0] > last_launch and ("launch", launches[-1] + 1) not in runner.log
     assert_all_blocks_free(engine)
@@ -232,6 +234,22 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
         if p is stops:
             assert [c.finish_reason for c in got] == ["stop"] * 3
         assert_all_blocks_free(engine)
+
+
+def test_overlapped_steps_wait_for_token_values_while_a_request_uses_penalties(tiny_build_dir):
+    """Penalties read the values of earlier tokens, so while such a request runs the engine waits for step n before
+    planning step n + 1 (no placeholders); outputs equal the serial engine's."""
+    serial, engine = make_engine(tiny_build_dir), make_engine(tiny_build_dir, overlap=True)
+    runner = engine.runner
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    got, want = engine.generate(["Once upon a time", "1, 2, 3,"], params), serial.generate(
+        ["Once upon a time", "1, 2, 3,"], params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    order = [entry for entry in runner.log if entry[0] in ("launch", "result")]
+    for (kind, step), (next_kind, next_step) in zip(order, order[1:]):
+        if kind == "launch":  # every launched step is waited for before the next launch
+            assert (next_kind, next_step) == ("result", step)
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -57,8 +57,11 @@ class DecodeGraphs:
         self.block_size, self.max_blocks, self.scratch_block = block_size, max_blocks, scratch_block
         self.sizes = graph_batch_sizes(max_batch_size)
         n = self.sizes[-1]
-        # Static inputs, overwritten before every replay; graph b uses rows [:b]. Pinned host mirror: one copy.
-        self._host = torch.zeros(n, 4 + max_blocks, dtype=torch.int64).pin_memory()
+        # Static inputs, overwritten before every replay; graph b uses rows [:b]. Pinned host mirrors, one copy
+        # each; two of them, alternating, because the next step is filled in while the last one may still wait
+        # for its copy (the engine launches at most one step ahead of the one it waits for).
+        self._hosts = [torch.zeros(n, 4 + max_blocks, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self._turn = 0
         self._dev = torch.zeros(n, 4 + max_blocks, dtype=torch.int64, device=device)
         self._tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self._lens = torch.ones(n, dtype=torch.int32, device=device)
@@ -74,11 +77,15 @@ class DecodeGraphs:
     def _pad_all(self) -> None:
         """Every row a padding row (see :func:`decode_rows`), so capture writes only the scratch block."""
         n = self.sizes[-1]
-        self._host[:] = torch.tensor(decode_rows((), n, self.block_size, self.max_blocks, self.scratch_block))
-        self._upload(n)
+        self._upload(torch.tensor(decode_rows((), n, self.block_size, self.max_blocks, self.scratch_block)))
 
-    def _upload(self, rows: int) -> None:
-        self._dev[:rows].copy_(self._host[:rows], non_blocking=True)
+    def _upload(self, rows_host: torch.Tensor) -> None:
+        """Copy ``rows_host`` (int64 ``[rows, 4 + max_blocks]``) through the next pinned mirror to the device."""
+        rows = rows_host.shape[0]
+        host = self._hosts[self._turn]
+        self._turn ^= 1
+        host[:rows] = rows_host
+        self._dev[:rows].copy_(host[:rows], non_blocking=True)
         self._tables[:rows].copy_(self._dev[:rows, 4:])
         self._lens[:rows].copy_(self._dev[:rows, 3])
 
@@ -127,14 +134,18 @@ class DecodeGraphs:
                 and all(s.is_decode and s.sample for s in seqs)
                 and all(-(-(s.num_computed + 1) // self.block_size) <= self.max_blocks for s in seqs))
 
-    def run(self, seqs: tuple[ScheduledSequence, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, seqs: tuple[ScheduledSequence, ...], fill: tuple[list[int], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph that fits; returns the logits ``[len(seqs), V]`` and each row's argmax
-        ``[len(seqs)]`` (views, valid until the next replay)."""
+        ``[len(seqs)]`` (views, valid until the next replay). ``fill`` = (rows, token ids on the device): the
+        input tokens of those rows (placeholders on the host), written on the device before the replay."""
         d = len(seqs)
         b = next(size for size in self.sizes if size >= d)
         rows = decode_rows(seqs, b, self.block_size, self.max_blocks, self.scratch_block)
-        self._host[:b] = torch.tensor(rows, dtype=torch.int64)
-        self._upload(b)
+        self._upload(torch.tensor(rows, dtype=torch.int64))
+        if fill is not None:
+            at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
+            self._dev[:, 0].index_copy_(0, at, fill[1].to(torch.int64))
         self._graphs[b].replay()
         return self._logits[b][:d], self._argmax[b][:d]
 

@@ -23,7 +23,7 @@ from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv
 from llmc.engine.torch.loader import load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
-from llmc.engine.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from llmc.errors import EngineError
 from llmc.manifest import read_manifest
 from llmc.request.params import SamplingParams
@@ -103,17 +103,20 @@ class TorchModelRunner:
         """
         return self.launch(scheduled).result()
 
-    def launch(self, scheduled: SchedulerOutput) -> PendingStep:
+    def launch(self, scheduled: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
         """Queue one step (see :meth:`execute`); on CUDA the sampled ids travel to pinned host memory behind the
         step's kernels and :meth:`PendingStep.result` waits for them, so the caller's host work overlaps the GPU.
-        Call ``result()`` before launching the next step."""
+        A :data:`PLACEHOLDER` token is the id ``previous`` (the step launched just before, possibly still running)
+        sampled for that request: it is copied on the device, so this step can be queued before that one ends.
+        Call ``previous.result()`` before launching the step after this one."""
         seqs = scheduled.sequences
         if not seqs:
             return PendingStep(())
         self._check_blocks(seqs)
+        fill = _placeholder_fill(seqs, previous)
         if self.graphs is not None and self.graphs.can_run(seqs):
             with torch.inference_mode():
-                logits, greedy = self.graphs.run(seqs)
+                logits, greedy = self.graphs.run(seqs, fill)
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
                 token_ids = greedy if self.sampler.plain_greedy(seqs) else self.sampler(logits, list(seqs))
             return PendingStep(seqs, token_ids)
@@ -121,6 +124,13 @@ class TorchModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         sampled = tuple(s for s in seqs if s.sample)
         with torch.inference_mode():
+            if fill is not None:  # positions of the placeholders in the flat input
+                starts = [0]
+                for s in seqs:
+                    starts.append(starts[-1] + len(s.token_ids))
+                rows, values = fill
+                at = torch.tensor([starts[i + 1] - 1 for i in rows], dtype=torch.int64).to(self.device)
+                input_ids.index_copy_(0, at, values.to(input_ids.dtype))
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             if not sampled:
                 return PendingStep(())
@@ -154,13 +164,31 @@ class TorchModelRunner:
                 )
 
 
+def _placeholder_fill(seqs: tuple[ScheduledSequence, ...], previous: PendingStep | None
+                      ) -> tuple[list[int], torch.Tensor] | None:
+    """For the sequences whose token is a :data:`PLACEHOLDER`: their indices in ``seqs`` and the ids ``previous``
+    sampled for them (a tensor on the device, in that order); None when there is none."""
+    rows = [i for i, s in enumerate(seqs) if s.token_ids and s.token_ids[-1] == PLACEHOLDER]
+    if not rows:
+        return None
+    if previous is None or previous.device_ids is None:
+        raise EngineError("a step has placeholder tokens but no previous step on the device to take them from")
+    src = [previous.row_of[seqs[i].request_id] for i in rows]
+    index = torch.tensor(src, dtype=torch.int64).to(previous.device_ids.device, non_blocking=True)
+    return rows, previous.device_ids.index_select(0, index)
+
+
 class PendingStep:
-    """A launched step's sampled ids: on CUDA an asynchronous copy to pinned host memory and its event."""
+    """A launched step's sampled ids: on CUDA an asynchronous copy to pinned host memory and its event;
+    ``device_ids`` and ``row_of`` (request id -> row) let the next step take them on the device."""
 
     def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None):
         self._ids = tuple(s.request_id for s in seqs)
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
+        self.device_ids = token_ids
+        self.row_of = {rid: i for i, rid in enumerate(self._ids)}
+        self._result: ModelRunnerOutput | None = None
         if token_ids is not None and token_ids.is_cuda:
             self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             self._host.copy_(token_ids, non_blocking=True)
@@ -169,8 +197,12 @@ class PendingStep:
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step; the sampled token of every sequence that samples."""
-        if self._host is None:
-            return ModelRunnerOutput()
-        if self._event is not None:
-            self._event.synchronize()  # releases the GIL while the GPU finishes
-        return ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, self._host.tolist(), strict=True)))
+        if self._result is None:
+            if self._host is None:
+                self._result = ModelRunnerOutput()
+            else:
+                if self._event is not None:
+                    self._event.synchronize()  # releases the GIL while the GPU finishes
+                ids = self._host.tolist()
+                self._result = ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, ids, strict=True)))
+        return self._result

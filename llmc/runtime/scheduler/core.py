@@ -17,9 +17,12 @@ not yet scheduled this step (lowest priority, then latest arrival; possibly the 
 preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue with
 ``num_computed = 0``, its generated tokens kept as part of the input to recompute.
 
-:meth:`update` applies the runner's sampled tokens. The engine decides when a request is done (stop
-tokens, stop strings, lengths) and calls :meth:`finish_request`; finish, abort and error all return
-every block.
+:meth:`update` applies the runner's sampled tokens. With a runner that queues steps on a GPU the engine
+plans step n + 1 before step n's tokens reach the host: :meth:`advance` applies step n with a placeholder per
+sampled token, and :meth:`fill` puts the tokens in place once they arrive. A request whose length limit is
+reached is never scheduled again; one that a stop token ends runs one more (discarded) row. The engine decides
+when a request is done (stop tokens, stop strings, lengths) and calls :meth:`finish_request`; finish, abort and
+error all return every block.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from llmc.engine.types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, is_decode
+from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput, is_decode
 from llmc.errors import RequestError
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.scheduler.queue import WaitingQueue
@@ -149,6 +152,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if request.num_tokens >= self._max_total(request):
+                continue  # its last token is sampled (a placeholder until the step ends): it ends on it
             n = min(request.num_remaining, budget)
             if self._reserve(request, n, planned_ids, preempted):
                 planned.append((request, n, request.num_computed + n == request.num_tokens))
@@ -198,6 +203,8 @@ class Scheduler:
             request = self.waiting.peek()
             if request is None:
                 break
+            if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+                break  # preempted while its last token was on the way: recompute once it is known
             tokens = request.all_token_ids
             if not bm.can_allocate(tokens):
                 break  # head-of-line: keep queue order rather than letting small requests overtake
@@ -226,7 +233,42 @@ class Scheduler:
             output_token_ids=tuple(request.output_token_ids),
         )
 
+    def _max_total(self, request: Request) -> int:
+        """Tokens (prompt + generated) at which the request ends by length."""
+        return min(len(request.prompt_token_ids) + request.params.max_new_tokens, self.max_model_len)
+
     # ----------------------------------------------------------------------------------------- update
+    def advance(self) -> list[tuple[Request, int]]:
+        """Apply the last :meth:`schedule` as if its step had run, before its tokens are known (the runner
+        launches the next step while this one runs): ``num_computed`` advances and each sampling request gets a
+        :data:`PLACEHOLDER` token at the end of its outputs. Returns the ticket :meth:`fill` takes with the step's
+        result. Requests finished or aborted meanwhile are skipped."""
+        ticket: list[tuple[Request, int]] = []
+        for request, n, sample in self._last_scheduled:
+            if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
+                continue
+            request.num_computed += n
+            self.block_manager.commit(request.request_id, request.num_computed)
+            if sample:
+                request.output_token_ids.append(PLACEHOLDER)
+                ticket.append((request, len(request.output_token_ids) - 1))
+        self._last_scheduled = []
+        return ticket
+
+    def fill(self, ticket: list[tuple[Request, int]], output: ModelRunnerOutput) -> dict[str, int]:
+        """Put a step's sampled tokens in place of the placeholders :meth:`advance` left; returns {request_id:
+        token} of the requests still live (running, or preempted since: their token is real and recomputed with
+        the rest). Requests finished or aborted meanwhile are skipped."""
+        new_tokens: dict[str, int] = {}
+        for request, index in ticket:
+            if self._requests.get(request.request_id) is not request:
+                continue
+            token = output.sampled_token_ids.get(request.request_id)
+            assert token is not None, f"runner returned no token for {request.request_id!r}"
+            request.output_token_ids[index] = int(token)
+            new_tokens[request.request_id] = int(token)
+        return new_tokens
+
     def update(self, output: ModelRunnerOutput) -> dict[str, int]:
         """Apply the last step's results: advance ``num_computed``, append sampled tokens.
 

@@ -145,7 +145,7 @@ def test_graph_decode_equals_eager_decode_and_leaves_other_blocks_alone(tmp_path
     assert graphed.kv_caches[0][0].shape[0] == 65  # the scratch block after the 64 managed ones
     calls = []
     run = graphed.graphs.run
-    graphed.graphs.run = lambda seqs: calls.append(len(seqs)) or run(seqs)
+    graphed.graphs.run = lambda seqs, fill=None: calls.append(len(seqs)) or run(seqs, fill)
     # Mixed lengths, staggered arrivals: decode batches of 1, 2 and 3 rows (padded to 1, 2 and 4).
     prompts = {"a": list(range(100, 137)), "b": list(range(300, 305)), "c": list(range(500, 550))}
     arrivals = {"a": 0, "b": 2, "c": 5}
@@ -158,3 +158,47 @@ def test_graph_decode_equals_eager_decode_and_leaves_other_blocks_alone(tmp_path
     untouched = [b for b in range(64) if b not in used]
     assert untouched and k_cache[untouched].abs().sum().item() == 0  # padding rows wrote only the scratch block
     assert k_cache[64].abs().sum().item() > 0
+
+
+@pytest.mark.gpu
+def test_graph_decode_takes_placeholder_tokens_from_the_previous_step_on_the_device(tmp_path):
+    """The engine launches decode step n + 1 before step n's tokens reach the host: the replayed graph's input
+    tokens come from step n's ids on the device, and the tokens equal those of steps launched with known values."""
+    from llmc.engine.torch.runner import TorchModelRunner
+    from llmc.engine.types import PLACEHOLDER, ScheduledSequence, SchedulerOutput
+
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    runner = TorchModelRunner(build, device="cuda", num_blocks=64)
+    prompts = {"a": tuple(range(100, 137)), "b": tuple(range(300, 305))}
+    blocks = {"a": (1, 2, 3, 4), "b": (5, 6)}
+    calls = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda seqs, fill=None: calls.append(fill is not None) or run(seqs, fill)
+
+    def decode(ahead: bool) -> dict[str, list[int]]:
+        first = runner.launch(SchedulerOutput(0, tuple(
+            ScheduledSequence(r, p, 0, blocks[r], True, GREEDY, prompt_token_ids=p) for r, p in prompts.items())))
+        out = {r: [t] for r, t in first.result().sampled_token_ids.items()}
+        pending, waiting = first, None
+        for step in range(1, 9):
+            seqs = tuple(ScheduledSequence(r, (PLACEHOLDER if ahead and step > 1 else out[r][-1],),
+                                           len(p) + step - 1, blocks[r], True, GREEDY, prompt_token_ids=p)
+                         for r, p in prompts.items())
+            pending = runner.launch(SchedulerOutput(step, seqs), previous=waiting if ahead else None)
+            if ahead:  # the step before is waited for only now, after this one was queued
+                if waiting is not None:
+                    for r, t in waiting.result().sampled_token_ids.items():
+                        out[r].append(t)
+                waiting = pending
+            else:
+                for r, t in pending.result().sampled_token_ids.items():
+                    out[r].append(t)
+        if ahead:
+            for r, t in waiting.result().sampled_token_ids.items():
+                out[r].append(t)
+        return out
+
+    known = decode(ahead=False)
+    assert not any(calls) and len(calls) == 8
+    assert decode(ahead=True) == known and sum(calls) == 7  # every graph step after the first took placeholders

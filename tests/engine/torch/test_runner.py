@@ -105,3 +105,30 @@ def test_load_runner_refuses_a_tensorrt_llm_build_with_the_way_to_open_it(build_
     (trt_build / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt_llm"}))
     with pytest.raises(EngineError, match="Engine.from_dir"):
         load_runner(trt_build)
+
+
+def test_a_placeholder_token_is_the_previous_steps_token_on_the_device(build_dir):
+    """A step launched before the previous one's tokens reached the host: its placeholder tokens are taken from
+    that step's ids on the device (here a mixed step: a decode with a placeholder next to a prefill chunk)."""
+    from llmc.engine.types import PLACEHOLDER
+
+    def steps(runner, placeholders: bool):
+        first = runner.launch(SchedulerOutput(step=0, sequences=(
+            ScheduledSequence("a", (5, 6, 7), 0, (1,), True, GREEDY, prompt_token_ids=(5, 6, 7)),
+            ScheduledSequence("b", (8, 9), 0, (2,), True, GREEDY, prompt_token_ids=(8, 9)))))
+        known = first.result().sampled_token_ids
+        token = {rid: (PLACEHOLDER if placeholders else t) for rid, t in known.items()}
+        second = runner.launch(SchedulerOutput(step=1, sequences=(
+            ScheduledSequence("c", (3, 4, 5, 6), 0, (3,), True, GREEDY, prompt_token_ids=(3, 4, 5, 6)),
+            ScheduledSequence("b", (token["b"],), 2, (2,), True, GREEDY, prompt_token_ids=(8, 9),
+                              output_token_ids=(token["b"],)),
+            ScheduledSequence("a", (token["a"],), 3, (1,), True, GREEDY, prompt_token_ids=(5, 6, 7),
+                              output_token_ids=(token["a"],)))), previous=first)
+        return known, second.result().sampled_token_ids
+
+    runner = TorchModelRunner(build_dir, num_blocks=8)
+    known, with_values = steps(runner, placeholders=False)
+    assert steps(runner, placeholders=True) == (known, with_values)
+    orphan = ScheduledSequence("a", (PLACEHOLDER,), 3, (1,), True, GREEDY, output_token_ids=(PLACEHOLDER,))
+    with pytest.raises(EngineError, match="placeholder"):
+        runner.execute(SchedulerOutput(step=2, sequences=(orphan,)))
