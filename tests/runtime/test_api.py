@@ -203,9 +203,9 @@ class FailingRunner:
 
 
 def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir):
-    """With an asynchronous runner step n + 1 is planned and launched before step n's tokens are waited for (its
-    decode tokens are placeholders the runner fills from step n), and step n's tokens become events while step
-    n + 1 runs. A request at its length limit is not planned again. Outputs equal the serial engine's, stop
+    """With an asynchronous runner a decode step n + 1 is planned and launched before step n's tokens are waited
+    for (its decode tokens are placeholders the runner fills from step n), and step n's tokens become events while
+    step n + 1 runs. A request at its length limit is not planned again. Outputs equal the serial engine's, stop
     strings included (a request they end computes one discarded row)."""
     serial, engine = make_engine(tiny_build_dir), make_engine(tiny_build_dir, overlap=True)
     assert engine.overlapped_steps and not serial.overlapped_steps
@@ -219,8 +219,11 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
     assert len(events) == 5 and events[-1][1].finished and len(launches) == 5  # no step after the last token
     for k, (position, event) in enumerate(events[:-1]):
         # token k was sampled by step launches[k]; its event follows the launch of the next step, which came
-        # before the engine waited for step launches[k] at all
-        assert runner.log.index(("launch", launches[k + 1])) < runner.log.index(("result", launches[k])) < position
+        # before the engine waited for step launches[k] at all, except after the prefill (the plan then waits
+        # for it, so that requests that arrived while it ran join the next step)
+        launched_next = runner.log.index(("launch", launches[k + 1]))
+        waited = runner.log.index(("result", launches[k]))
+        assert (waited < launched_next if k == 0 else launched_next < waited < position), k
     last_launch = runner.log.index(("launch", launches[-1]))
     assert events[-1][0] > last_launch and ("launch", launches[-1] + 1) not in runner.log
     assert_all_blocks_free(engine)
@@ -234,6 +237,29 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
         if p is stops:
             assert [c.finish_reason for c in got] == ["stop"] * 3
         assert_all_blocks_free(engine)
+
+
+def test_a_request_that_arrives_while_a_prefill_runs_joins_the_next_step(tiny_build_dir):
+    """Only decode steps are planned past: after a prefill the engine waits for it before planning, so a request
+    that arrived while it ran is in the very next step (not one prefill step later)."""
+    engine = make_engine(tiny_build_dir, overlap=True)
+    runner, launch, steps = engine.runner, engine.runner.launch, []
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def launch_and_watch(scheduled, previous=None):
+        pending = launch(scheduled, previous)
+        steps.append([s.request_id for s in scheduled.sequences])
+        if len(steps) == 1:  # "b" arrives while the first step (the prefill of "a") runs
+            result = pending.result
+            pending.result = lambda: engine.add_request("The capital of", params, request_id="b") and result()
+        return pending
+
+    runner.launch = launch_and_watch
+    engine.add_request("Once upon a time", params, request_id="a")
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert steps[0] == ["a"] and steps[1] == ["a", "b"]
+    assert_all_blocks_free(engine)
 
 
 def test_overlapped_steps_wait_for_token_values_while_a_request_uses_penalties(tiny_build_dir):
