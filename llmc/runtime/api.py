@@ -1,8 +1,8 @@
 """The Python API: ``Engine.from_dir(build_dir)`` -> ``generate`` / ``stream`` / ``astream`` / ``abort``.
 
 Each engine step (:mod:`llmc.runtime.step_cycle`) turns the scheduler's plan into a runner call and every new
-token into a :class:`StreamEvent` delivered to its request's sink; on CUDA a step's tokens are processed while
-the GPU runs the next step.
+token into a :class:`StreamEvent` delivered to its request's sink; on CUDA a decode step is planned and launched
+before the previous step's tokens reach the host, and those tokens are processed while the GPU runs it.
 
 Threading: request preparation (tokenization, chat templates, validation) runs in the caller's thread;
 scheduler state is guarded by one lock that is *not* held while the model runs, so callers can add and

@@ -4,7 +4,8 @@ One ``execute`` call runs one engine step: build the packed paged-attention meta
 under ``torch.inference_mode``, compute logits only for the sequences that sample this step, sample on the
 device and bring the sampled ids to the host with a single ``.tolist()``. On CUDA the step can also be split:
 ``launch`` queues the step's GPU work and the copy of its sampled ids to pinned host memory and returns at once;
-``PendingStep.result()`` waits for them (the engine processes the previous step's tokens in between).
+``PendingStep.result()`` waits for them (the engine plans and launches the next step in between, its placeholder
+tokens taken from this step's ids on the device, and processes this step's tokens while that one runs).
 """
 
 from __future__ import annotations
