@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None,
+                        help="number of decoder layers (default: the shape's; fewer make quick experiments of the "
+                             "same width)")
     parser.add_argument("--lm-head-scale", type=float, default=5.0,
                         help="multiply lm_head's random init so greedy decoding has clear winners (fewer bf16 ties)")
     args = parser.parse_args()
@@ -62,7 +65,12 @@ def main() -> None:
 
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="silu", **SHAPES[args.shape])
+    shape = dict(SHAPES[args.shape])
+    if args.layers is not None:
+        if args.layers < 1:
+            parser.error(f"--layers must be >= 1, got {args.layers}")
+        shape["num_hidden_layers"] = args.layers
+    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="silu", **shape)
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(dtype)

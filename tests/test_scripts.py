@@ -159,3 +159,16 @@ def test_host_steps_measures_the_engine_over_a_sleeping_runner(serial):
         assert level["itl_p50_ms"] >= 1.9 and level["tgs"] > 0
         assert level["step_p50_ms"] >= (2.0 if serial else 0.5)
         assert level["ttft_p50_ms"] >= 40 * 0.035  # the prompt's simulated prefill
+
+
+def test_make_random_llama_writes_the_shape_with_the_layers_asked_for(tmp_path):
+    """scripts/make_random_llama.py --layers: the shape's width with fewer layers (quick device experiments)."""
+    script = str(ROOT / "scripts" / "make_random_llama.py")
+    done = subprocess.run([sys.executable, script, "--shape", "tiny", "--layers", "1", "--out", str(tmp_path / "m"),
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == 128
+    bad = subprocess.run([sys.executable, script, "--shape", "tiny", "--layers", "0", "--out", str(tmp_path / "n"),
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--layers must be >= 1" in bad.stderr and not (tmp_path / "n").exists()
