@@ -12,9 +12,9 @@ between steps, and host work per step (scheduling, detokenizing, stop strings, w
 A request ended by a stop token or string computes one extra row in the next step, which is discarded; one that
 reaches its length limit is not scheduled again. Only decode steps are planned past: after a step with prompt
 tokens (tens to hundreds of milliseconds) the engine waits for it first, so requests that arrived while it ran
-join the very next step (planned ahead, they would wait a whole prefill step longer: TTFT p50 at concurrency 8 of
-the 8B model went 413 -> 567 ms on the H200 when every step was planned ahead). Penalties read earlier tokens'
-values: while a running request uses them, the engine waits for step n before planning step n + 1.
+join the very next step (planned ahead, they would wait a whole prefill step longer; waiting costs the GPU well
+under a millisecond next to such a step). Penalties read earlier tokens' values: while a running request uses
+them, the engine waits for step n before planning step n + 1.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
