@@ -17,7 +17,9 @@
 # A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
 # Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
-#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency), TUNE, SKIP_GPU_TESTS,
+#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency; default 16: with as many
+#        requests as streams a level's TTFT depends on when its threads add them relative to the first steps),
+#        REPEAT (repetitions per level, default 2, interleaved; TGS is the median one's), TUNE, SKIP_GPU_TESTS,
 #        SKIP_GREEDY, FP32_TWIN (also the float32 greedy check: 32 GB more disk), SKIP_BENCH, SKIP_HF,
 #        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), AWQ_BUILD, LLMC_GPU_WORK (where the models go; the
 #        random model, the bf16 build and its twin are reused when present).
@@ -139,8 +141,9 @@ bench() {  # bench NAME BUILD [EXTRA ARGS]: one llmc bench with the run's settin
   shift 2
   step "llmc bench $name (ISL ${ISL:-2048} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; prefix reuse off)"
   check "llmc bench $name" "$py" -m llmc.cli bench "$build" --device "$device" --isl "${ISL:-2048}" \
-    --osl "${OSL:-128}" --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-4}" --temperature 0 \
-    --warmup 2 --prefix-caching off --json "$out/bench_$name.json" --plots "$out/plots_$name" "$@"
+    --osl "${OSL:-128}" --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-16}" \
+    --repeat "${REPEAT:-2}" --temperature 0 --warmup 2 --prefix-caching off --json "$out/bench_$name.json" \
+    --plots "$out/plots_$name" "$@"
   # Distinct prompts and reuse off: not one prompt token may come from the prefix cache.
   check "bench $name: no prefix-cache hits" "$py" -c '
 import json, sys
