@@ -122,10 +122,10 @@ class StepCycle:
                 self._record_step(scheduled, start)
                 idle = not self.scheduler.has_unfinished()
             if pending is not None:
-                self._inflight = _Inflight(scheduled, pending, ticket)
-                if idle:  # every request of the step ended meanwhile: nothing will collect it
-                    events += self._collect(self._inflight)
-                    self._inflight = None
+                if idle:  # every request of the step ended meanwhile: nothing else would collect it
+                    events += self._collect(_Inflight(scheduled, pending, ticket))
+                else:
+                    self._inflight = _Inflight(scheduled, pending, ticket)
         except Exception as exc:
             log.exception("engine step failed")
             if inflight is not None:  # the launch failed: the previous step's tokens still reach their requests

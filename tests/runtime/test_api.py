@@ -237,6 +237,9 @@ def test_overlapped_steps_process_tokens_while_the_next_step_runs(tiny_build_dir
         if p is stops:
             assert [c.finish_reason for c in got] == ["stop"] * 3
         assert_all_blocks_free(engine)
+        # idle: every launched step was waited for (also the last one, whose rows all belonged to finished requests)
+        kinds = [entry[0] for entry in runner.log]
+        assert kinds.count("launch") == kinds.count("result")
 
 
 def test_a_request_that_arrives_while_a_prefill_runs_joins_the_next_step(tiny_build_dir):
