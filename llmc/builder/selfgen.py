@@ -105,7 +105,7 @@ def open_generator(source: Any, recipe: Any, folder: Path, device: torch.device)
     """
     from llmc import manifest as mf
     from llmc.builder.export import export_checkpoint
-    from llmc.builder.pipeline import export_tokenizer, make_manifest
+    from llmc.builder.build_files import export_tokenizer, make_manifest
     from llmc.engine.base import compile_engine
     from llmc.runtime.api import Engine
 
