@@ -94,13 +94,6 @@ class RequestOutput:
         self.sink = sink
         self.num_generated = 0
 
-    def ends_on(self, token_id: int) -> bool:
-        """Whether :meth:`on_token` will finish the request on this next token by a stop id or the length limit
-        (stop strings need the text: not known here)."""
-        n = self.num_generated + 1
-        return (check_stop_token(token_id, n, self.params, self.eos_token_ids)
-                or self.num_prompt + n >= self.max_total)
-
     def on_token(self, token_id: int, now: float) -> StreamEvent:
         """Process one sampled token: returns its event (finished when a stop or a length limit hit)."""
         self.num_generated += 1

@@ -12,6 +12,7 @@ import torch
 
 from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
+from tests.runtime.scheduler_helpers import resolve_placeholders
 
 TINY_LIMITS = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 32}
 SMOLLM2_LIMITS = {"max_batch_size": 8, "max_input_len": 256, "max_seq_len": 512, "max_num_tokens": 48}
@@ -67,25 +68,11 @@ class LazyStepRunner:
             def result(self):
                 if self._result is None:
                     log.append(("result", scheduled.step))
-                    self._result = runner.execute(resolve_placeholders(scheduled, previous))
+                    done = previous.result() if previous is not None else None
+                    self._result = runner.execute(resolve_placeholders(scheduled, done))
                 return self._result
 
         return Pending()
-
-
-def resolve_placeholders(scheduled, previous):
-    """``scheduled`` with each placeholder token replaced by what ``previous`` sampled for that request (what the
-    CUDA runner does on the device)."""
-    from llmc.engine.types import PLACEHOLDER
-
-    seqs = []
-    for s in scheduled.sequences:
-        if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
-            token = previous.result().sampled_token_ids[s.request_id]
-            s = dataclasses.replace(s, token_ids=s.token_ids[:-1] + (token,),
-                                    output_token_ids=s.output_token_ids[:-1] + (token,))
-        seqs.append(s)
-    return dataclasses.replace(scheduled, sequences=tuple(seqs))
 
 
 def make_engine(build_dir: Path, num_blocks: int | None = None, max_wait_s: float | None = None,

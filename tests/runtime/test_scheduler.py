@@ -3,72 +3,16 @@ preemption by recompute, abort; driven by a fake clock and a fake runner that ch
 
 from __future__ import annotations
 
-import dataclasses
-import random
 import subprocess
 import sys
 
 import pytest
 
-from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from llmc.errors import QueueFullError, RequestError
 from llmc.request.params import SamplingParams
-from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.scheduler import Request, RequestStatus, Scheduler
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def next_token(tokens: list[int]) -> int:
-    """A deterministic 'model': the next token depends on the whole context."""
-    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % 50 + 100
-
-
-class SlotRunner:
-    """Fake model runner with a simulated paged KV cache.
-
-    It writes each new token to its slot and, before sampling, reads the context back through the block
-    table: a wrong block table, a skipped prefill chunk or a bad prefix-cache hit shows up as a mismatch.
-    """
-
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self.slots: dict[int, int] = {}
-
-    def _slot(self, block_ids: tuple[int, ...], pos: int) -> int:
-        return block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = {}
-        for s in out.sequences:
-            for i, t in enumerate(s.token_ids):
-                self.slots[self._slot(s.block_ids, s.num_computed + i)] = t
-        for s in out.sequences:
-            total = s.num_computed + len(s.token_ids)
-            ctx = [self.slots[self._slot(s.block_ids, p)] for p in range(total)]
-            assert ctx == list(s.prompt_token_ids + s.output_token_ids)[:total], s.request_id
-            if s.sample:
-                assert total == len(s.prompt_token_ids) + len(s.output_token_ids)
-                sampled[s.request_id] = next_token(ctx)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
-
-
-def make_request(rid: str, prompt, max_new: int = 4, priority: int = 0) -> Request:
-    prompt = tuple(range(1, prompt + 1)) if isinstance(prompt, int) else tuple(prompt)
-    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new, temperature=0.0), priority=priority)
-
-
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_tokens=32, max_model_len=256,
-                   max_queue_size=16, max_wait_s=None, clock=None, prefix=True, max_mixed_tokens=None) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, max_num_seqs, max_num_tokens, max_model_len, max_queue_size, max_wait_s,
-                     clock or FakeClock(), max_mixed_tokens=max_mixed_tokens)
+from tests.runtime.scheduler_helpers import (FakeClock, SlotRunner, make_request, make_scheduler, next_token,
+                                             random_arrivals)
 
 
 def reference(prompt: tuple[int, ...], max_new: int) -> list[int]:
@@ -110,17 +54,6 @@ def check_against_reference(result: dict, arrivals: dict[int, list[Request]]) ->
     for rs in arrivals.values():
         for r in rs:
             assert result["outputs"][r.request_id] == reference(r.prompt_token_ids, r.params.max_new_tokens)
-
-
-def random_arrivals(seed: int, n: int, shared_prefix: int = 0) -> dict[int, list[Request]]:
-    rng = random.Random(seed)
-    prefix = tuple(rng.randrange(1, 90) for _ in range(shared_prefix))
-    arrivals: dict[int, list[Request]] = {}
-    for i in range(n):
-        prompt = prefix + tuple(rng.randrange(1, 90) for _ in range(rng.randint(1, 40)))
-        req = make_request(f"r{i}", prompt, max_new=rng.randint(1, 12), priority=rng.choice([0, 0, 1]))
-        arrivals.setdefault(rng.randint(0, 20), []).append(req)
-    return arrivals
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -316,132 +249,3 @@ def test_token_slice_equals_slicing_the_whole_sequence():
     for start in range(len(whole) + 1):
         for end in range(start, len(whole) + 2):
             assert request.token_slice(start, end) == whole[start:end], (start, end)
-
-
-# ------------------------------------------------------------------ planning a step ahead (asynchronous runners)
-def stops_on(token: int) -> bool:
-    """A stand-in stop id rule: known only once the token's value is (after the next step was planned)."""
-    return token % 7 == 0
-
-
-def resolve(out: SchedulerOutput, previous: ModelRunnerOutput | None) -> SchedulerOutput:
-    """What the GPU runner does with placeholders: the previous step's token of that request."""
-    seqs = []
-    for s in out.sequences:
-        if s.token_ids[-1:] == (PLACEHOLDER,):
-            token = previous.sampled_token_ids[s.request_id]
-            s = dataclasses.replace(s, token_ids=s.token_ids[:-1] + (token,),
-                                    output_token_ids=s.output_token_ids[:-1] + (token,))
-        seqs.append(s)
-    return dataclasses.replace(out, sequences=tuple(seqs))
-
-
-def drive_ahead(sched: Scheduler, arrivals: dict[int, list[Request]], stop=stops_on, max_steps: int = 500) -> dict:
-    """The engine's asynchronous loop: plan step n + 1 (step n's tokens are placeholders), "launch" it, then fill
-    step n's tokens and finish requests (length or ``stop``), then advance step n + 1."""
-    runner = SlotRunner(sched.block_manager.block_size)
-    outputs: dict[str, list[int]] = {}
-    stats = {"preemptions": 0, "wasted_rows": 0, "placeholder_rows": 0}
-    requests = {r.request_id: r for rs in arrivals.values() for r in rs}
-    inflight = None  # (ticket, result) of the launched step whose tokens are not filled yet
-    for step in range(max_steps):
-        for r in arrivals.get(step, []):
-            sched.add(r)
-        if not sched.has_unfinished() and inflight is None and step > max(arrivals):
-            break
-        out = sched.schedule()
-        stats["preemptions"] += len(out.preempted_request_ids)
-        stats["placeholder_rows"] += sum(1 for s in out.sequences if s.token_ids[-1:] == (PLACEHOLDER,))
-        result = runner.execute(resolve(out, inflight[1] if inflight else None))
-        if inflight is not None:
-            for rid, token in sched.fill(*inflight).items():
-                req = requests[rid]
-                assert PLACEHOLDER not in req.output_token_ids[:-1]  # only the newest token may be pending
-                if len(req.output_token_ids) >= req.params.max_new_tokens or stop(token):
-                    outputs[rid] = list(req.output_token_ids)
-                    stats["wasted_rows"] += any(s.request_id == rid for s in out.sequences)
-                    sched.finish_request(rid)
-        inflight = (sched.advance(), result)
-        if not out.sequences:
-            inflight = None
-    assert not sched.has_unfinished()
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
-    return {"outputs": outputs, **stats}
-
-
-def reference_until_stop(prompt: tuple[int, ...], max_new: int, stop=stops_on) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_new):
-        tokens.append(next_token(tokens))
-        if stop(tokens[-1]):
-            break
-    return tokens[len(prompt):]
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("kind", ["plain", "tiny cache", "shared prefix"])
-def test_planning_a_step_ahead_matches_the_serial_reference(seed, kind):
-    """Step n + 1 is planned before step n's tokens are known (placeholders) and the outputs stay exact: the runner's
-    context check sees every token where it belongs, across preemption by recompute and prefix-cache hits. A
-    request ended by a stop token runs one discarded row; one at its length limit is never planned again."""
-    if kind == "tiny cache":
-        arrivals = random_arrivals(seed + 3, 10)
-        sched = make_scheduler(num_blocks=13, block_size=4, max_num_tokens=24, max_num_seqs=6)
-    elif kind == "shared prefix":
-        arrivals = {2 * k: v for k, v in random_arrivals(seed + 5, 8, shared_prefix=13).items()}
-        sched = make_scheduler(max_num_tokens=64)
-    else:
-        arrivals = random_arrivals(seed, 12)
-        sched = make_scheduler(max_num_tokens=16, max_num_seqs=4)
-    result = drive_ahead(sched, arrivals)
-    assert result["placeholder_rows"] > 0 and result["wasted_rows"] > 0
-    if kind == "tiny cache":
-        assert result["preemptions"] > 0
-    for rs in arrivals.values():
-        for r in rs:
-            assert result["outputs"][r.request_id] == reference_until_stop(r.prompt_token_ids, r.params.max_new_tokens)
-
-
-def test_a_request_at_its_length_limit_is_not_planned_again():
-    sched = make_scheduler()
-    runner = SlotRunner(4)
-    sched.add(make_request("a", 5, max_new=2))
-    sched.add(make_request("b", 5, max_new=3))
-    first = runner.execute(sched.schedule())
-    ticket = sched.advance()  # both sampled their first token: placeholders
-    assert [r.output_token_ids for r, _ in ticket] == [[PLACEHOLDER], [PLACEHOLDER]]
-    out = sched.schedule()
-    assert [(s.request_id, s.token_ids) for s in out.sequences] == [("a", (PLACEHOLDER,)), ("b", (PLACEHOLDER,))]
-    second = runner.execute(resolve(out, first))
-    assert sched.fill(ticket, first) == first.sampled_token_ids
-    ticket = sched.advance()
-    out = sched.schedule()  # "a" has 2 of 2 tokens (the second a placeholder): only "b" runs
-    assert [s.request_id for s in out.sequences] == ["b"]
-    assert sched.get("a").output_token_ids == [first.sampled_token_ids["a"], PLACEHOLDER]
-    sched.fill(ticket, second)
-    assert PLACEHOLDER not in sched.get("a").output_token_ids + sched.get("b").output_token_ids
-
-
-def test_fill_skips_finished_requests_and_reaches_preempted_ones():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_num_tokens=64, prefix=False)
-    runner = SlotRunner(4)
-    sched.add(make_request("first", 7, max_new=9))
-    sched.add(make_request("second", range(11, 18), max_new=9))
-    previous, ticket, out = None, None, None
-    for _ in range(6):  # plan ahead until "second" is preempted with a token on the way
-        out = sched.schedule()
-        result = runner.execute(resolve(out, previous))
-        if out.preempted_request_ids:
-            break
-        if ticket is not None:
-            sched.fill(ticket, previous)
-        ticket, previous = sched.advance(), result
-    assert out.preempted_request_ids == ("second",)
-    victim = sched.get("second")
-    assert victim.status is RequestStatus.WAITING and victim.output_token_ids[-1] == PLACEHOLDER
-    sched.finish_request("first")
-    assert sched.schedule().sequences == ()  # not recomputed while its last token is unknown
-    new = sched.fill(ticket, previous)  # "first" finished meanwhile: skipped; "second" gets its token
-    assert set(new) == {"second"} and PLACEHOLDER not in victim.output_token_ids
-    (s,) = sched.schedule().sequences
-    assert s.request_id == "second" and s.token_ids == tuple(range(11, 18)) + tuple(victim.output_token_ids)

@@ -10,6 +10,7 @@ tokens taken from this step's ids on the device, and processes this step's token
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -125,12 +126,10 @@ class TorchModelRunner:
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         sampled = tuple(s for s in seqs if s.sample)
         with torch.inference_mode():
-            if fill is not None:  # positions of the placeholders in the flat input
-                starts = [0]
-                for s in seqs:
-                    starts.append(starts[-1] + len(s.token_ids))
+            if fill is not None:  # a placeholder is its sequence's last token in the flat input
                 rows, values = fill
-                at = torch.tensor([starts[i + 1] - 1 for i in rows], dtype=torch.int64).to(self.device)
+                ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
+                at = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.int64).to(self.device)
                 input_ids.index_copy_(0, at, values.to(input_ids.dtype))
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             if not sampled:

@@ -270,20 +270,9 @@ class Scheduler:
         return new_tokens
 
     def update(self, output: ModelRunnerOutput) -> dict[str, int]:
-        """Apply the last step's results: advance ``num_computed``, append sampled tokens.
+        """Apply the last step's results: advance ``num_computed``, append sampled tokens (:meth:`advance`, then
+        :meth:`fill` at once).
 
         Returns {request_id: new token} for the live requests that sampled. Requests finished or aborted
         while the step ran are skipped."""
-        new_tokens: dict[str, int] = {}
-        for request, n, sample in self._last_scheduled:
-            if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
-                continue
-            request.num_computed += n
-            self.block_manager.commit(request.request_id, request.num_computed)
-            if sample:
-                token = output.sampled_token_ids.get(request.request_id)
-                assert token is not None, f"runner returned no token for {request.request_id!r}"
-                request.output_token_ids.append(int(token))
-                new_tokens[request.request_id] = int(token)
-        self._last_scheduled = []
-        return new_tokens
+        return self.fill(self.advance(), output)
