@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.engine.torch.triton_support import pow2_at_least
+from llmc.engine.torch.triton_support import early_launch, pow2_at_least
 
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, stride_o, eps,
-                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
     """One row per program: (h += a); out = w * round(h * rsqrt(mean(h^2) + eps))."""
+    if EARLY_LAUNCH:  # the int4 kernel after this one may start loading its weights (it waits for our output)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -94,7 +96,8 @@ def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: fl
     if rows:
         _add_rms_norm_kernel[(rows,)](h, a if a is not None else h, weight, out, width, h.stride(0),
                                      a.stride(0) if a is not None else 0, out.stride(0), eps,
-                                     HAS_ADD=a is not None, BLOCK=pow2_at_least(width), num_warps=4)
+                                     HAS_ADD=a is not None, BLOCK=pow2_at_least(width),
+                                     EARLY_LAUNCH=early_launch(h.device), num_warps=4)
     return out
 
 

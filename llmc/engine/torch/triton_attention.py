@@ -104,10 +104,12 @@ def _kernel():
 def _combine_kernel():
     triton, tl = triton_support.modules()
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def paged_decode_combine(acc_ptr, ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                             HEAD: tl.constexpr, SPLITS_P: tl.constexpr):
+                             HEAD: tl.constexpr, SPLITS_P: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
         """One program per (sequence, head): out = sum_s acc_s w_s / sum_s l_s w_s, w_s = exp(m_s - max m)."""
+        if EARLY_LAUNCH:  # the int4 o projection after this may start loading its weights (it waits for out)
+            tl.extra.cuda.gdc_launch_dependents()
         seq, head = tl.program_id(0), tl.program_id(1)
         row0 = (seq * tl.num_programs(1) + head) * num_splits
         s, d = tl.arange(0, SPLITS_P), tl.arange(0, HEAD)
@@ -129,7 +131,8 @@ def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> t
     out = torch.empty(d, nh, head, dtype=dtype, device=acc.device)
     if d:
         _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
-                                   SPLITS_P=max(2, _next_pow2(splits)))
+                                   SPLITS_P=max(2, _next_pow2(splits)),
+                                   EARLY_LAUNCH=triton_support.early_launch(acc.device))
     return out
 
 

@@ -43,3 +43,16 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
     """The smallest power of two >= max(n, floor)."""
     n = max(n, floor)
     return 1 << (n - 1).bit_length()
+
+
+@functools.cache
+def early_launch(device) -> bool:
+    """Whether the Triton kernels that come right before an int4 CUDA kernel in a step (the norms, the attention
+    merge) let it start its blocks early (``griddepcontrol.launch_dependents``, sm_90+): where llmc's CUDA int4
+    kernels launch with programmatic dependent launch (:func:`llmc.engine.torch.cuda_ext.pdl`) and this Triton has
+    the instruction. The int4 kernel waits for them before it reads their output, so the result is the same."""
+    from llmc.engine.torch import cuda_ext  # a leaf module of the same package, imported only on CUDA
+
+    if interpreting() or modules() is None or getattr(device, "type", device) != "cuda":
+        return False
+    return hasattr(modules()[1].extra.cuda, "gdc_launch_dependents") and cuda_ext.pdl(device) > 0

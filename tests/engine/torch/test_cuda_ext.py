@@ -65,3 +65,49 @@ def test_the_real_source_compiles_for_hopper_where_nvcc_is_installed(tmp_path, m
     lib = ctypes.CDLL(str(lib_path))
     assert lib.llmc_w4a16_abi_version() == cuda_ext.ABI_VERSION
     assert os.path.getsize(lib_path) > 100_000  # the kernels of every config were compiled in
+
+
+def test_programmatic_dependent_launch_is_on_for_hopper_unless_turned_off(monkeypatch):
+    import torch
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    cuda_ext.pdl.cache_clear()
+    try:
+        assert cuda_ext.pdl(0) == 2  # the next kernel may start once each block's loads are done
+        monkeypatch.setenv(cuda_ext.PDL_ENV, "early")
+        cuda_ext.pdl.cache_clear()
+        assert cuda_ext.pdl(0) == 1
+        capability["value"] = (8, 0)  # Ampere has no griddepcontrol
+        cuda_ext.pdl.cache_clear()
+        assert cuda_ext.pdl(0) == 0
+        capability["value"] = (9, 0)
+        monkeypatch.setenv(cuda_ext.PDL_ENV, "0")
+        cuda_ext.pdl.cache_clear()
+        assert cuda_ext.pdl(0) == 0
+    finally:
+        cuda_ext.pdl.cache_clear()
+
+
+def test_triton_kernels_before_an_int4_kernel_let_it_start_early_only_where_it_launches_so(monkeypatch):
+    import torch
+
+    from llmc.engine.torch import triton_support
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+    try:
+        for env, expected in (("late", True), ("early", True), ("0", False)):
+            monkeypatch.setenv(cuda_ext.PDL_ENV, env)
+            cuda_ext.pdl.cache_clear()
+            triton_support.early_launch.cache_clear()
+            assert triton_support.early_launch(cuda) is expected, env
+        assert triton_support.early_launch(torch.device("cpu")) is False
+        monkeypatch.setenv(cuda_ext.PDL_ENV, "late")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter has no griddepcontrol
+        triton_support.early_launch.cache_clear()
+        assert triton_support.early_launch(cuda) is False
+    finally:
+        cuda_ext.pdl.cache_clear()
+        triton_support.early_launch.cache_clear()

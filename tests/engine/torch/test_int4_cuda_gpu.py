@@ -218,3 +218,52 @@ def test_int4_decode_steps_replayed_from_cuda_graphs_equal_eager(smollm2_w4a16_i
         del runner
         torch.cuda.empty_cache()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_without_early_launch(rows, monkeypatch):
+    """Each int4 kernel's blocks start while the previous kernel finishes (programmatic dependent launch) and wait
+    for it before reading its output: a chain of layers, each reading the last one's output, replayed from a CUDA
+    graph with fresh inputs, gives the bits of plain launches."""
+    from llmc.engine.torch import cuda_ext
+
+    assert cuda_ext.load() is not None, cuda_ext.status()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    n = k = 4096
+    gen = torch.Generator().manual_seed(7)
+    scratch = Scratch(torch.bfloat16, torch.device("cuda"))
+    layers = []
+    for _ in range(6):
+        q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+        scales = (torch.rand(n, k // 128, generator=gen) * 0.004 + 0.001).bfloat16()
+        pq = (torch.rand(k, generator=gen) + 0.5).bfloat16()
+        layers.append(Int4CudaLinear.from_ir([(pack_int4(q).cuda(), scales.cuda())], pq.cuda(), 128, scratch))
+
+    def chain(x):  # int4 kernels after a torch kernel and right after each other
+        for i, layer in enumerate(layers):
+            x = layer(x)
+            x = x * 0.5 if i % 2 else x
+        return x
+
+    inputs = [torch.randn(rows, k, generator=gen).bfloat16().cuda() for _ in range(4)]
+    results = {}
+    for pdl in ("0", "early", "late"):
+        monkeypatch.setenv(cuda_ext.PDL_ENV, pdl)
+        cuda_ext.pdl.cache_clear()
+        static = inputs[0].clone()
+        chain(static)  # warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(static)
+        got = []
+        for x in inputs:
+            static.copy_(x)
+            graph.replay()
+            got.append(out.clone())
+        results[pdl] = got
+    cuda_ext.pdl.cache_clear()
+    eager = [chain(x) for x in inputs]
+    for plain, early, late, ref in zip(results["0"], results["early"], results["late"], eager):
+        assert torch.isfinite(plain).all()
+        assert torch.equal(plain, early) and torch.equal(plain, late) and torch.equal(plain, ref)

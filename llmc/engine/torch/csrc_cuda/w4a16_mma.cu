@@ -118,6 +118,21 @@ __device__ __forceinline__ uint32_t ld_shared4(unsigned addr) {
   return r;
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before it, and on a plain launch): ``wait_prior_grid`` returns once
+// the previous kernel of the stream has finished and its writes are visible; ``allow_next_grid`` lets a kernel
+// launched after this one with programmatic serialization start its blocks (which then wait in turn).
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 template <int N>
@@ -236,8 +251,11 @@ template <typename T, int MT, int NT, int WARPS, int STAGES>
 __global__ void __launch_bounds__(WARPS * 32)
 w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
                   const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
-                  int silu_out) {
+                  int silu_out, int late_trigger) {
   extern __shared__ uint4 smem[];
+  // a kernel launched after this one with programmatic serialization may start its blocks: now, or once this
+  // block's loads are done (late_trigger)
+  if (!late_trigger) allow_next_grid();
   constexpr int WSLOT = NT * 40;        // uint4s of a slot's weight words and scale pairs
   constexpr int SLOT = WSLOT + MT * 64;  // + its activations
   const int nt0 = blockIdx.y * NT, row0 = blockIdx.x * (8 * MT);
@@ -266,15 +284,21 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const unsigned ring = base + warp * (STAGES * SLOT * 16);
   const unsigned wsh = ring + lane * 16, ssh = ring + NT * 32 * 16 + lane * 4, xsh = ring + WSLOT * 16 + lane * 16;
-  int left = count;  // tiles not yet requested
-  auto request = [&](int j) {
-    const bool more = left > 0;
+  // Requests of tile ``i`` into slot j (zero bytes past the warp's last tile): the weight words and scale pairs,
+  // then the activations; each moves its own pointers on by one tile of the warp.
+  auto request_weights = [&](int j, int i) {
+    const bool more = i < count;
     const unsigned wbytes = more ? 16u : 0u, sbytes = more ? 4u : 0u;
 #pragma unroll
     for (int c = 0; c < NT; ++c) {
       cp_async16(wsh + 16 * (j * SLOT + 32 * c), wreq + c * wcol, wbytes);
       cp_async4(ssh + 16 * j * SLOT + 4 * 32 * c, sreq + c * scol, sbytes);
     }
+    wreq += WARPS * 32;
+    sreq += sstep;
+  };
+  auto request_inputs = [&](int j, int i) {
+    const bool more = i < count;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       const unsigned bytes = more ? xbytes[mt] : 0u;
@@ -282,10 +306,6 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
       cp_async16_ca(xsh + 16 * (j * SLOT + 64 * mt + 32), xreq[mt] + 1, bytes);
       xreq[mt] += WARPS * 8;
     }
-    wreq += WARPS * 32;
-    sreq += sstep;
-    --left;
-    cp_async_commit();
   };
   // AWQ's input scale, whole, behind the ring (its own commit group, the oldest).
   const bool has_prequant = prequant != nullptr;
@@ -297,9 +317,18 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
     cp_async_commit();
   }
   // One commit group per tile (empty past the warp's last tile), so "tile i has landed" is always
-  // cp.async.wait_group(STAGES - 1) after tile i + STAGES - 1 was requested.
+  // cp.async.wait_group(STAGES - 1) after tile i + STAGES - 1 was requested. The first STAGES - 1 tiles' weights
+  // do not depend on the previous kernel: they are requested before waiting for it (launched with programmatic
+  // serialization, this kernel's blocks start while the previous one finishes), the activations only after.
+  // Nothing is written to global memory before the wait either. The first group holds those weights too.
 #pragma unroll
-  for (int j = 0; j < STAGES - 1; ++j) request(j);
+  for (int j = 0; j < STAGES - 1; ++j) request_weights(j, j);
+  wait_prior_grid();
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    request_inputs(j, j);
+    cp_async_commit();
+  }
   if (has_prequant) {  // every thread's share of the input scale has landed, then the block sees all of it
     cp_async_wait<STAGES - 1>();
     __syncthreads();
@@ -318,7 +347,9 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
     for (int j = 0; j < STAGES; ++j) {  // tile i = i0 + j: slot j
       const int i = i0 + j;
       if (i >= count) break;
-      request((j + STAGES - 1) % STAGES);
+      request_weights((j + STAGES - 1) % STAGES, i + STAGES - 1);
+      request_inputs((j + STAGES - 1) % STAGES, i + STAGES - 1);
+      cp_async_commit();
       cp_async_wait<STAGES - 1>();
       uint4 wq[NT];
       uint32_t sc[NT];
@@ -342,6 +373,7 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
   }
 
   cp_async_wait<0>();
+  if (late_trigger) allow_next_grid();
   __syncthreads();  // every warp is done with its ring: the shared memory now holds the partial sums
   float* partial = reinterpret_cast<float*>(smem);
 #pragma unroll
@@ -422,15 +454,32 @@ w4a16_mma_dequant_kernel(const uint4* __restrict__ w, const uint32_t* __restrict
   }
 }
 
-// Launches on ``stream`` (more than 48 KB of dynamic shared memory must be allowed per kernel first).
-template <typename Kernel, typename... Args>
-int launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, Args... args) {
+// Launches on ``stream`` (more than 48 KB of dynamic shared memory must be allowed per kernel first). ``pdl``:
+// with programmatic stream serialization (sm_90+), so the kernel's blocks may start before the previous kernel of
+// the stream has finished; the kernel must then wait for it (wait_prior_grid) before it reads that kernel's output
+// or writes anything. CUDA graphs capture the launch with a programmatic edge.
+template <typename... Params, typename... Args>
+int launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool pdl,
+           Args... args) {
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kernel<<<grid, threads, smem, stream>>>(args...);
-  return static_cast<int>(cudaGetLastError());
+  if (!pdl) {
+    kernel<<<grid, threads, smem, stream>>>(args...);
+    return static_cast<int>(cudaGetLastError());
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
 }
 
 constexpr int kMaxSmem = 200 * 1024;  // dynamic shared memory a pipe config's ring may take
@@ -439,6 +488,7 @@ constexpr int kMaxBlockSmem = 227 * 1024;  // what the H100/H200 allow a block (
 struct Call {
   const void* x; int ldx; const void* w; const void* scales; const void* prequant; void* y; int ldy;
   int rows, n, k, group_shift, silu_out;
+  int pdl;  // 0: plain launch; 1: programmatic, dependents may start at once; 2: once each block's loads are done
   cudaStream_t stream;
 };
 
@@ -452,10 +502,10 @@ int launch_t(const Call& a) {
     const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);  // + the input scale
     if ((a.n / 16) % NT || total > kMaxBlockSmem) return -1;
     const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
-    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, total, a.stream,
+    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, total, a.stream, a.pdl != 0,
                   static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
                   static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
-                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out);
+                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out, a.pdl == 2 ? 1 : 0);
   }
 }
 
@@ -506,12 +556,15 @@ extern "C" {
 // y [rows, n] (or [rows, n/2] with silu_out) = x [rows, k] (row stride ldx, 16-byte aligned) times the packed
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
 // per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
-// (the depth of each warp's cp.async ring). Returns 0 or a CUDA error code (-1: an unsupported config).
+// (the depth of each warp's cp.async ring). pdl: launch with programmatic stream serialization (sm_90+): the
+// kernel's first weight requests overlap the end of the previous kernel (1: the next kernel may start its blocks
+// at once, 2: once every block of this one has its loads done; 0: a plain launch). Returns 0 or a CUDA error code
+// (-1: an unsupported config).
 int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                    const void* w, const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k,
-                   int group_size, int silu_out, void* stream) {
+                   int group_size, int silu_out, int pdl, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
-  const Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, silu_out,
+  const Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, silu_out, pdl,
                   static_cast<cudaStream_t>(stream)};
   return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
                     : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
@@ -526,13 +579,13 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
   const uint4* words = static_cast<const uint4*>(w);
   const uint32_t* pairs = static_cast<const uint32_t*>(scales);
   if (dtype == 0) {
-    return launch(w4a16_mma_dequant_kernel<__nv_bfloat16>, grid, 128, 0, s, words, pairs,
+    return launch(w4a16_mma_dequant_kernel<__nv_bfloat16>, grid, 128, 0, s, false, words, pairs,
                   static_cast<const __nv_bfloat16*>(prequant), static_cast<__nv_bfloat16*>(out), n, k, shift, halves);
   }
-  return launch(w4a16_mma_dequant_kernel<__half>, grid, 128, 0, s, words, pairs,
+  return launch(w4a16_mma_dequant_kernel<__half>, grid, 128, 0, s, false, words, pairs,
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 6; }
+int llmc_w4a16_abi_version() { return 7; }
 
 }  // extern "C"
