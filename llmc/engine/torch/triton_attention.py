@@ -56,7 +56,9 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
 def _kernel():
     triton, tl = triton_support.modules()
 
-    @triton.jit
+    # The step's split count and block-table width change with its batch and contexts: not specialized on (Triton
+    # would compile a variant per divisibility class of each, in the middle of serving, on a fresh machine).
+    @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
     def paged_decode(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
