@@ -144,10 +144,16 @@ def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
     return sorted({g.name for g in gpus} & set(tuned_device_names()))
 
 
-def int4_cuda_path(why_not: str | None) -> str:
-    """Which W4A16 kernels a CUDA GPU gets: llmc's CUDA kernels, or the Triton ones and why."""
+def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
+    """Which W4A16 kernels a CUDA GPU (of compute capability ``sm``, e.g. 90) gets: llmc's CUDA kernels, and how
+    they launch, or the Triton ones and why."""
     if why_not is None:
-        return "llmc's CUDA tensor-core kernels (built once with nvcc, then cached)"
+        from llmc.engine.torch.cuda_ext import PDL_ENV, PDL_MODES, pdl_mode
+
+        mode = pdl_mode(sm // 10)
+        launch = (f"; programmatic dependent launch ({PDL_MODES[mode]}; {PDL_ENV}=0 turns it off)" if mode else
+                  "; plain launches" + ("" if sm < 90 else f" ({PDL_ENV}=0)"))
+        return f"llmc's CUDA tensor-core kernels (built once with nvcc, then cached{launch})"
     return f"llmc's Triton W4A16 kernels ({why_not})"
 
 
@@ -160,7 +166,7 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
                          f"kernels in CUDA graphs; AWQ int4 (W4A16), weights kept packed: "
-                         f"{int4_cuda_path(cuda_int4_why_not)} "
+                         f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
                          "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "

@@ -65,7 +65,8 @@ def test_tensorrt_llm_usable_on_hopper_with_1_2():
     assert trt.usable and trt.detail == "TensorRT-LLM 1.2.0 on NVIDIA H100 80GB HBM3 (SM90)"
 
 
-def test_cuda_decode_and_int4_paths_named_by_triton_presence():
+def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
+    monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
     assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
         in with_triton.detail
@@ -77,7 +78,8 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence():
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
     assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels (built "
-                                 "once with nvcc, then cached) (tuned for NVIDIA H200)")
+                                 "once with nvcc, then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 "
+                                 "turns it off)) (tuned for NVIDIA H200)")
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail
@@ -116,3 +118,15 @@ def test_doctor_text_names_the_cpu_path():
     assert "  prefill (16-bit and AWQ checkpoints): float32 GEMMs (this CPU has no AVX512-BF16)" in text
     bf16 = CpuInfo("EPYC", 2, "AVX512", True, "llmc's AVX-512 kernels", "bfloat16 GEMMs ...")
     assert "CPU: EPYC, 2 cores, AVX512 with AVX512-BF16" in format_report(DoctorReport((), bf16, None, None, {}, {}, ()))
+
+
+def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
+    from llmc.doctor import int4_cuda_path
+
+    monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
+    assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
+    assert int4_cuda_path(None, 80).endswith("cached; plain launches)")  # Ampere has no griddepcontrol
+    monkeypatch.setenv("LLMC_CUDA_PDL", "early")
+    assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
+    monkeypatch.setenv("LLMC_CUDA_PDL", "0")
+    assert int4_cuda_path(None, 90).endswith("cached; plain launches (LLMC_CUDA_PDL=0))")

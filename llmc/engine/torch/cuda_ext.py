@@ -136,17 +136,26 @@ def _check(code: int, what: str) -> None:
                                                    f"CUDA error {code}"))
 
 
-@functools.cache
-def pdl(device: torch.device | int | None = None) -> int:
-    """How int4 kernels launch (``LLMC_CUDA_PDL``): 0 plainly (``0``, and before sm_90); otherwise with programmatic
-    dependent launch, each kernel requesting its first weight tiles while the previous kernel of the step finishes
-    and waiting for that kernel before it reads the activations or writes anything (``csrc_cuda/w4a16_mma.cu``).
-    2 (the default, ``late``): a kernel lets the next one start once each of its blocks has its loads done; 1
-    (``early``): at once. The 8B shape's M = 1 linears on the H200: 1.474 ms plain, 1.546 early, 1.391 late."""
+def pdl_mode(major: int) -> int:
+    """How int4 kernels launch on a GPU of compute capability ``major``.x (``LLMC_CUDA_PDL``): 0 plainly (``0``, and
+    before sm_90); otherwise with programmatic dependent launch, each kernel requesting its first weight tiles while
+    the previous kernel of the step finishes and waiting for that kernel before it reads the activations or writes
+    anything (``csrc_cuda/w4a16_mma.cu``). 2 (the default, ``late``): a kernel lets the next one start once each of
+    its blocks has its loads done; 1 (``early``): at once. The 8B shape's M = 1 linears on the H200: 1.474 ms
+    plain, 1.546 early, 1.391 late."""
     mode = os.environ.get(PDL_ENV, "late").strip().lower()
-    if mode in ("0", "false", "off") or torch.cuda.get_device_capability(device)[0] < 9:
+    if mode in ("0", "false", "off") or major < 9:
         return 0
     return 1 if mode == "early" else 2
+
+
+PDL_MODES = {0: "off", 1: "early", 2: "late"}
+
+
+@functools.cache
+def pdl(device: torch.device | int | None = None) -> int:
+    """:func:`pdl_mode` of ``device`` (read once per process)."""
+    return pdl_mode(torch.cuda.get_device_capability(device)[0])
 
 
 def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
