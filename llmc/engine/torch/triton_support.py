@@ -55,4 +55,5 @@ def early_launch(device) -> bool:
 
     if interpreting() or modules() is None or getattr(device, "type", device) != "cuda":
         return False
-    return hasattr(modules()[1].extra.cuda, "gdc_launch_dependents") and cuda_ext.pdl(device) > 0
+    cuda = getattr(getattr(modules()[1], "extra", None), "cuda", None)
+    return hasattr(cuda, "gdc_launch_dependents") and cuda_ext.pdl(device) > 0
