@@ -51,9 +51,9 @@ def early_launch(device) -> bool:
     merge) let it start its blocks early (``griddepcontrol.launch_dependents``, sm_90+): where llmc's CUDA int4
     kernels launch with programmatic dependent launch (:func:`llmc.engine.torch.cuda_ext.pdl`) and this Triton has
     the instruction. The int4 kernel waits for them before it reads their output, so the result is the same."""
-    from llmc.engine.torch import cuda_ext  # a leaf module of the same package, imported only on CUDA
-
     if interpreting() or modules() is None or getattr(device, "type", device) != "cuda":
         return False
+    from llmc.engine.torch import cuda_ext  # a leaf module of the same package, imported only on CUDA
+
     cuda = getattr(getattr(modules()[1], "extra", None), "cuda", None)
     return hasattr(cuda, "gdc_launch_dependents") and cuda_ext.pdl(device) > 0
