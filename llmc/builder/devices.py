@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from llmc.builder import cpu_gemm
 from llmc.errors import BuildError
 
 
@@ -36,6 +37,8 @@ def describe_device(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts.update(gpu=props.name, total_memory_bytes=int(props.total_memory))
+    else:
+        facts["fp32_gemm"] = cpu_gemm.choice()  # the library of the passes' and the gate's float32 GEMMs
     return facts
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 import types
 import weakref
@@ -36,6 +37,7 @@ from typing import Any, Iterator
 
 import torch
 
+from llmc.builder import cpu_gemm
 from llmc.builder.calibrate import CalibrationSet
 from llmc.builder.llmcompressor_patches import (
     LLMCOMPRESSOR_SERIES, ProgressFn, installed_version, library_context, require_series,
@@ -69,6 +71,19 @@ def _awq_modifier_class() -> type:
             return [out[0] if isinstance(out, tuple) else out for out in outputs]
 
     return SubsetSearchAWQModifier
+
+
+def hessian_increment(inp: torch.Tensor, module: torch.nn.Module, hessian: torch.Tensor, num_samples: torch.Tensor,
+                      accumulate: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One input batch's GPTQ statistics added to (zero) ``hessian`` and ``num_samples``: the library's
+    ``accumulate`` (``accumulate_hessian``), or for a linear's ``[b, seq, in]`` float32 CPU input with oneDNN chosen
+    (:mod:`llmc.builder.cpu_gemm`) the same sums, ``2 X^T X`` over the batch's rows and ``b`` samples, through
+    oneDNN."""
+    if isinstance(module, torch.nn.Linear) and inp.dim() == 3 and cpu_gemm.uses_onednn(inp) \
+            and hessian.device.type == "cpu":
+        hessian += cpu_gemm.gram(math.sqrt(2) * inp.reshape(-1, inp.shape[-1]))  # as the library scales its inputs
+        return hessian, num_samples + inp.shape[0]
+    return accumulate(inp, module, hessian, num_samples)
 
 
 @functools.cache
@@ -115,8 +130,8 @@ def _gptq_modifier_class() -> type:
                         raise RuntimeError("GPTQ masking needs the sequential pipeline's current_batch_idx")
                     mask = state.loss_masks[state.current_batch_idx]  # [b, seq]: 1 = keep
                     inp = inp * mask.to(inp.device, inp.dtype).unsqueeze(-1)
-                increment, count = accumulate_hessian(inp, module, torch.zeros_like(self._hessians[module]),
-                                                      torch.zeros_like(self._num_samples[module]))
+                increment, count = hessian_increment(inp, module, torch.zeros_like(self._hessians[module]),
+                                                     torch.zeros_like(self._num_samples[module]), accumulate_hessian)
                 last = self._llmc_last_increment = (weakref.ref(source), increment, count)
             self._hessians[module] += last[1]
             self._num_samples[module] += last[2]
@@ -225,9 +240,11 @@ def run_oneshot(model: torch.nn.Module, options: Int4Options, calib: Calibration
                 return {}
             assert calib is not None, "AWQ needs a calibration set"
             loader = DataLoader(calibration_batches(calib, options.batch_size), batch_size=None, shuffle=False)
-            oneshot(model=model, recipe=modifiers, dataset=loader, use_loss_mask=options.use_loss_mask,
-                    num_calibration_samples=calib.n_samples, shuffle_calibration_samples=False, propagate_error=False,
-                    sequential_offload_device=str(device) if device.type == "cuda" else "cpu")
+            with cpu_gemm.fp32_linears(device):  # the passes' float32 GEMMs through oneDNN where it is faster
+                oneshot(model=model, recipe=modifiers, dataset=loader, use_loss_mask=options.use_loss_mask,
+                        num_calibration_samples=calib.n_samples, shuffle_calibration_samples=False,
+                        propagate_error=False,
+                        sequential_offload_device=str(device) if device.type == "cuda" else "cpu")
             return modifiers[-1].summary() if options.rounding == "gptq" else {}
         finally:
             if timer is not None:
