@@ -10,11 +10,14 @@ samples, the runner takes those tokens from step n's ids on the device, and once
 the placeholders and go through the output pipelines while step n + 1 runs. The GPU then never waits for the host
 between steps, and host work per step (scheduling, detokenizing, stop strings, waking the consumers) overlaps it.
 A request ended by a stop token or string computes one extra row in the next step, which is discarded; one that
-reaches its length limit is not scheduled again. Only decode steps are planned past: after a step with prompt
-tokens (tens to hundreds of milliseconds) the engine waits for it first, so requests that arrived while it ran
-join the very next step (planned ahead, they would wait a whole prefill step longer; waiting costs the GPU well
-under a millisecond next to such a step). Penalties read earlier tokens' values: while a running request uses
-them, the engine waits for step n before planning step n + 1.
+reaches its length limit is not scheduled again. Decode steps are planned past, and so are the short steps a
+mixed-step budget (``serving.mixed_step_tokens``) makes of decodes and prompt chunks: without that, each such step
+(tens of milliseconds, launched eagerly) left the GPU idle while the host collected its tokens and planned the
+next. After any other step with prompt tokens (up to ``engine.max_num_tokens`` of them: hundreds of milliseconds)
+the engine waits for it first, so requests that arrived while it ran join the very next step (planned ahead, they
+would wait a whole prefill step longer; waiting costs the GPU well under a millisecond next to such a step).
+Penalties read earlier tokens' values: while a running request uses them, the engine waits for step n before
+planning step n + 1.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
@@ -46,9 +49,13 @@ class _Inflight:
     ticket: list
 
 
-def _decode_only(scheduled: SchedulerOutput) -> bool:
-    """Whether every sequence of the step decodes one token (a short step)."""
-    return scheduled.num_tokens == len(scheduled.sequences)
+def _short(scheduled: SchedulerOutput, mixed_budget: int | None) -> bool:
+    """Whether the engine plans past the step: every sequence decodes one token, or the step has decodes and the
+    mixed-step budget ``mixed_budget`` bounded it (see :class:`~llmc.runtime.scheduler.Scheduler`)."""
+    decodes = sum(1 for s in scheduled.sequences if s.is_decode)
+    if decodes == len(scheduled.sequences):
+        return True
+    return bool(mixed_budget) and decodes > 0 and scheduled.num_tokens <= max(mixed_budget, decodes)
 
 
 class StepCycle:
@@ -104,9 +111,10 @@ class StepCycle:
         events: list[StreamEvent] = []
         inflight, self._inflight = self._inflight, None
         try:
-            if inflight is not None and (self._needs_token_values() or not _decode_only(inflight.scheduled)):
-                # penalties read the previous tokens' values; after a prefill (a long step) the plan waits for it
-                # so that requests which arrived meanwhile are admitted in the very next step
+            if inflight is not None and (self._needs_token_values()
+                                         or not _short(inflight.scheduled, self.scheduler.max_mixed_tokens)):
+                # penalties read the previous tokens' values; after a long prefill step the plan waits for it so
+                # that requests which arrived meanwhile are admitted in the very next step
                 events += self._collect(inflight)
                 inflight = None
             with self._lock:

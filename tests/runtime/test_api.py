@@ -265,6 +265,42 @@ def test_a_request_that_arrives_while_a_prefill_runs_joins_the_next_step(tiny_bu
     assert_all_blocks_free(engine)
 
 
+def test_steps_a_mixed_budget_keeps_short_are_planned_past(tiny_build_dir):
+    """With serving.mixed_step_tokens, a step of decodes plus a prompt chunk within the budget is planned past like a
+    decode step (the next one is launched before its tokens are waited for); outputs equal the serial engine's
+    under the same budget."""
+    serial = make_engine(tiny_build_dir, mixed_step_tokens=6)
+    engine = make_engine(tiny_build_dir, overlap=True, mixed_step_tokens=6)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = []
+    for eng in (serial, engine):
+        shapes, done = [], {}
+
+        def record(events):
+            for event in events:
+                done.setdefault(event.request_id, []).extend(event.token_ids)
+
+        if eng is engine:
+            def watch(scheduled, previous=None, launch=engine.runner.launch):
+                shapes.append((scheduled.step, scheduled.num_tokens, len(scheduled.sequences)))
+                return launch(scheduled, previous)
+            engine.runner.launch = watch
+        eng.add_request("Once upon a time", params, request_id="a")
+        record(eng.step())  # a's prefill alone: b arrives after it, while a decodes
+        eng.add_request("The capital of France is a city where people walk along the river", params,
+                        request_id="b")
+        while eng.scheduler.has_unfinished():
+            record(eng.step())
+        runs.append(done)
+    mixed = [step for step, tokens, seqs in shapes if seqs == 2 and 2 < tokens <= 6]
+    assert len(mixed) >= 2, shapes  # b's prompt went through in chunks beside a's decodes
+    log = engine.runner.log
+    for step in mixed:  # the next step was launched before this one's tokens were waited for
+        assert log.index(("launch", step + 1)) < log.index(("result", step)), step
+    assert runs[0] == runs[1] and len(runs[0]["a"]) == len(runs[0]["b"]) == 12
+    assert_all_blocks_free(engine)
+
+
 def test_overlapped_steps_wait_for_token_values_while_a_request_uses_penalties(tiny_build_dir):
     """Penalties read the values of earlier tokens, so while such a request runs the engine waits for step n before
     planning step n + 1 (no placeholders); outputs equal the serial engine's."""
