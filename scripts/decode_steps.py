@@ -9,6 +9,8 @@ adds where a graph-replayed step's GPU time goes: kernel time per kind (torch.pr
 step's wall time not covered by kernels (host work, launch gaps, the sync that brings the tokens back).
 ``--prefill NxL,...`` times prefill steps too: N fresh prompts of L tokens in one step (each samples its first
 token), with the model FLOPs of the step and the rate they ran at (the same kernel breakdown with ``--profile``).
+``--mixed D@C+N@P,...`` times mixed steps as the scheduler makes them under a ``serving.mixed_step_tokens``
+budget: D decodes at C cached tokens plus one prompt chunk of N tokens after P cached ones (P = 0: a fresh chunk).
 """
 
 from __future__ import annotations
@@ -49,6 +51,29 @@ def prefill_step(prompts: int, length: int, block_size: int, vocab_size: int) ->
         seqs.append(ScheduledSequence(f"p{i}", ids, 0, tuple(range(i * per_seq, (i + 1) * per_seq)), True, greedy,
                                       prompt_token_ids=ids))
     return SchedulerOutput(step=0, sequences=tuple(seqs))
+
+
+def mixed_step(decodes: int, context: int, chunk: int, cached: int, block_size: int, vocab_size: int
+               ) -> SchedulerOutput:
+    """``decodes`` decodes at ``context`` cached tokens, then one prompt chunk of ``chunk`` tokens after ``cached``
+    (it samples when it ends the prompt, which is ``cached + chunk`` tokens long here)."""
+    decode = decode_step(decodes, context, block_size).sequences
+    first = decodes * -(-(context + 1) // block_size)
+    length = cached + chunk
+    ids = tuple((7919 * j + 10) % vocab_size for j in range(length))
+    blocks = tuple(range(first, first + -(-length // block_size)))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2**20, ignore_eos=True)
+    chunk_seq = ScheduledSequence("chunk", ids[cached:], cached, blocks, True, greedy, prompt_token_ids=ids)
+    return SchedulerOutput(step=0, sequences=decode + (chunk_seq,))
+
+
+def parse_mixed(spec: str) -> tuple[int, int, int, int]:
+    """``D@C+N@P`` -> (D, C, N, P)."""
+    try:
+        dec, chunk = spec.split("+")
+        return (*(int(v) for v in dec.split("@")), *(int(v) for v in chunk.split("@")))  # type: ignore[return-value]
+    except ValueError:
+        raise SystemExit(f"--mixed {spec!r}: write D@C+N@P, e.g. 64@2048+960@1024") from None
 
 
 def prefill_flops(config: dict, prompts: int, length: int) -> float:
@@ -130,14 +155,18 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="kernel time by kind for the graph-replayed steps")
     ap.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (comma-separated)")
     ap.add_argument("--prefill", default="", help="prefill steps to time, e.g. 1x2048,4x2048 (prompts x tokens)")
+    ap.add_argument("--mixed", default="", help="mixed steps to time, e.g. 64@2048+960@1024 (decodes@context + "
+                                                "chunk@cached)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batch.split(",") if b]
     prefills = [tuple(int(v) for v in item.lower().split("x")) for item in args.prefill.split(",") if item]
+    mixed = [parse_mixed(item) for item in args.mixed.split(",") if item]
     from llmc.manifest import read_manifest
 
     block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
     blocks_needed = max([b * -(-(args.context + 1) // block_size) for b in batches]
-                        + [n * -(-length // block_size) for n, length in prefills]) + 8
+                        + [n * -(-length // block_size) for n, length in prefills]
+                         + [d * -(-(c + 1) // block_size) + -(-(n + p) // block_size) for d, c, n, p in mixed]) + 8
     result = {"context": args.context, "device": args.device, "steps": args.steps, "batches": {}}
     runners = {}
     modes = [m for m in ("graphs", "eager") if m in args.modes.split(",")]
@@ -174,6 +203,16 @@ def main() -> None:
                 row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
             result["prefill"][f"{prompts}x{length}"] = row
             print(json.dumps({f"prefill {prompts}x{length}": row}), file=sys.stderr, flush=True)
+    if mixed:
+        result["mixed"] = {}
+        for d, c, n, p in mixed:
+            step = mixed_step(d, c, n, p, first.block_size, first.vocab_size)
+            row = {"tokens": d + n, "ms": round(time_steps(first, step, max(3, args.steps // 3)) * 1e3, 3)}
+            if args.profile:
+                row["profile"] = profile_steps(first, step, steps=3)
+                row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
+            result["mixed"][f"{d}@{c}+{n}@{p}"] = row
+            print(json.dumps({f"mixed {d}@{c}+{n}@{p}": row}), file=sys.stderr, flush=True)
     result["graphs_used"] = "graphs" in runners and runners["graphs"].graphs is not None
     result["weight_bytes_on_device"] = first.weight_bytes
     if torch.cuda.is_available():

@@ -172,3 +172,51 @@ def test_make_random_llama_writes_the_shape_with_the_layers_asked_for(tmp_path):
     bad = subprocess.run([sys.executable, script, "--shape", "tiny", "--layers", "0", "--out", str(tmp_path / "n"),
                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--layers must be >= 1" in bad.stderr and not (tmp_path / "n").exists()
+
+
+def test_decode_steps_times_mixed_steps_of_decodes_and_a_prompt_chunk(tiny_build_dir):
+    """scripts/decode_steps.py --mixed D@C+N@P: a step of D decodes at C cached tokens plus an N-token prompt chunk
+    after P cached ones (the steps a serving.mixed_step_tokens budget makes), timed per spec."""
+    script = str(ROOT / "scripts" / "decode_steps.py")
+    done = subprocess.run([sys.executable, script, str(tiny_build_dir), "--device", "cpu", "--batch", "",
+                           "--modes", "eager", "--steps", "3", "--mixed", "2@40+8@16,2@40+8@0"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    mixed = json.loads(done.stdout)["mixed"]
+    assert set(mixed) == {"2@40+8@16", "2@40+8@0"}
+    assert all(row["tokens"] == 10 and row["ms"] > 0 for row in mixed.values())
+    bad = subprocess.run([sys.executable, script, str(tiny_build_dir), "--device", "cpu", "--batch", "",
+                          "--mixed", "2@40"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "write D@C+N@P" in bad.stderr
+
+
+def test_mixed_step_puts_the_chunk_after_the_decodes_blocks():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import mixed_step
+    finally:
+        sys.path.remove(str(ROOT))
+    step = mixed_step(3, 40, 8, 16, block_size=16, vocab_size=100)
+    *decodes, chunk = step.sequences
+    assert [len(s.token_ids) for s in decodes] == [1, 1, 1] and all(s.num_computed == 40 for s in decodes)
+    assert chunk.num_computed == 16 and len(chunk.token_ids) == 8 and chunk.sample
+    assert chunk.block_ids == (9, 10)  # 3 decodes x 3 blocks of 16 for 41 tokens, then 2 blocks for 24 tokens
+    used = [b for s in step.sequences for b in s.block_ids]
+    assert len(used) == len(set(used))
+
+
+def test_bench_linears_sums_the_shapes_per_row_count():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.bench_linears import totals
+    finally:
+        sys.path.remove(str(ROOT))
+    per_shape = {"qkv": {"int4": {1: 0.2, 2048: 5.0}, "bf16": {1: 0.6, 2048: 4.0},
+                         "bf16_gemm_only": {1: 0.6, 2048: 4.0}},
+                 "fc_gate": {"int4": {1: 0.6, 2048: 25.0}, "bf16": {1: 1.8, 2048: 23.0},
+                             "bf16_gemm_only": {1: 1.7, 2048: 22.0}}}
+    out = totals(per_shape)
+    assert out[1] == {"int4": 0.8, "bf16": 2.4, "bf16_gemm_only": 2.3, "int4_over_bf16": 0.333,
+                      "int4_over_bf16_gemm_only": 0.348}
+    assert out[2048]["int4"] == 30.0 and out[2048]["bf16"] == 27.0 and out[2048]["int4_over_bf16"] == 1.111
+    assert out[2048]["int4_over_bf16_gemm_only"] == round(30.0 / 26.0, 3)
