@@ -1,6 +1,6 @@
 """``llmc doctor``: what this machine has (GPU, CPU, driver, CUDA, library versions) and which engine
 backends are usable here, each with the reason when not; for the CPU, which kernels and which prefill precision
-the torch engine uses.
+the torch engine uses, and where ``llmc build`` sends its float32 GEMMs.
 
 Nothing here needs a GPU or TensorRT: every probe reports what it found or why it found nothing.
 ``tensorrt`` and ``tensorrt_llm`` are imported lazily, only when the report is collected.
@@ -50,6 +50,7 @@ class CpuInfo:
     avx512_bf16: bool
     kernels: str  # llmc's kernels, or PyTorch's ops and why
     prefill: str  # the precision of prefill steps of 16-bit and AWQ checkpoints, and why
+    build_gemm: str = ""  # the library of llmc build's float32 GEMMs on the CPU (calibration passes, gate), and why
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,17 @@ def cpu_info() -> CpuInfo:
     kernels = ("llmc's AVX-512 kernels (built on first use, then cached)" if why_not is None
                else f"PyTorch's ops ({why_not})")
     return CpuInfo(cpu_ext.cpu_model(), os.cpu_count() or 1, torch.backends.cpu.get_cpu_capability(),
-                   cpu_ext.has_avx512_bf16(), kernels, cpu_ext.prefill_status(build=False))
+                   cpu_ext.has_avx512_bf16(), kernels, cpu_ext.prefill_status(build=False), build_gemm())
+
+
+def build_gemm() -> str:
+    """Which library ``llmc build`` sends its CPU passes' float32 GEMMs to here (a ~0.2 s measurement), and why."""
+    from llmc.builder.cpu_gemm import choice
+
+    found = choice()
+    names = {"onednn": "oneDNN", "mkl": "MKL (PyTorch's default)"}
+    rates = ", ".join(f"{names[lib].split()[0]} {rate} GFLOP/s" for lib, rate in found["gflops"].items())
+    return f"{names[found['library']]} ({found['why']}{': ' + rates if rates else ''})"
 
 
 def driver_version() -> tuple[str | None, str]:
@@ -226,6 +237,8 @@ def format_report(report: DoctorReport) -> str:
                  f"{' with AVX512-BF16' if cpu.avx512_bf16 else ''}")
     lines.append(f"  kernels: {cpu.kernels}")
     lines.append(f"  prefill (16-bit and AWQ checkpoints): {cpu.prefill}")
+    if cpu.build_gemm:
+        lines.append(f"  llmc build's float32 GEMMs (calibration, gate): {cpu.build_gemm}")
     lines.append(f"driver: {report.driver or 'none (' + report.notes.get('driver', '?') + ')'}")
     lines.append(f"CUDA (torch build): {report.cuda or 'none (CPU build of torch)'}")
     lines.append("versions:")
@@ -241,6 +254,6 @@ def format_report(report: DoctorReport) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor_cmd(as_json: bool) -> None:
     """Show GPU, CPU, driver, CUDA and library versions, which engine backends work on this machine, and the
-    CPU path (llmc's kernels, bfloat16 or float32 prefill)."""
+    CPU path (llmc's kernels, bfloat16 or float32 prefill, the library of llmc build's float32 GEMMs)."""
     report = collect_report()
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))

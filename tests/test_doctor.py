@@ -118,6 +118,28 @@ def test_doctor_text_names_the_cpu_path():
     assert "  prefill (16-bit and AWQ checkpoints): float32 GEMMs (this CPU has no AVX512-BF16)" in text
     bf16 = CpuInfo("EPYC", 2, "AVX512", True, "llmc's AVX-512 kernels", "bfloat16 GEMMs ...")
     assert "CPU: EPYC, 2 cores, AVX512 with AVX512-BF16" in format_report(DoctorReport((), bf16, None, None, {}, {}, ()))
+    assert "float32 GEMMs (calibration" not in text  # no line without a finding
+
+
+def test_doctor_says_where_llmc_build_sends_its_float32_gemms(monkeypatch):
+    from llmc.builder import cpu_gemm
+    from llmc.doctor import build_gemm
+
+    monkeypatch.setenv(cpu_gemm.ENV, "mkl")
+    cpu_gemm.choice.cache_clear()
+    try:
+        forced = build_gemm()
+        monkeypatch.setenv(cpu_gemm.ENV, "auto")
+        cpu_gemm.choice.cache_clear()
+        measured = build_gemm()
+    finally:
+        cpu_gemm.choice.cache_clear()
+    assert forced == "MKL (PyTorch's default) (LLMC_CPU_GEMM=mkl)"
+    assert measured.startswith(("oneDNN (measured on 2048x576x1536, ", "MKL (PyTorch's default) (measured on"))
+    assert "oneDNN" in measured.split(": ")[-1] and "GFLOP/s" in measured
+    cpu = CpuInfo("EPYC", 2, "AVX512", True, "llmc's AVX-512 kernels", "bfloat16 GEMMs ...", measured)
+    text = format_report(DoctorReport((), cpu, None, None, {}, {}, ()))
+    assert f"  llmc build's float32 GEMMs (calibration, gate): {measured}" in text
 
 
 def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
