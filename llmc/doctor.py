@@ -109,7 +109,7 @@ def cpu_info() -> CpuInfo:
 
 def build_gemm() -> str:
     """Which library ``llmc build`` sends its CPU passes' float32 GEMMs to here (a ~0.2 s measurement), and why."""
-    from llmc.builder.cpu_gemm import choice
+    from llmc.engine.torch.cpu_gemm import choice
 
     found = choice()
     names = {"onednn": "oneDNN", "mkl": "MKL (PyTorch's default)"}

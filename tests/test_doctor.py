@@ -122,7 +122,7 @@ def test_doctor_text_names_the_cpu_path():
 
 
 def test_doctor_says_where_llmc_build_sends_its_float32_gemms(monkeypatch):
-    from llmc.builder import cpu_gemm
+    from llmc.engine.torch import cpu_gemm
     from llmc.doctor import build_gemm
 
     monkeypatch.setenv(cpu_gemm.ENV, "mkl")

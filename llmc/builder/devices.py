@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from llmc.builder import cpu_gemm
+from llmc.engine.torch import cpu_gemm
 from llmc.errors import BuildError
 
 

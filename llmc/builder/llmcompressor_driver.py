@@ -37,11 +37,11 @@ from typing import Any, Iterator
 
 import torch
 
-from llmc.builder import cpu_gemm
 from llmc.builder.calibrate import CalibrationSet
 from llmc.builder.llmcompressor_patches import (
     LLMCOMPRESSOR_SERIES, ProgressFn, installed_version, library_context, require_series,
 )
+from llmc.engine.torch import cpu_gemm
 
 GPTQ_ACTORDER = "static"  # GPTQ's column order (see int4_recipe); the IR format needs no g_idx with it
 
@@ -77,7 +77,7 @@ def hessian_increment(inp: torch.Tensor, module: torch.nn.Module, hessian: torch
                       accumulate: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """One input batch's GPTQ statistics added to (zero) ``hessian`` and ``num_samples``: the library's
     ``accumulate`` (``accumulate_hessian``), or for a linear's ``[b, seq, in]`` float32 CPU input with oneDNN chosen
-    (:mod:`llmc.builder.cpu_gemm`) the same sums, ``2 X^T X`` over the batch's rows and ``b`` samples, through
+    (:mod:`llmc.engine.torch.cpu_gemm`) the same sums, ``2 X^T X`` over the batch's rows and ``b`` samples, through
     oneDNN."""
     if isinstance(module, torch.nn.Linear) and inp.dim() == 3 and cpu_gemm.uses_onednn(inp) \
             and hessian.device.type == "cpu":

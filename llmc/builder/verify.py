@@ -33,12 +33,13 @@ from typing import Any, Callable, Iterator
 import torch
 from rich.console import Console
 
-from llmc.builder import cpu_gemm, gate_report, heldout
+from llmc.builder import gate_report, heldout
 from llmc.builder.devices import PeakMemory, describe_device, free_gpu_memory, resolve_build_device
 from llmc.checkpoint import names
 from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
 from llmc.checkpoint.io import read_checkpoint
 from llmc.console import table_console
+from llmc.engine.torch import cpu_gemm
 from llmc.errors import AccuracyGateError, BuildError
 from llmc.recipe import Recipe
 from llmc.source.load import SourceModel

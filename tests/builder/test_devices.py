@@ -43,7 +43,7 @@ def test_pass_timer_records_each_pass_in_order_without_gpu_memory_on_cpu():
 
 
 def test_describe_device_cpu_names_the_float32_gemm_library(monkeypatch):
-    from llmc.builder import cpu_gemm
+    from llmc.engine.torch import cpu_gemm
 
     monkeypatch.setenv(cpu_gemm.ENV, "mkl")
     cpu_gemm.choice.cache_clear()

@@ -262,7 +262,8 @@ def test_the_cpu_passes_and_the_gate_run_their_float32_gemms_through_the_chosen_
                                                                                         tmp_path, monkeypatch):
     """With oneDNN chosen (LLMC_CPU_GEMM=onednn) the calibration passes' and the gate's float32 linears go through
     it, the reports say so, and F.linear is PyTorch's own again afterwards."""
-    from llmc.builder import cpu_gemm, quantize
+    from llmc.builder import quantize
+    from llmc.engine.torch import cpu_gemm
 
     monkeypatch.setenv(cpu_gemm.ENV, "onednn")
     monkeypatch.setattr(quantize, "AWQ_N_GRID", 4)
