@@ -166,7 +166,7 @@ def main() -> None:
     block_size = read_manifest(Path(args.build)).recipe_obj().kv_cache.tokens_per_block
     blocks_needed = max([b * -(-(args.context + 1) // block_size) for b in batches]
                         + [n * -(-length // block_size) for n, length in prefills]
-                         + [d * -(-(c + 1) // block_size) + -(-(n + p) // block_size) for d, c, n, p in mixed]) + 8
+                        + [d * -(-(c + 1) // block_size) + -(-(n + p) // block_size) for d, c, n, p in mixed]) + 8
     result = {"context": args.context, "device": args.device, "steps": args.steps, "batches": {}}
     runners = {}
     modes = [m for m in ("graphs", "eager") if m in args.modes.split(",")]
