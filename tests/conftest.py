@@ -52,3 +52,16 @@ def smollm2_build_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
 
     return build_engine_dir(smollm2_hf_dir, tmp_path_factory.mktemp("smol_build") / "smollm2", "smollm2",
                             SMOLLM2_LIMITS, tokens_per_block=16)
+
+
+@pytest.fixture
+def gemm_library(monkeypatch):
+    """``gemm_library(name)``: force llmc build's float32 GEMM library (``onednn`` / ``mkl`` / ``auto``) through
+    ``LLMC_CPU_GEMM``, as a user would; the process's measured choice is forgotten before and after."""
+    from llmc.engine.torch import cpu_gemm
+
+    def force(name: str) -> None:
+        monkeypatch.setenv(cpu_gemm.ENV, name)
+        cpu_gemm.choice.cache_clear()
+    yield force
+    cpu_gemm.choice.cache_clear()

@@ -121,19 +121,13 @@ def test_doctor_text_names_the_cpu_path():
     assert "float32 GEMMs (calibration" not in text  # no line without a finding
 
 
-def test_doctor_says_where_llmc_build_sends_its_float32_gemms(monkeypatch):
-    from llmc.engine.torch import cpu_gemm
+def test_doctor_says_where_llmc_build_sends_its_float32_gemms(gemm_library):
     from llmc.doctor import build_gemm
 
-    monkeypatch.setenv(cpu_gemm.ENV, "mkl")
-    cpu_gemm.choice.cache_clear()
-    try:
-        forced = build_gemm()
-        monkeypatch.setenv(cpu_gemm.ENV, "auto")
-        cpu_gemm.choice.cache_clear()
-        measured = build_gemm()
-    finally:
-        cpu_gemm.choice.cache_clear()
+    gemm_library("mkl")
+    forced = build_gemm()
+    gemm_library("auto")
+    measured = build_gemm()
     assert forced == "MKL (PyTorch's default) (LLMC_CPU_GEMM=mkl)"
     assert measured.startswith(("oneDNN (measured on 2048x576x1536, ", "MKL (PyTorch's default) (measured on"))
     assert "oneDNN" in measured.split(": ")[-1] and "GFLOP/s" in measured

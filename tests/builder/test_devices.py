@@ -42,14 +42,8 @@ def test_pass_timer_records_each_pass_in_order_without_gpu_memory_on_cpu():
     assert all(p["seconds"] >= 0 and p["peak_gpu_memory_bytes"] is None for p in timer.passes)
 
 
-def test_describe_device_cpu_names_the_float32_gemm_library(monkeypatch):
-    from llmc.engine.torch import cpu_gemm
-
-    monkeypatch.setenv(cpu_gemm.ENV, "mkl")
-    cpu_gemm.choice.cache_clear()
-    try:
-        facts = devices.describe_device(torch.device("cpu"))
-    finally:
-        cpu_gemm.choice.cache_clear()
+def test_describe_device_cpu_names_the_float32_gemm_library(gemm_library):
+    gemm_library("mkl")
+    facts = devices.describe_device(torch.device("cpu"))
     assert facts["type"] == "cpu" and facts["name"] == "cpu" and facts["fp32_gemm"]["library"] == "mkl"
     assert "LLMC_CPU_GEMM=mkl" in facts["fp32_gemm"]["why"]

@@ -6,27 +6,16 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
 import torch
 
 from llmc.builder.llmcompressor_driver import hessian_increment
 from llmc.engine.torch import cpu_gemm
 
 
-@pytest.fixture
-def library(monkeypatch):
-    """Force the choice (``onednn`` / ``mkl``) through the environment variable, as a user would."""
-    def force(name: str) -> None:
-        monkeypatch.setenv(cpu_gemm.ENV, name)
-        cpu_gemm.choice.cache_clear()
-    yield force
-    cpu_gemm.choice.cache_clear()
-
-
-def test_gptq_hessian_through_onednn_matches_the_librarys(library):
+def test_gptq_hessian_through_onednn_matches_the_librarys(gemm_library):
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
-    library("onednn")
+    gemm_library("onednn")
     layer = torch.nn.Linear(24, 16)
     inp = torch.randn(3, 11, 24)
     zeros = (torch.zeros(24, 24), torch.zeros(()))
@@ -34,18 +23,18 @@ def test_gptq_hessian_through_onednn_matches_the_librarys(library):
     lib_h, lib_n = accumulate_hessian(inp, layer, zeros[0].clone(), zeros[1].clone())
     assert torch.allclose(ours_h, lib_h, rtol=1e-5, atol=1e-4) and float(ours_n) == float(lib_n) == 3.0
     assert torch.allclose(cpu_gemm.gram(inp[0]), inp[0].t() @ inp[0], rtol=1e-5, atol=1e-5)
-    library("mkl")  # then the library's own function runs, bit for bit
+    gemm_library("mkl")  # then the library's own function runs, bit for bit
     mkl_h, _ = hessian_increment(inp, layer, zeros[0].clone(), zeros[1].clone(), accumulate_hessian)
     assert torch.equal(mkl_h, lib_h)
 
 
-def test_a_hessian_increment_keeps_no_reference_to_its_inputs(library):
+def test_a_hessian_increment_keeps_no_reference_to_its_inputs(gemm_library):
     """The calibration inputs of every layer pass through here (thousands of batches): holding on to any of them
     grows the build's memory by the whole calibration set per layer (a cached function once did: 24 GB)."""
     from llmcompressor.modifiers.gptq.helpers import accumulate_hessian
 
     for name in ("onednn", "mkl"):
-        library(name)
+        gemm_library(name)
         layer = torch.nn.Linear(24, 16)
         inp = torch.randn(3, 11, 24)
         alive = weakref.ref(inp)

@@ -259,25 +259,22 @@ def test_window_scores_in_row_chunks_equal_those_of_the_whole_window_bit_for_bit
 
 
 def test_the_cpu_passes_and_the_gate_run_their_float32_gemms_through_the_chosen_library(source, tiny_hf_dir,
-                                                                                        tmp_path, monkeypatch):
+                                                                                        tmp_path, monkeypatch,
+                                                                                        gemm_library):
     """With oneDNN chosen (LLMC_CPU_GEMM=onednn) the calibration passes' and the gate's float32 linears go through
     it, the reports say so, and F.linear is PyTorch's own again afterwards."""
     from llmc.builder import quantize
     from llmc.engine.torch import cpu_gemm
 
-    monkeypatch.setenv(cpu_gemm.ENV, "onednn")
+    gemm_library("onednn")
     monkeypatch.setattr(quantize, "AWQ_N_GRID", 4)
-    cpu_gemm.choice.cache_clear()
     calls = []
     real = cpu_gemm._onednn_linear
     monkeypatch.setattr(cpu_gemm, "_onednn_linear", lambda *a: calls.append(tuple(a[0].shape)) or real(*a))
     original = torch.nn.functional.linear
-    try:
-        built = quantize_checkpoint(source, tiny_recipe(tiny_hf_dir), tmp_path / "ckpt")
-        in_passes = len(calls)
-        report = verify.accuracy_gate(source, tiny_recipe(tiny_hf_dir), tmp_path / "ckpt", console=quiet())
-    finally:
-        cpu_gemm.choice.cache_clear()
+    built = quantize_checkpoint(source, tiny_recipe(tiny_hf_dir), tmp_path / "ckpt")
+    in_passes = len(calls)
+    report = verify.accuracy_gate(source, tiny_recipe(tiny_hf_dir), tmp_path / "ckpt", console=quiet())
     assert in_passes > 0 and len(calls) > in_passes
     assert built["device"]["fp32_gemm"]["library"] == report["device"]["fp32_gemm"]["library"] == "onednn"
     assert report["passed"] and torch.nn.functional.linear is original

@@ -11,38 +11,28 @@ import torch
 from llmc.engine.torch import cpu_gemm
 
 
-@pytest.fixture
-def library(monkeypatch):
-    """Force the choice (``onednn`` / ``mkl``) through the environment variable, as a user would."""
-    def force(name: str) -> None:
-        monkeypatch.setenv(cpu_gemm.ENV, name)
-        cpu_gemm.choice.cache_clear()
-    yield force
-    cpu_gemm.choice.cache_clear()
-
-
 def test_this_pytorch_has_onednns_linear():
     assert cpu_gemm.onednn_available()  # the x86 wheels the install line pins ship it
 
 
-def test_the_choice_follows_the_environment_and_refuses_unknown_values(library):
-    library("mkl")
+def test_the_choice_follows_the_environment_and_refuses_unknown_values(gemm_library):
+    gemm_library("mkl")
     assert cpu_gemm.choice()["library"] == "mkl"
-    library("fast")
+    gemm_library("fast")
     with pytest.raises(ValueError, match="LLMC_CPU_GEMM='fast': use onednn, mkl or auto"):
         cpu_gemm.choice()
 
 
-def test_measured_choice_reports_both_libraries(library):
-    library("auto")
+def test_measured_choice_reports_both_libraries(gemm_library):
+    gemm_library("auto")
     got = cpu_gemm.choice()
     assert set(got["gflops"]) == {"mkl", "onednn"} and all(v > 0 for v in got["gflops"].values())
     faster = got["gflops"]["onednn"] >= cpu_gemm.MIN_SPEEDUP * got["gflops"]["mkl"]
     assert got["library"] == ("onednn" if faster else "mkl")
 
 
-def test_fp32_linears_route_nn_linear_through_onednn_and_restore_it(library, monkeypatch):
-    library("onednn")
+def test_fp32_linears_route_nn_linear_through_onednn_and_restore_it(gemm_library, monkeypatch):
+    gemm_library("onednn")
     calls = []
     real = cpu_gemm._onednn_linear
     monkeypatch.setattr(cpu_gemm, "_onednn_linear", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -60,8 +50,8 @@ def test_fp32_linears_route_nn_linear_through_onednn_and_restore_it(library, mon
     assert torch.nn.functional.linear is not None and layer(x).grad_fn is not None  # restored, autograd intact
 
 
-def test_autograd_and_other_devices_keep_pytorchs_linear(library, monkeypatch):
-    library("onednn")
+def test_autograd_and_other_devices_keep_pytorchs_linear(gemm_library, monkeypatch):
+    gemm_library("onednn")
     monkeypatch.setattr(cpu_gemm, "_onednn_linear", lambda *a: pytest.fail("oneDNN used"))
     layer = torch.nn.Linear(8, 4)
     with cpu_gemm.fp32_linears(torch.device("cpu")):
