@@ -49,6 +49,7 @@ class BenchOptions:
     repeat: int = 1
     prefix_caching: str = "auto"
     mixed_step_tokens: int | None = None  # None: the build's serving.mixed_step_tokens
+    step_log: Path | None = None  # keep the engine's per-step records (JSON lines) here
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
@@ -127,6 +128,8 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
             levels, base_levels = run_offline(engine, plan, params, step_log, _progress(), baseline)
         finally:
             engine.shutdown()
+        if opts.step_log is not None:
+            keep_step_log(step_log, opts.step_log)
     run = {"mode": "offline", "engine_dir": str(opts.engine_dir), "device": str(engine.runner.device),
            "workload": workload.description,
            "engine": {"name": engine.recipe.name, "dtype": engine.recipe.model.dtype,
@@ -147,6 +150,33 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
     if baseline is not None:
         run["baseline_info"] = baseline.describe()
     return run, levels, plan, base_levels
+
+
+def check_step_log(path: Path | None) -> None:
+    """``--step-log`` names a new file: llmc never appends to or overwrites one (checked before measuring and
+    again before the copy)."""
+    if path is not None and path.exists():
+        raise RequestError("step_log", f"{path} exists; pass a new file name (llmc does not overwrite or append to "
+                                       "an earlier run's log)")
+
+
+def keep_step_log(source: Path, dest: Path) -> None:
+    """Copy the run's per-step records to ``dest`` whole (a temporary name in its folder, then a rename), so an
+    interrupted copy never leaves a half-written log."""
+    import os
+    import shutil
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    check_step_log(dest)
+    partial = dest.with_name(f".{dest.name}.partial")
+    try:
+        if source.exists():
+            shutil.copyfile(source, partial)
+        else:  # no step ran (every level empty)
+            partial.write_text("")
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_baseline(opts: BenchOptions, device: str) -> Any:
@@ -279,22 +309,31 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
               help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
                    "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "
                    "noisy neighbours.")
+@click.option("--step-log", type=click.Path(dir_okay=False, path_type=Path),
+              help="Offline: keep the engine's metrics log here (JSON lines, warm-up included): a \"step\" "
+                   "record per engine step (start, duration, decode and prefill tokens, running / waiting requests, "
+                   "KV blocks) and a \"request\" record per request. Must be a new file.")
 def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: str | None, tokenizer: Path | None,
               isl: int, osl: int, isl_dist: str, osl_dist: str, spread: float, num_prompts: int | None,
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
               sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
               warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None,
-              prefix_caching: str, repeat: int, mixed_step_tokens: int | None) -> None:
+              prefix_caching: str, repeat: int, mixed_step_tokens: int | None, step_log: Path | None) -> None:
     """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
     if baseline and url:
         raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
     if url and mixed_step_tokens is not None:
         raise RequestError("mixed_step_tokens", "a server schedules steps as its build's serving.mixed_step_tokens "
                                                 "says; drop --mixed-step-tokens with --url")
+    if url and step_log is not None:
+        raise RequestError("step_log", "a server's engine steps are not visible to a client; drop --step-log with "
+                                       "--url")
+    check_step_log(step_log)
     if url and prefix_caching != "auto":
         raise RequestError("prefix_caching", "a server reuses prefixes as its build's serving."
                                              "enable_kv_cache_reuse says; drop --prefix-caching with --url")
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": sampling_seed}
     execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
                          num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
-                         max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching, mixed_step_tokens))
+                         max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching, mixed_step_tokens,
+                         step_log))

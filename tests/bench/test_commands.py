@@ -134,3 +134,34 @@ def test_mixed_step_budget_is_offline_only():
     with pytest.raises(RequestError, match="drop --mixed-step-tokens"):
         CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--mixed-step-tokens", "512"],
                            catch_exceptions=False)
+
+
+def test_step_log_keeps_every_step(bench_build_dir, tmp_path):
+    log, out = tmp_path / "logs" / "steps.jsonl", tmp_path / "r.json"
+    result = CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--isl", "40", "--osl", "6", "--num-prompts", "4",
+                                            "--concurrency", "4", "--json", str(out), "--device", "cpu", "--warmup",
+                                            "0", "--mixed-step-tokens", "12", "--step-log", str(log)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {r["type"] for r in records} == {"step", "request"}
+    assert sum(r["type"] == "request" for r in records) == 4
+    steps = [r for r in records if r["type"] == "step"]
+    report = json.loads(out.read_text())
+    assert len(steps) == report["levels"][0]["steps"]["count"]
+    assert sum(s["decode_tokens"] + s["prefill_tokens"] for s in steps) == sum(s["scheduled_tokens"] for s in steps)
+    assert sum(s["prefill_tokens"] for s in steps) >= 4 * 40 - 4  # every prompt token was prefilled in a step
+    assert all(s["decode_tokens"] + s["prefill_tokens"] <= 12 for s in steps if s["decode_tokens"])
+    assert not list(log.parent.glob(".*partial"))
+
+
+def test_step_log_never_overwrites(bench_build_dir, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    log.write_text("an earlier run\n")
+    with pytest.raises(RequestError, match="exists; pass a new file name"):
+        CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--device", "cpu", "--step-log", str(log)],
+                           catch_exceptions=False)
+    assert log.read_text() == "an earlier run\n"
+    with pytest.raises(RequestError, match="drop --step-log with --url"):
+        CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--step-log", str(tmp_path / "new.jsonl")],
+                           catch_exceptions=False)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
@@ -31,6 +32,19 @@ from llmc.engine.types import ScheduledSequence
 # float32 and 12.4-15.9 ms for SDPA (float32 or bfloat16); one prompt of 256 / 512 / 1,024 tokens: 0.8 / 2.4 /
 # 8.6 ms vs SDPA's 2.5 / 8.7 / 26.6 ms (per-thread CPU time, 2026-12-01).
 CPU_KERNEL_MAX_QUERY_LEN = 128
+
+# SDPA's backends for steps with prompt tokens: every one but cuDNN's. cuDNN's attention builds an execution plan on
+# the host for every new (query length, key length) and caches it by shape: inside the engine on an H200, 37-54 ms
+# of host time before the first layer's attention of each step with a prompt chunk of a new length (torch 2.11,
+# 2026-12-02 profile), which made every budgeted mixed step ~60 % longer and would cost every prompt of a new
+# length as much in TTFT. Flash and memory-efficient attention launch without a plan.
+PLANLESS_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def planless_sdpa():
+    """Context for a step's forward: SDPA picks among :data:`PLANLESS_SDPA_BACKENDS` (global torch flags, restored
+    on exit; one enter per step, ~17 us)."""
+    return sdpa_kernel(list(PLANLESS_SDPA_BACKENDS))
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ branch (HF up_proj) and ``mlp.proj`` the down projection.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from llmc.checkpoint.config import ModelShape
 from llmc.engine.torch import cpu_ext
-from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention
+from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
 from llmc.engine.torch.prefill_cpu import SplitLinear
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
@@ -292,11 +293,13 @@ class LlamaForCausalLM(nn.Module):
         """
         h = self.transformer.vocab_embedding(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [T, 1, hd] each, shared by all layers
-        if self.cuda_fused:
-            return self._forward_fused(h, cos, sin, attn, kv_caches)
-        for layer, kv_cache in zip(self.transformer.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, attn, kv_cache)
-        return self.transformer.ln_f(h)
+        # prompt chunks attend through SDPA: never through a backend that plans per shape (planless_sdpa)
+        with contextlib.nullcontext() if attn.all_decode else planless_sdpa():
+            if self.cuda_fused:
+                return self._forward_fused(h, cos, sin, attn, kv_caches)
+            for layer, kv_cache in zip(self.transformer.layers, kv_caches, strict=True):
+                h = layer(h, cos, sin, attn, kv_cache)
+            return self.transformer.ln_f(h)
 
     def use_cuda_fused(self, enabled: bool = True) -> None:
         """CUDA with Triton: every residual add joins the next RMSNorm in one kernel, decode steps rotate q, k and

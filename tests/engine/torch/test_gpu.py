@@ -104,3 +104,19 @@ def test_chunk_over_cached_context_on_cuda_equals_the_masked_path(dtype, n):
     reference = _prefill_attention(q, k, v, ctx - n, 128 ** -0.5)
     out = _prefill_attention(q.cuda().to(dtype), k.cuda().to(dtype), v.cuda().to(dtype), ctx - n, 128 ** -0.5)
     torch.testing.assert_close(out.float().cpu(), reference, rtol=2e-2, atol=2e-2)
+
+
+def test_prompts_of_new_lengths_attend_without_cudnn_plans(tmp_path):
+    # cuDNN's SDPA builds a host-side plan for every new prompt length (37-54 ms each inside the engine on the
+    # H200): prompt steps must take the flash kernel instead, and leave SDPA's global flags as they found them.
+    hf_dir = random_llama(tmp_path, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = load_model(write_ir(hf_dir, tmp_path / "ir", dtype="bfloat16"), "cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for n in (97, 130, 201):
+            PagedSession(model, block_size=16, num_blocks=64).step({"a": list(range(300, 300 + n))})
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert [name for name in names if "flash_fwd" in name], sorted(names)
+    assert not [name for name in names if "cudnn" in name.lower()]
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -134,3 +134,24 @@ def test_float32_rmsnorm_fast_path_is_the_reference_formula(tiny_model):
     x = torch.randn(7, tiny_model.config.hidden_size) * 3
     reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps))
     torch.testing.assert_close(norm(x), reference, rtol=1e-6, atol=1e-6)
+
+
+def test_prompt_steps_never_attend_through_cudnn(tiny_model, monkeypatch):
+    # cuDNN's SDPA plans every new (query, key) length on the host (tens of ms on an H200): steps with prompt
+    # tokens run with it off, decode steps leave the flags alone, and the flags come back after the step.
+    import llmc.engine.torch.model as model_module
+
+    seen = []
+    original = model_module.paged_attention
+
+    def spy(*args, **kwargs):
+        seen.append((args[5].all_decode, torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "paged_attention", spy)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    run_schedule(tiny_model, [{"a": (0, 9)}, {"a": (9, 10)}], {"a": random_ids(10, 3)})
+    layers = len(tiny_model.transformer.layers)
+    assert seen == [(False, False, True, True)] * layers + [(True, True, True, True)] * layers
+    assert torch.backends.cuda.cudnn_sdp_enabled()
