@@ -12,13 +12,15 @@
 #   5. `llmc bench` at concurrency 1, 8, 64 (ISL 2048 / OSL 128) of the bf16 build (with transformers generate as
 #      the baseline unless SKIP_HF) and of the int4 twin, same workload, in one run: prefix reuse off
 #      (transformers recomputes every prompt) and pairwise distinct prompts (random token ids: the random model's
-#      word-level tokenizer cannot encode text), checked by the reports' zero cache hits; int4 / bf16 ratios,
+#      word-level tokenizer cannot encode text), checked by the reports' zero cache hits; int4 / bf16 ratios;
+#      each bench's engine steps in steps_NAME.jsonl (ISL_DIST=uniform|normal varies the prompt lengths: costs
+#      paid once per new length, like an attention plan, hide behind fixed-length prompts),
 #   6. decode-step times of both builds (scripts/decode_steps.py --profile: where a step's time goes),
 #   7. (AWQ_BUILD=folder, e.g. the 8B AWQ build of scripts/gpu_awq_build.sh) a real AWQ build of the same model:
 #      its greedy check vs its own IR dequantized, and its `llmc bench` beside the bf16 build's.
 # A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
-# Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, OSL,
+# Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, ISL_DIST, OSL,
 #        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency; default 16: with as many
 #        requests as streams a level's TTFT depends on when its threads add them relative to the first steps),
 #        REPEAT (repetitions per level, default 2, interleaved; TGS is the median one's), TUNE, SKIP_GPU_TESTS,
@@ -141,11 +143,12 @@ fi
 bench() {  # bench NAME BUILD [EXTRA ARGS]: one llmc bench with the run's settings, then its cache-hit check
   local name="$1" build="$2"
   shift 2
-  step "llmc bench $name (ISL ${ISL:-2048} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; prefix reuse off)"
+  step "llmc bench $name (ISL ${ISL:-2048} ${ISL_DIST:-fixed} / OSL ${OSL:-128}; concurrency ${LEVELS:-1,8,64}; prefix reuse off)"
+  rm -f "$out/steps_$name.jsonl"  # this script's own log of an earlier run (--step-log never overwrites)
   check "llmc bench $name" "$py" -m llmc.cli bench "$build" --device "$device" --isl "${ISL:-2048}" \
-    --osl "${OSL:-128}" --concurrency "${LEVELS:-1,8,64}" --num-prompts "${NUM_PROMPTS:-16}" \
-    --repeat "${REPEAT:-2}" --temperature 0 --warmup 2 --prefix-caching off --json "$out/bench_$name.json" \
-    --plots "$out/plots_$name" "$@"
+    --isl-dist "${ISL_DIST:-fixed}" --osl "${OSL:-128}" --concurrency "${LEVELS:-1,8,64}" \
+    --num-prompts "${NUM_PROMPTS:-16}" --repeat "${REPEAT:-2}" --temperature 0 --warmup 2 --prefix-caching off \
+    --json "$out/bench_$name.json" --plots "$out/plots_$name" --step-log "$out/steps_$name.jsonl" "$@"
   # Distinct prompts and reuse off: not one prompt token may come from the prefix cache.
   check "bench $name: no prefix-cache hits" "$py" -c '
 import json, sys
