@@ -110,6 +110,34 @@ def summarize_steps(records: list[dict[str, Any]], t0: float, t1: float) -> dict
     for key in ("prefill_tokens", "decode_tokens"):
         if all(key in s for s in steps):
             out[key] = sum(s[key] for s in steps)
+    if all("prefill_tokens" in s and "decode_tokens" in s for s in steps):
+        out["by_kind"] = steps_by_kind(steps)
+    return out
+
+
+STEP_KINDS = ("decode", "mixed", "prompt")
+
+
+def step_kind(step: dict[str, Any]) -> str | None:
+    """``decode`` (decodes only), ``prompt`` (prompt tokens only), ``mixed`` (both), None (an empty step)."""
+    decode, prompt = step["decode_tokens"] > 0, step["prefill_tokens"] > 0
+    return "mixed" if decode and prompt else "decode" if decode else "prompt" if prompt else None
+
+
+def steps_by_kind(steps: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of step (:func:`step_kind`): count, total and mean seconds, duration percentiles, mean decode and
+    prompt tokens. A kind whose steps cost much more than their tokens suggest points at work outside the
+    kernels (e.g. a backend that plans every new shape on the host)."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in STEP_KINDS:
+        group = [s for s in steps if step_kind(s) == kind]
+        if not group:
+            continue
+        durations = [s["duration_s"] for s in group]
+        out[kind] = {"count": len(group), "total_s": sum(durations), "mean_s": sum(durations) / len(group),
+                     **{f"{k}_s": v for k, v in percentiles(durations).items()},
+                     "mean_decode_tokens": sum(s["decode_tokens"] for s in group) / len(group),
+                     "mean_prompt_tokens": sum(s["prefill_tokens"] for s in group) / len(group)}
     return out
 
 

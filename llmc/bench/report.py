@@ -262,6 +262,19 @@ def level_table(title: str, levels: Sequence[dict[str, Any]]) -> Any:
     return table
 
 
+def steps_line(kinds: dict[str, dict[str, Any]]) -> str:
+    """``decode 508 x 4.4 ms (p50 2.4), mixed 262 x 64.4 ms (32 decodes + 985 prompt tokens), ...``"""
+    parts = []
+    for kind, k in kinds.items():
+        text = f"{kind} {k['count']} x {_ms(k['mean_s'])} ms (p50 {_ms(k['p50_s'])}"
+        if kind != "prompt":
+            text += f", {k['mean_decode_tokens']:.0f} decodes"
+        if kind != "decode":
+            text += f", {k['mean_prompt_tokens']:.0f} prompt tokens"
+        parts.append(text + ")")
+    return ", ".join(parts)
+
+
 def print_report(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as tables: llmc's levels, the baseline's, the ratios and the scaling."""
     from rich.table import Table
@@ -291,6 +304,10 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         console.print(f"every level measured {report['repeat']} times, interleaved: TGS is the median repetition's "
                       "(each repetition's in brackets); latencies pool all requests")
     console.print(level_table("llmc", report["levels"]))
+    for lv in report["levels"]:
+        kinds = (lv.get("steps") or {}).get("by_kind")
+        if kinds:
+            console.print(f"engine steps at concurrency {lv['concurrency']}: " + steps_line(kinds), highlight=False)
     if report.get("baseline"):
         console.print(level_table(f"baseline: {report['baseline'].get('name')}", report["baseline"]["levels"]))
         ratio_table = Table(title="llmc / baseline (same run)")

@@ -152,6 +152,10 @@ def test_step_log_keeps_every_step(bench_build_dir, tmp_path):
     assert sum(s["decode_tokens"] + s["prefill_tokens"] for s in steps) == sum(s["scheduled_tokens"] for s in steps)
     assert sum(s["prefill_tokens"] for s in steps) >= 4 * 40 - 4  # every prompt token was prefilled in a step
     assert all(s["decode_tokens"] + s["prefill_tokens"] <= 12 for s in steps if s["decode_tokens"])
+    by_kind = report["levels"][0]["steps"]["by_kind"]
+    assert sum(k["count"] for k in by_kind.values()) == sum(1 for s in steps if s["scheduled_tokens"])
+    assert by_kind["mixed"]["count"] > 0  # the budget made later prompts ride along with decodes
+    assert "engine steps at concurrency 4: decode" in result.output
     assert not list(log.parent.glob(".*partial"))
 
 

@@ -84,3 +84,25 @@ def test_hf_baseline_counts_and_batches(bench_build_dir, plan, tiny_hf_dir):
     assert len({r.start for r in batch}) == 1 and len({r.token_times for r in batch}) == 1
     assert baseline.describe()["dtype"] == "float32" and baseline.describe()["prefix_caching"] is False
     assert all(lv.prefix_cache == {"hit_tokens": 0} for lv in levels)
+
+
+def test_steps_are_summarized_by_kind():
+    from llmc.bench.offline import summarize_steps
+    from llmc.bench.report import steps_line
+
+    def step(t, duration, decode, prompt):
+        return {"type": "step", "time": t, "duration_s": duration, "decode_tokens": decode, "prefill_tokens": prompt,
+                "scheduled_tokens": decode + prompt, "running": 4, "waiting": 0, "kv_blocks_used": 9}
+
+    records = [step(0.0, 0.100, 0, 2048), step(0.1, 0.004, 4, 0), step(0.2, 0.006, 4, 0), step(0.3, 0.050, 3, 1021),
+               step(0.4, 0.070, 2, 1022), step(0.5, 0.002, 0, 0), step(9.0, 1.0, 4, 0),  # outside [t0, t1]
+               {"type": "request", "time": 0.25}]
+    kinds = summarize_steps(records, 0.0, 1.0)["by_kind"]
+    assert list(kinds) == ["decode", "mixed", "prompt"]  # the empty step is in no kind
+    assert kinds["decode"]["count"] == 2 and kinds["decode"]["mean_s"] == pytest.approx(0.005)
+    assert kinds["mixed"]["count"] == 2 and kinds["mixed"]["total_s"] == pytest.approx(0.120)
+    assert kinds["mixed"]["mean_decode_tokens"] == 2.5 and kinds["mixed"]["mean_prompt_tokens"] == 1021.5
+    assert kinds["prompt"] == {"count": 1, "total_s": 0.1, "mean_s": 0.1, "p50_s": 0.1, "p95_s": 0.1, "p99_s": 0.1,
+                               "mean_decode_tokens": 0.0, "mean_prompt_tokens": 2048.0}
+    assert steps_line(kinds) == ("decode 2 x 5.0 ms (p50 5.0, 4 decodes), mixed 2 x 60.0 ms (p50 60.0, 2 decodes, "
+                                 "1022 prompt tokens), prompt 1 x 100.0 ms (p50 100.0, 2048 prompt tokens)")
