@@ -26,13 +26,16 @@ import click
 @click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="Seconds a request body may take to arrive after its headers (then 408 and the connection "
                    "is closed).")
+@click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Append the engine's records as JSON lines to FILE: one per step (duration, decode and prompt "
+                   "tokens, running / waiting requests, KV blocks) and one per finished request (TTFT, ITLs).")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
               device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
-              keepalive_timeout: float, body_timeout: float) -> None:
+              keepalive_timeout: float, body_timeout: float, metrics_log: Path | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
     from llmc.serve.run import ServeOptions, load_engine, serve
 
-    engine = load_engine(engine_dir, device, max_queue_size)
+    engine = load_engine(engine_dir, device, max_queue_size, metrics_log)
     serving = engine.recipe.serving
     grpc = serving.grpc_port if grpc_port is None else grpc_port
     options = ServeOptions(

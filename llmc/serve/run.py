@@ -46,27 +46,33 @@ class ServeOptions:
     body_timeout_s: float = 60.0
 
 
-def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None) -> Engine:
-    """The engine ``llmc serve`` runs: ``Engine.from_dir`` with ``serving.max_queue_size`` optionally overridden.
+def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None,
+                metrics_log: str | Path | None = None) -> Engine:
+    """The engine ``llmc serve`` runs: ``Engine.from_dir`` with ``serving.max_queue_size`` optionally overridden,
+    appending its per-step and per-request records to ``metrics_log`` (JSON lines) when given.
 
     Raises EngineError for a TensorRT-LLM build, from its manifest, before loading anything.
     """
     if read_manifest(Path(build_dir)).backend == "tensorrt_llm":
         raise EngineError(_not_servable(build_dir))
-    return with_max_queue_size(Engine.from_dir(build_dir, device=device), max_queue_size)
+    return with_max_queue_size(Engine.from_dir(build_dir, device=device), max_queue_size, metrics_log)
 
 
-def with_max_queue_size(engine: Engine | TrtllmEngine, max_queue_size: int | None) -> Engine:
-    """``engine`` ready for the server, with ``serving.max_queue_size`` overridden when given (a new Engine over
-    the same runner and tokenizer). EngineError when its runner is not a step runner llmc's scheduler can drive
-    (a TensorRT-LLM build: its requests are batched by Triton's tensorrt_llm backend instead)."""
+def with_max_queue_size(engine: Engine | TrtllmEngine, max_queue_size: int | None,
+                        metrics_log: str | Path | None = None) -> Engine:
+    """``engine`` ready for the server, with ``serving.max_queue_size`` overridden when given and a metrics log
+    when ``metrics_log`` names one (either makes a new Engine over the same runner and tokenizer; ``engine`` must
+    not have been started). EngineError when its runner is not a step runner llmc's scheduler can drive (a
+    TensorRT-LLM build: its requests are batched by Triton's tensorrt_llm backend instead)."""
     if not isinstance(engine, Engine) or not isinstance(engine.runner, StepRunner):
         raise EngineError(_not_servable(getattr(engine.recipe, "name", "this build")))
-    if max_queue_size is None or max_queue_size == engine.recipe.serving.max_queue_size:
-        return engine
     recipe = engine.recipe
-    recipe = dataclasses.replace(recipe, serving=dataclasses.replace(recipe.serving, max_queue_size=max_queue_size))
-    return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids)
+    if max_queue_size is not None and max_queue_size != recipe.serving.max_queue_size:
+        recipe = dataclasses.replace(recipe, serving=dataclasses.replace(recipe.serving,
+                                                                         max_queue_size=max_queue_size))
+    elif metrics_log is None:
+        return engine
+    return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids, metrics_log=metrics_log)
 
 
 def _not_servable(build: object) -> str:

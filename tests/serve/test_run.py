@@ -1,5 +1,5 @@
-"""``llmc serve`` loading a build: the ``--max-queue-size`` override, TensorRT-LLM builds refused in one line, and a
-port in use as one ``error:`` line (exit 2, never a traceback).
+"""``llmc serve`` loading a build: the ``--max-queue-size`` override, the ``--metrics-log`` of its steps, TensorRT-LLM
+builds refused in one line, and a port in use as one ``error:`` line (exit 2, never a traceback).
 
 A TensorRT-LLM build used to reach ``Engine(engine.runner, ...)`` with TensorRT-LLM's runner, which has no
 ``num_blocks``: an AttributeError traceback instead of an answer.
@@ -7,6 +7,7 @@ A TensorRT-LLM build used to reach ``Engine(engine.runner, ...)`` with TensorRT-
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from llmc.cli import main
 from llmc.engine.tensorrt_llm.runner import TrtllmRunner
 from llmc.errors import EngineError
+from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
 from llmc.serve.run import load_engine, with_max_queue_size
 from tests.serve.conftest import free_port
@@ -69,3 +71,37 @@ def test_port_in_use_is_one_error_line(serve_tiny_build, which):
     assert lines[-1].startswith("error: cannot ") and str(busy) in lines[-1], proc.stderr
     assert "Traceback" not in proc.stderr
     assert ("--port" if which == "http" else "--grpc-port") in lines[-1]
+
+
+@pytest.mark.parametrize("max_queue_size", [None, 3])
+def test_metrics_log_records_the_served_steps(tiny_build_dir, tmp_path, max_queue_size):
+    log = tmp_path / "serve.jsonl"
+    log.write_text('{"type": "earlier run"}\n')  # a server appends: an earlier run's records stay
+    engine = load_engine(tiny_build_dir, "cpu", max_queue_size=max_queue_size, metrics_log=log)
+    try:
+        assert engine.scheduler.waiting.max_size == (max_queue_size or engine.recipe.serving.max_queue_size)
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    finally:
+        engine.shutdown()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0] == {"type": "earlier run"}
+    steps = [r for r in records if r["type"] == "step"]
+    assert len(steps) == 3 and steps[0]["prefill_tokens"] == 3 and steps[-1]["decode_tokens"] == 1
+    assert [r["generated_tokens"] for r in records if r["type"] == "request"] == [3]
+
+
+def test_serve_passes_the_metrics_log(monkeypatch, tmp_path, tiny_build_dir):
+    from click.testing import CliRunner
+
+    import llmc.serve.run as run_module
+    from llmc.serve.commands import serve_cmd
+
+    seen = {}
+
+    def fake_load(build_dir, device, max_queue_size, metrics_log=None):
+        seen["metrics_log"] = metrics_log
+        raise EngineError("stop here")
+
+    monkeypatch.setattr(run_module, "load_engine", fake_load)
+    result = CliRunner().invoke(serve_cmd, [str(tiny_build_dir), "--metrics-log", str(tmp_path / "m.jsonl")])
+    assert isinstance(result.exception, EngineError) and seen["metrics_log"] == tmp_path / "m.jsonl"
