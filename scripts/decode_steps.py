@@ -145,6 +145,16 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
             "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
 
 
+def step_row(runner: TorchModelRunner, step: SchedulerOutput, args: argparse.Namespace) -> dict:
+    """A prefill or mixed step's row: its tokens, ms per step and (``--profile``) the kernel breakdown with the
+    time not covered by kernels."""
+    row = {"tokens": step.num_tokens, "ms": round(time_steps(runner, step, max(3, args.steps // 3)) * 1e3, 3)}
+    if args.profile:
+        row["profile"] = profile_steps(runner, step, steps=3)
+        row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("build")
@@ -193,24 +203,16 @@ def main() -> None:
         config = json.loads((Path(args.build) / "checkpoint" / "config.json").read_text())  # the IR's config
         result["prefill"] = {}
         for prompts, length in prefills:
-            step = prefill_step(prompts, length, first.block_size, first.vocab_size)
-            row = {"tokens": prompts * length, "ms": round(time_steps(first, step, max(3, args.steps // 3)) * 1e3, 3)}
+            row = step_row(first, prefill_step(prompts, length, first.block_size, first.vocab_size), args)
             flops = prefill_flops(config, prompts, length)
             row["tflop"] = float(f"{flops / 1e12:.4g}")
             row["tflop_per_s"] = round(flops / (row["ms"] / 1e3) / 1e12, 1)
-            if args.profile:
-                row["profile"] = profile_steps(first, step, steps=3)
-                row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
             result["prefill"][f"{prompts}x{length}"] = row
             print(json.dumps({f"prefill {prompts}x{length}": row}), file=sys.stderr, flush=True)
     if mixed:
         result["mixed"] = {}
         for d, c, n, p in mixed:
-            step = mixed_step(d, c, n, p, first.block_size, first.vocab_size)
-            row = {"tokens": d + n, "ms": round(time_steps(first, step, max(3, args.steps // 3)) * 1e3, 3)}
-            if args.profile:
-                row["profile"] = profile_steps(first, step, steps=3)
-                row["profile"]["not_kernels_ms"] = round(row["ms"] - row["profile"]["kernel_ms_total"], 4)
+            row = step_row(first, mixed_step(d, c, n, p, first.block_size, first.vocab_size), args)
             result["mixed"][f"{d}@{c}+{n}@{p}"] = row
             print(json.dumps({f"mixed {d}@{c}+{n}@{p}": row}), file=sys.stderr, flush=True)
     result["graphs_used"] = "graphs" in runners and runners["graphs"].graphs is not None

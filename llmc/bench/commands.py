@@ -161,8 +161,8 @@ def check_step_log(path: Path | None) -> None:
 
 
 def keep_step_log(source: Path, dest: Path) -> None:
-    """Copy the run's per-step records to ``dest`` whole (a temporary name in its folder, then a rename), so an
-    interrupted copy never leaves a half-written log."""
+    """Copy the run's metrics log (the engine created it when it started) to ``dest`` whole (a temporary name in
+    its folder, then a rename), so an interrupted copy never leaves a half-written log."""
     import os
     import shutil
 
@@ -170,10 +170,7 @@ def keep_step_log(source: Path, dest: Path) -> None:
     check_step_log(dest)
     partial = dest.with_name(f".{dest.name}.partial")
     try:
-        if source.exists():
-            shutil.copyfile(source, partial)
-        else:  # no step ran (every level empty)
-            partial.write_text("")
+        shutil.copyfile(source, partial)
         os.replace(partial, dest)
     finally:
         partial.unlink(missing_ok=True)

@@ -52,10 +52,12 @@ class _Inflight:
 def _short(scheduled: SchedulerOutput, mixed_budget: int | None) -> bool:
     """Whether the engine plans past the step: every sequence decodes one token, or the step has decodes and the
     mixed-step budget ``mixed_budget`` bounded it (see :class:`~llmc.runtime.scheduler.Scheduler`)."""
-    decodes = sum(1 for s in scheduled.sequences if s.is_decode)
-    if decodes == len(scheduled.sequences):
+    if scheduled.num_tokens == len(scheduled.sequences):  # one token each: all decodes
         return True
-    return bool(mixed_budget) and decodes > 0 and scheduled.num_tokens <= max(mixed_budget, decodes)
+    if not mixed_budget:
+        return False
+    decodes = sum(1 for s in scheduled.sequences if s.is_decode)
+    return decodes > 0 and scheduled.num_tokens <= max(mixed_budget, decodes)
 
 
 class StepCycle:
