@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 7
+ABI_VERSION = 8
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -118,7 +118,7 @@ def load() -> ctypes.CDLL | None:
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, p]
     lib.llmc_w4a16_mma.restype = i
-    lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, p]
+    lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, i, p]
     lib.llmc_w4a16_mma_dequant.restype = i
     return lib
 
@@ -175,10 +175,12 @@ def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, p
 
 def w4a16_mma_dequant(words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
                       out: torch.Tensor, n: int, k: int, group_size: int, halves: bool) -> None:
-    """The effective weight ``[K, N]`` into ``out`` (``halves``: fc + gate tiles as ``[fc | gate]`` columns)."""
+    """The effective weight ``[K, N]`` into ``out`` (``halves``: fc + gate tiles as ``[fc | gate]`` columns); with
+    programmatic dependent launch where :func:`pdl` is on (the blocks read their tiles while the previous kernel
+    finishes, and write only once it has)."""
     lib = load()
     assert lib is not None and out.dtype in DTYPES and out.is_contiguous()
     _check(lib.llmc_w4a16_mma_dequant(
         DTYPES[out.dtype], words.data_ptr(), scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, out.data_ptr(), n, k, group_size, int(halves),
-        torch.cuda.current_stream(out.device).cuda_stream), "llmc_w4a16_mma_dequant")
+        int(pdl(out.device) > 0), torch.cuda.current_stream(out.device).cuda_stream), "llmc_w4a16_mma_dequant")

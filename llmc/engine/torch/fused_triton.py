@@ -19,15 +19,18 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.engine.torch.triton_support import early_launch, pow2_at_least
+from llmc.engine.torch.triton_support import early_launch, launch_options, pdl_launch, pow2_at_least
 
 
 @triton.jit
 def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, stride_o, eps,
-                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
+                         HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+                         PDL: tl.constexpr):
     """One row per program: (h += a); out = w * round(h * rsqrt(mean(h^2) + eps))."""
-    if EARLY_LAUNCH:  # the int4 kernel after this one may start loading its weights (it waits for our output)
-        tl.extra.cuda.gdc_launch_dependents()
+    if EARLY_LAUNCH:  # the kernel after this one may launch (an int4 kernel starts loading its weights); it waits
+        tl.extra.cuda.gdc_launch_dependents()  # for our output
+    if PDL:  # launched while the previous kernel runs: wait for it before touching memory
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -46,10 +49,14 @@ def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, st
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr,
                     stride_qkv, stride_cs, stride_q, stride_slot, stride_k_out, NH, NKV,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_K_OUT: tl.constexpr):
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_K_OUT: tl.constexpr,
+                    PDL: tl.constexpr):
     """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot,
     and to ``k_out`` when given), copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened
     blocks)."""
+    if PDL:  # launched while the previous kernel runs: the next may launch now, and we wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HD)
     rot = (d + HD // 2) % HD  # NeoX halves: x_rot = cat(x2, x1); the table's sin has its first half negated
@@ -97,7 +104,8 @@ def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: fl
         _add_rms_norm_kernel[(rows,)](h, a if a is not None else h, weight, out, width, h.stride(0),
                                      a.stride(0) if a is not None else 0, out.stride(0), eps,
                                      HAS_ADD=a is not None, BLOCK=pow2_at_least(width),
-                                     EARLY_LAUNCH=early_launch(h.device), num_warps=4)
+                                     EARLY_LAUNCH=early_launch(h.device), PDL=pdl_launch(h.device), num_warps=4,
+                                     **launch_options(h.device))
     return out
 
 
@@ -117,5 +125,6 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k, qkv.stride(0), cos2.stride(0),
                               q.stride(0), slot_mapping.stride(0), k.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
-                              HAS_K_OUT=return_k, num_warps=4)
+                              HAS_K_OUT=return_k, PDL=pdl_launch(qkv.device), num_warps=4,
+                              **launch_options(qkv.device))
     return (q, k) if return_k else q

@@ -175,9 +175,14 @@ def w4a16_dequant(
                  mask=k_ok[:, None] & n_ok[None, :])
 
 @triton.jit
-def silu_mul(x_ptr, y_ptr, width, stride_xm, stride_ym, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+def silu_mul(x_ptr, y_ptr, width, stride_xm, stride_ym, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+             PDL: tl.constexpr):
     """y[m, :] = silu(fc) * gate with fc, gate = x[m, :width], x[m, width:] (or the even and odd columns of
-    x[m, :2 width] when INTERLEAVED); grid (rows, cdiv(width, BLOCK))."""
+    x[m, :2 width] when INTERLEAVED); grid (rows, cdiv(width, BLOCK)). PDL: launched while the previous kernel
+    runs (see ``triton_support.pdl_launch``)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width

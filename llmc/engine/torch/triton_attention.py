@@ -63,8 +63,11 @@ def _kernel():
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # launched while the previous kernel runs: the merge may launch now; wait for the previous one
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_kv_heads = tl.num_programs(1)
         ctx = tl.load(lens_ptr + seq)
@@ -108,10 +111,13 @@ def _combine_kernel():
 
     @triton.jit(do_not_specialize=["num_splits"])
     def paged_decode_combine(acc_ptr, ml_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-                             HEAD: tl.constexpr, SPLITS_P: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
+                             HEAD: tl.constexpr, SPLITS_P: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+                             PDL: tl.constexpr):
         """One program per (sequence, head): out = sum_s acc_s w_s / sum_s l_s w_s, w_s = exp(m_s - max m)."""
         if EARLY_LAUNCH:  # the int4 o projection after this may start loading its weights (it waits for out)
             tl.extra.cuda.gdc_launch_dependents()
+        if PDL:  # launched while the attention kernel runs: wait for its partials
+            tl.extra.cuda.gdc_wait()
         seq, head = tl.program_id(0), tl.program_id(1)
         row0 = (seq * tl.num_programs(1) + head) * num_splits
         s, d = tl.arange(0, SPLITS_P), tl.arange(0, HEAD)
@@ -134,7 +140,9 @@ def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> t
     if d:
         _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
                                    SPLITS_P=max(2, _next_pow2(splits)),
-                                   EARLY_LAUNCH=triton_support.early_launch(acc.device))
+                                   EARLY_LAUNCH=triton_support.early_launch(acc.device),
+                                   PDL=triton_support.pdl_launch(acc.device),
+                                   **triton_support.launch_options(acc.device))
     return out
 
 
@@ -169,7 +177,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
+        PDL=triton_support.pdl_launch(q.device), num_warps=num_warps or NUM_WARPS,
+        num_stages=num_stages or NUM_STAGES, **triton_support.launch_options(q.device),
     )
     return combine_splits(acc, ml, q.dtype)
 

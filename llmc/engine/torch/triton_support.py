@@ -15,6 +15,7 @@ import functools
 import os
 
 INTERPRET_ENV = "TRITON_INTERPRET"
+PDL_ENV = "LLMC_TRITON_PDL"  # "0": the step's Triton kernels launch plainly (see pdl_launch)
 
 
 @functools.cache
@@ -57,3 +58,28 @@ def early_launch(device) -> bool:
 
     cuda = getattr(getattr(modules()[1], "extra", None), "cuda", None)
     return hasattr(cuda, "gdc_launch_dependents") and cuda_ext.pdl(device) > 0
+
+
+@functools.cache
+def pdl_launch(device) -> bool:
+    """Whether the Triton kernels of a CUDA step (the norms, RoPE + KV write, decode attention and its merge) launch
+    with programmatic dependent launch: each is launched while the kernel before it runs, lets the next one launch
+    at its own start (``gdc_launch_dependents``) and waits for the previous one to finish (``gdc_wait``) before it
+    reads or writes anything, so its launch latency hides behind its predecessor and the results are unchanged.
+    Where :func:`early_launch` holds (sm_90+, llmc's int4 kernels launch so), this Triton has ``gdc_wait`` and the
+    ``launch_pdl`` option, and ``LLMC_TRITON_PDL`` is not ``0``."""
+    if not early_launch(device) or os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off"):
+        return False
+    triton, tl = modules()
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in fields
+
+
+def launch_options(device) -> dict:
+    """Keyword arguments of a step kernel's launch: ``{"launch_pdl": True}`` where :func:`pdl_launch` holds (the
+    kernel must then execute ``gdc_wait`` before touching memory), else nothing."""
+    return {"launch_pdl": True} if pdl_launch(device) else {}

@@ -94,6 +94,7 @@ def test_triton_kernels_before_an_int4_kernel_let_it_start_early_only_where_it_l
 
     from llmc.engine.torch import triton_support
 
+    triton_support.modules()  # Triton imported as the suite has it (interpreted), before the switch below
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cuda = torch.device("cuda")
@@ -111,3 +112,38 @@ def test_triton_kernels_before_an_int4_kernel_let_it_start_early_only_where_it_l
     finally:
         cuda_ext.pdl.cache_clear()
         triton_support.early_launch.cache_clear()
+
+
+def test_step_triton_kernels_launch_programmatically_only_where_int4_kernels_do_and_not_when_switched_off(
+        monkeypatch):
+    import torch
+
+    from llmc.engine.torch import triton_support
+
+    triton_support.modules()  # Triton imported as the suite has it (interpreted), before the switch below
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cuda = torch.device("cuda")
+
+    def launch(int4_pdl: str, triton_pdl: str | None, device=cuda) -> dict:
+        monkeypatch.setenv(cuda_ext.PDL_ENV, int4_pdl)
+        if triton_pdl is None:
+            monkeypatch.delenv(triton_support.PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(triton_support.PDL_ENV, triton_pdl)
+        for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+            cached.cache_clear()
+        assert triton_support.pdl_launch(device) == bool(triton_support.launch_options(device))
+        return triton_support.launch_options(device)
+
+    try:
+        assert launch("late", None) == {"launch_pdl": True}  # the default on sm_90+
+        assert launch("early", "1") == {"launch_pdl": True}
+        assert launch("late", "0") == {}  # switched off alone
+        assert launch("0", None) == {}  # int4 kernels launch plainly: nothing would trigger the Triton kernels
+        assert launch("late", None, torch.device("cpu")) == {}
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        assert launch("late", None) == {}  # no griddepcontrol before sm_90
+    finally:
+        for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+            cached.cache_clear()

@@ -202,3 +202,68 @@ def test_graph_decode_takes_placeholder_tokens_from_the_previous_step_on_the_dev
     known = decode(ahead=False)
     assert not any(calls) and len(calls) == 8
     assert decode(ahead=True) == known and sum(calls) == 7  # every graph step after the first took placeholders
+
+
+@pytest.mark.gpu
+def test_step_triton_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_programmatic_launch(monkeypatch):
+    """The step's Triton kernels launched while their predecessor runs (``LLMC_TRITON_PDL``, the default on sm_90+)
+    wait for it before touching memory: add + RMSNorm -> RoPE + KV write -> decode attention -> its merge ->
+    RMSNorm, each reading the last one's output (the attention reads the keys the RoPE kernel just wrote), replayed
+    from a CUDA graph with fresh inputs, gives the bits and the cache of plain launches and of eager calls."""
+    from llmc.engine.torch import cuda_ext, fused_triton, triton_support
+    from llmc.engine.torch.rope import rope_cos_sin
+    from llmc.engine.torch.triton_attention import paged_decode_attention
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    dtype = torch.bfloat16
+    q0, k_cache0, v_cache0, meta = _random_decode_batch("cuda", dtype)
+    d, nh, hd = q0.shape
+    nkv = k_cache0.shape[2]
+    width = nh * hd
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w_qkv = (torch.randn(width, (nh + 2 * nkv) * hd, generator=gen, device="cuda") * width ** -0.5).to(dtype)
+    w1, w2 = (torch.rand(width, generator=gen, device="cuda") + 0.5).to(dtype), torch.ones(width, device="cuda",
+                                                                                         dtype=dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
+    cos, sin = rope_cos_sin(inv_freq, meta.decode_context_lens.long() - 1, dtype)
+    slots = meta.slot_mapping
+
+    def chain(h, a, k_cache, v_cache):
+        normed = fused_triton.add_rms_norm_(h, a, w1, 1e-5)
+        q = fused_triton.rope_write_kv(normed @ w_qkv, cos, sin, k_cache, v_cache, slots, nh, nkv, hd)
+        att = paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, hd ** -0.5)
+        return fused_triton.rms_norm(att.reshape(d, width), w2, 1e-5)
+
+    inputs = [(torch.randn(d, width, generator=gen, device="cuda").to(dtype),
+               torch.randn(d, width, generator=gen, device="cuda").to(dtype)) for _ in range(3)]
+    results = {}
+    try:
+        for pdl in ("0", "1"):
+            monkeypatch.setenv(triton_support.PDL_ENV, pdl)
+            for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+                cached.cache_clear()
+            assert triton_support.pdl_launch(torch.device("cuda")) == (pdl == "1")
+            h, a = inputs[0][0].clone(), inputs[0][1].clone()
+            k_cache, v_cache = k_cache0.clone(), v_cache0.clone()
+            chain(h.clone(), a, k_cache, v_cache)  # compile and warm up outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(h, a, k_cache, v_cache)
+            got = []
+            for x, y in inputs:
+                h.copy_(x)
+                a.copy_(y)
+                graph.replay()
+                got.append((out.clone(), h.clone(), k_cache.clone(), v_cache.clone()))
+            results[pdl] = got
+    finally:
+        for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+            cached.cache_clear()
+    for (x, y), plain, pdl in zip(inputs, results["0"], results["1"]):
+        k_cache, v_cache = k_cache0.clone(), v_cache0.clone()
+        h = x.clone()
+        eager = (chain(h, y, k_cache, v_cache), h, k_cache, v_cache)
+        assert torch.isfinite(plain[0]).all() and not torch.equal(plain[2], k_cache0)  # keys were written
+        for p, q, e in zip(plain, pdl, eager):
+            assert torch.equal(p, q) and torch.equal(p, e)

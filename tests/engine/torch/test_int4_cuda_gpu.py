@@ -220,12 +220,15 @@ def test_int4_decode_steps_replayed_from_cuda_graphs_equal_eager(smollm2_w4a16_i
     assert outs[True] == outs[False]
 
 
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
 def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_without_early_launch(rows, monkeypatch):
     """Each int4 kernel's blocks start while the previous kernel finishes (programmatic dependent launch) and wait
     for it before reading its output: a chain of layers, each reading the last one's output, replayed from a CUDA
-    graph with fresh inputs, gives the bits of plain launches."""
-    from llmc.engine.torch import cuda_ext
+    graph with fresh inputs, gives the bits of plain launches. At 300 rows each layer dequantizes into the scratch
+    that the previous layer's GEMM read (its blocks write only once that GEMM has finished), and a Triton norm
+    launched the same way sits between some of them."""
+    from llmc.engine.torch import cuda_ext, triton_support
+    from llmc.engine.torch.fused_triton import rms_norm
 
     assert cuda_ext.load() is not None, cuda_ext.status()
     if torch.cuda.get_device_capability()[0] < 9:
@@ -240,17 +243,22 @@ def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_withou
         pq = (torch.rand(k, generator=gen) + 0.5).bfloat16()
         layers.append(Int4CudaLinear.from_ir([(pack_int4(q).cuda(), scales.cuda())], pq.cuda(), 128, scratch))
 
-    def chain(x):  # int4 kernels after a torch kernel and right after each other
+    assert (rows >= layers[0].dense_from_m) == (rows == 300)  # 300 rows: dequantize + cuBLAS
+    norm_weight = torch.ones(k, dtype=torch.bfloat16, device="cuda")
+
+    def chain(x):  # int4 kernels after a torch kernel, after a Triton kernel and right after each other
         for i, layer in enumerate(layers):
             x = layer(x)
-            x = x * 0.5 if i % 2 else x
+            x = x * 0.5 if i % 3 == 0 else rms_norm(x, norm_weight, 1e-5) if i % 3 == 1 else x
         return x
 
     inputs = [torch.randn(rows, k, generator=gen).bfloat16().cuda() for _ in range(4)]
     results = {}
     for pdl in ("0", "early", "late"):
         monkeypatch.setenv(cuda_ext.PDL_ENV, pdl)
-        cuda_ext.pdl.cache_clear()
+        for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+            cached.cache_clear()
+        assert triton_support.pdl_launch(torch.device("cuda")) == (pdl != "0")
         static = inputs[0].clone()
         chain(static)  # warm up outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -262,7 +270,8 @@ def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_withou
             graph.replay()
             got.append(out.clone())
         results[pdl] = got
-    cuda_ext.pdl.cache_clear()
+    for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
+        cached.cache_clear()
     eager = [chain(x) for x in inputs]
     for plain, early, late, ref in zip(results["0"], results["early"], results["late"], eager):
         assert torch.isfinite(plain).all()

@@ -397,7 +397,9 @@ constexpr int pipe_smem_bytes() {
 // The effective weight [K, N] (q * s * prequant, rounded once) for prefill steps (cuBLAS multiplies it). A block
 // of 128 threads takes one input tile (64 rows of the output) of 4 column tiles, staged in shared memory; each
 // thread writes 8 columns (one 16-byte store) of 4 rows. ``halves``: fc + gate layers write [fc | gate] (tile
-// column c < 8 -> 8 nt + c, else N/2 + 8 nt + c - 8).
+// column c < 8 -> 8 nt + c, else N/2 + 8 nt + c - 8). Launched with programmatic serialization (sm_90+), a block
+// reads its packed tiles while the previous kernel of the stream finishes and waits for it before writing: the
+// scratch it overwrites was the previous layer's GEMM operand.
 template <typename T>
 __global__ void __launch_bounds__(128)
 w4a16_mma_dequant_kernel(const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
@@ -423,6 +425,7 @@ w4a16_mma_dequant_kernel(const uint4* __restrict__ w, const uint32_t* __restrict
                                          (threadIdx.x & 7)];
   }
   __syncthreads();
+  wait_prior_grid();  // every kernel before this one has finished (a no-op on a plain launch)
   // Thread (c, h) = (tile, column half) of the block's 4 x 2 sixteen-byte pieces of a row; 16 rows at a time, so
   // one store instruction of a warp writes 4 rows x 128 contiguous bytes (64 + 64 with ``halves``).
   const int c = (threadIdx.x >> 1) & 3, h = threadIdx.x & 1;
@@ -571,7 +574,7 @@ int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, cons
 }
 
 int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const void* prequant, void* out, int n,
-                           int k, int group_size, int halves, void* stream) {
+                           int k, int group_size, int halves, int pdl, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128)) return -1;
   const int shift = group_size == 128 ? 1 : 0;
   const dim3 grid((n / 16 + 3) / 4, k / 64);
@@ -579,13 +582,13 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
   const uint4* words = static_cast<const uint4*>(w);
   const uint32_t* pairs = static_cast<const uint32_t*>(scales);
   if (dtype == 0) {
-    return launch(w4a16_mma_dequant_kernel<__nv_bfloat16>, grid, 128, 0, s, false, words, pairs,
+    return launch(w4a16_mma_dequant_kernel<__nv_bfloat16>, grid, 128, 0, s, pdl != 0, words, pairs,
                   static_cast<const __nv_bfloat16*>(prequant), static_cast<__nv_bfloat16*>(out), n, k, shift, halves);
   }
-  return launch(w4a16_mma_dequant_kernel<__half>, grid, 128, 0, s, false, words, pairs,
+  return launch(w4a16_mma_dequant_kernel<__half>, grid, 128, 0, s, pdl != 0, words, pairs,
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 7; }
+int llmc_w4a16_abi_version() { return 8; }
 
 }  // extern "C"
