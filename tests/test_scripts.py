@@ -220,3 +220,17 @@ def test_bench_linears_sums_the_shapes_per_row_count():
                       "int4_over_bf16_gemm_only": 0.348}
     assert out[2048]["int4"] == 30.0 and out[2048]["bf16"] == 27.0 and out[2048]["int4_over_bf16"] == 1.111
     assert out[2048]["int4_over_bf16_gemm_only"] == round(30.0 / 26.0, 3)
+
+
+def test_gpu_busy_time_counts_overlapping_kernels_once():
+    """decode_steps' busy time is the union of kernel intervals: kernels launched programmatically overlap their
+    predecessors, so the sum of their durations (2.7 ms here) overstates the time the GPU ran (2.1 ms)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import busy_ms
+    finally:
+        sys.path.remove(str(ROOT))
+    spans = [(1000.0, 2000.0), (1500.0, 2500.0), (1600.0, 1700.0), (3000.0, 3500.0), (2500.0, 2600.0)]
+    assert busy_ms(spans) == pytest.approx(1.6 + 0.5)  # [1000, 2600) and [3000, 3500)
+    assert busy_ms([]) == 0.0 and busy_ms([(5.0, 5.0)]) == 0.0
+    assert busy_ms(list(reversed(spans))) == busy_ms(spans)
