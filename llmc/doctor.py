@@ -168,6 +168,20 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
     return f"llmc's Triton W4A16 kernels ({why_not})"
 
 
+def triton_launch(sm: int) -> str:
+    """How the CUDA step's Triton kernels launch on a GPU of compute capability ``sm``: programmatically where the
+    int4 kernels do (sm_90+, ``LLMC_CUDA_PDL`` not 0) unless ``LLMC_TRITON_PDL=0`` ("" where neither applies).
+    The engine also needs a Triton with the ``launch_pdl`` option (3.3+); it checks that when it runs."""
+    from llmc.engine.torch.cuda_ext import pdl_mode
+    from llmc.engine.torch.triton_support import PDL_ENV, pdl_switched_off
+
+    if not pdl_mode(sm // 10):
+        return ""
+    if pdl_switched_off():
+        return f" (plain launches: {PDL_ENV}=0)"
+    return f" (launched programmatically; {PDL_ENV}=0 turns it off)"
+
+
 def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None,
                      triton_version: str | None = None, cuda_int4_why_not: str | None = "not checked"
                      ) -> tuple[BackendStatus, ...]:
@@ -176,7 +190,7 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
-                         f"kernels in CUDA graphs; AWQ int4 (W4A16), weights kept packed: "
+                         f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}; AWQ int4 (W4A16), weights kept packed: "
                          f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "

@@ -146,3 +146,21 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
     assert int4_cuda_path(None, 90).endswith("cached; plain launches (LLMC_CUDA_PDL=0))")
+
+
+def test_doctor_says_how_the_steps_triton_kernels_launch(monkeypatch):
+    monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
+    monkeypatch.delenv("LLMC_TRITON_PDL", raising=False)
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert ("fused norm/RoPE kernels in CUDA graphs (launched programmatically; LLMC_TRITON_PDL=0 turns it off); "
+            "AWQ int4") in status.detail
+    monkeypatch.setenv("LLMC_TRITON_PDL", "0")
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert "kernels in CUDA graphs (plain launches: LLMC_TRITON_PDL=0); AWQ int4" in status.detail
+    monkeypatch.setenv("LLMC_CUDA_PDL", "0")  # the int4 kernels launch plainly: nothing would trigger them
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert "kernels in CUDA graphs; AWQ int4" in status.detail
+    monkeypatch.delenv("LLMC_CUDA_PDL")
+    a100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2)
+    status, _ = backend_statuses((a100,), None, "missing", triton_version="3.6.0")
+    assert "kernels in CUDA graphs; AWQ int4" in status.detail

@@ -68,7 +68,7 @@ def pdl_launch(device) -> bool:
     reads or writes anything, so its launch latency hides behind its predecessor and the results are unchanged.
     Where :func:`early_launch` holds (sm_90+, llmc's int4 kernels launch so), this Triton has ``gdc_wait`` and the
     ``launch_pdl`` option, and ``LLMC_TRITON_PDL`` is not ``0``."""
-    if not early_launch(device) or os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off"):
+    if not early_launch(device) or pdl_switched_off():
         return False
     triton, tl = modules()
     try:
@@ -77,6 +77,11 @@ def pdl_launch(device) -> bool:
         return False
     fields = getattr(CUDAOptions, "__dataclass_fields__", {})
     return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in fields
+
+
+def pdl_switched_off() -> bool:
+    """``LLMC_TRITON_PDL`` is ``0`` (or false / off): the step's Triton kernels launch plainly."""
+    return os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off")
 
 
 def launch_options(device) -> dict:
