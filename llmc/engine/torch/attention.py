@@ -13,6 +13,7 @@ attended in one batched call; sequences with several new tokens (prefill chunks)
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,14 @@ CPU_KERNEL_MAX_QUERY_LEN = 128
 # 2026-12-02 profile). Budgeted mixed steps of the bf16 8B build took 64.9 ms on average with it and 47.3 ms without,
 # and every prompt of a new length would pay it in TTFT. Flash and memory-efficient attention launch without a plan.
 PLANLESS_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+# Opt-in (``LLMC_CUDNN_PROMPTS=1``; not yet run on a GPU, so off by default): a whole fresh prompt on CUDA attends
+# through cuDNN all the same, padded to a multiple of CUDNN_LENGTH_BUCKET tokens. Its causal attention over 2,048
+# tokens of the 8B shape took 3.1 ms for 32 layers against flash attention's 6.0-6.5 (H200, 2026-12-02, separate
+# runs), and bucketed lengths would bound its plans to one per bucket (32 up to 8,192 tokens), each built once per
+# process. Padding at the end changes nothing for the real queries: a causal query never sees a later key.
+CUDNN_PROMPTS_ENV = "LLMC_CUDNN_PROMPTS"
+CUDNN_LENGTH_BUCKET = 256
 
 
 def planless_sdpa():
@@ -271,6 +280,8 @@ def _prefill_attention(
         # A whole fresh prompt on CUDA: causal attention with the kv heads shared by their query groups in the
         # kernel (no repeated k/v): 0.096 vs 0.189 ms per 2,048-token layer of the 8B shape on an H200 (cuDNN's
         # flash kernel either way; equal outputs).
+        if os.environ.get(CUDNN_PROMPTS_ENV) == "1":
+            return bucketed_causal_attention(q, k_t, v_t, scale)
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_t[None], v_t[None], is_causal=True,
                                               scale=scale, enable_gqa=True)[0].transpose(0, 1)
     if (num_computed == 0 and ctx == n) or q.is_cuda:
@@ -283,6 +294,27 @@ def _prefill_attention(
     mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * n, ctx]
     out = F.scaled_dot_product_attention(q_g[None], k_t[None], v_t[None], attn_mask=mask[None, None], scale=scale)[0]
     return out.view(num_kv_heads, group, n, head_size).permute(2, 0, 1, 3).reshape(n, num_heads, head_size)
+
+
+def bucketed_causal_attention(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, scale: float,
+                              bucket: int = CUDNN_LENGTH_BUCKET) -> torch.Tensor:
+    """Causal attention of a whole fresh prompt, queries ``[n, nh, hd]``, keys/values ``[nkv, n, hd]`` (kv heads
+    shared by their query groups in the kernel) -> ``[n, nh, hd]``, with cuDNN's attention allowed (where the
+    device has it) on the sequences zero-padded to a multiple of ``bucket``: SDPA then sees a bounded set of
+    lengths, so cuDNN builds one plan per bucket, not one per prompt length (:data:`CUDNN_LENGTH_BUCKET`)."""
+    n = q.shape[0]
+    pad = -n % bucket
+    q_h = q.transpose(0, 1)  # [nh, n, hd]
+    if pad:
+        q_h, k_t, v_t = (F.pad(t, (0, 0, 0, pad)) for t in (q_h, k_t, v_t))
+    cudnn_was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)  # inside the step's planless_sdpa: for this call only
+    try:
+        out = F.scaled_dot_product_attention(q_h[None], k_t[None], v_t[None], is_causal=True, scale=scale,
+                                             enable_gqa=True)[0]  # [nh, n + pad, hd]
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_was)
+    return out[:, :n].transpose(0, 1)
 
 
 def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, scale: float) -> torch.Tensor:

@@ -135,3 +135,33 @@ def test_decode_kernels_are_not_specialized_on_values_that_change_every_step(mon
         triton_attention._kernel.cache_clear()
         triton_attention._combine_kernel.cache_clear()
     assert unspecialized == {"decode": {"num_splits", "stride_tb"}, "combine": {"num_splits"}}
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 100])
+@pytest.mark.parametrize("cudnn_before", [True, False])
+def test_fresh_prompt_attention_padded_to_a_bucket_equals_plain_causal_attention(n, cudnn_before, monkeypatch):
+    from llmc.engine.torch import attention
+
+    torch.manual_seed(n)
+    nh, nkv, hd = 6, 2, 16
+    q, k, v = torch.randn(n, nh, hd), torch.randn(nkv, n, hd), torch.randn(nkv, n, hd)
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        seen.append((query.shape[-2], key.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
+    try:
+        got = attention.bucketed_causal_attention(q, k, v, 0.25, bucket=64)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is cudnn_before  # restored after the call
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    padded = -(-n // 64) * 64
+    assert seen == [(padded, padded, True)]  # one bucketed length, cuDNN allowed for this call
+    ref = sdpa(q.transpose(0, 1), k.repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0),
+               is_causal=True, scale=0.25).transpose(0, 1)
+    assert got.shape == (n, nh, hd)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

@@ -120,3 +120,33 @@ def test_prompts_of_new_lengths_attend_without_cudnn_plans(tmp_path):
     assert [name for name in names if "flash_fwd" in name], sorted(names)
     assert not [name for name in names if "cudnn" in name.lower()]
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_prompts_of_new_lengths_attend_through_cudnn_at_one_bucketed_length(tmp_path, monkeypatch):
+    # LLMC_CUDNN_PROMPTS=1 (opt-in): cuDNN's SDPA builds a host-side plan for every new length (37-54 ms each
+    # inside the engine on the H200), so fresh prompts of three new lengths reach it padded to one bucket (one
+    # plan), and the steps leave SDPA's global flags as they found them.
+    from llmc.engine.torch import attention
+
+    monkeypatch.setenv(attention.CUDNN_PROMPTS_ENV, "1")
+    hf_dir = random_llama(tmp_path, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = load_model(write_ir(hf_dir, tmp_path / "ir", dtype="bfloat16"), "cuda")
+    lengths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query, key, value, **kwargs):
+        if torch.backends.cuda.cudnn_sdp_enabled():
+            lengths.append((query.shape[-2], key.shape[-2]))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for n in (97, 130, 201):
+            PagedSession(model, block_size=16, num_blocks=64).step({"a": list(range(300, 300 + n))})
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events()}
+    assert [name for name in names if "cudnn" in name.lower()], sorted(names)
+    assert not [name for name in names if "flash_fwd" in name], sorted(names)
+    assert set(lengths) == {(256, 256)} and len(lengths) == 3 * 2  # three prompts x two layers, one length
+    assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
