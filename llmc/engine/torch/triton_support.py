@@ -62,15 +62,16 @@ def early_launch(device) -> bool:
 
 @functools.cache
 def pdl_launch(device) -> bool:
-    """Whether the Triton kernels of a CUDA step (the norms, RoPE + KV write, decode attention and its merge) launch
-    with programmatic dependent launch: each is launched while the kernel before it runs, lets the next one launch
-    at its own start (``gdc_launch_dependents``) and waits for the previous one to finish (``gdc_wait``) before it
-    reads or writes anything, so its launch latency hides behind its predecessor and the results are unchanged.
+    """Whether the Triton kernels of a CUDA step (the norms, RoPE + KV write, decode attention and its merge, SiLU x
+    gate) launch with programmatic dependent launch: each is launched while the kernel before it runs, lets the next
+    one launch at its own start (``gdc_launch_dependents``) and waits for the previous one to finish (``gdc_wait``)
+    before it reads or writes anything, so its launch latency hides behind its predecessor and the results are
+    unchanged.
     Where :func:`early_launch` holds (sm_90+, llmc's int4 kernels launch so), this Triton has ``gdc_wait`` and the
     ``launch_pdl`` option, and ``LLMC_TRITON_PDL`` is not ``0``."""
     if not early_launch(device) or pdl_switched_off():
         return False
-    triton, tl = modules()
+    _, tl = modules()
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
