@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.engine.torch.triton_support import early_launch, launch_options, pdl_launch, pow2_at_least
+from llmc.engine.torch.triton_support import early_launch, pdl_kwargs, pow2_at_least
 
 
 @triton.jit
@@ -104,8 +104,7 @@ def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: fl
         _add_rms_norm_kernel[(rows,)](h, a if a is not None else h, weight, out, width, h.stride(0),
                                      a.stride(0) if a is not None else 0, out.stride(0), eps,
                                      HAS_ADD=a is not None, BLOCK=pow2_at_least(width),
-                                     EARLY_LAUNCH=early_launch(h.device), PDL=pdl_launch(h.device), num_warps=4,
-                                     **launch_options(h.device))
+                                     EARLY_LAUNCH=early_launch(h.device), num_warps=4, **pdl_kwargs(h.device))
     return out
 
 
@@ -125,6 +124,5 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k, qkv.stride(0), cos2.stride(0),
                               q.stride(0), slot_mapping.stride(0), k.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
-                              HAS_K_OUT=return_k, PDL=pdl_launch(qkv.device), num_warps=4,
-                              **launch_options(qkv.device))
+                              HAS_K_OUT=return_k, num_warps=4, **pdl_kwargs(qkv.device))
     return (q, k) if return_k else q

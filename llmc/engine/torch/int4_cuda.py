@@ -256,8 +256,7 @@ def silu_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     if rows:
         block = 1024
         _kernels().silu_mul[(rows, -(-width // block))](x, y, width, x.stride(0), y.stride(0), BLOCK=block,
-                                                        PDL=triton_support.pdl_launch(x.device),
-                                                        **triton_support.launch_options(x.device),
+                                                        **triton_support.pdl_kwargs(x.device),
                                                         INTERLEAVED=interleaved)
     return y
 

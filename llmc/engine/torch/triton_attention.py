@@ -141,8 +141,7 @@ def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> t
         _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
                                    SPLITS_P=max(2, _next_pow2(splits)),
                                    EARLY_LAUNCH=triton_support.early_launch(acc.device),
-                                   PDL=triton_support.pdl_launch(acc.device),
-                                   **triton_support.launch_options(acc.device))
+                                   **triton_support.pdl_kwargs(acc.device))
     return out
 
 
@@ -177,8 +176,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        PDL=triton_support.pdl_launch(q.device), num_warps=num_warps or NUM_WARPS,
-        num_stages=num_stages or NUM_STAGES, **triton_support.launch_options(q.device),
+        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
+        **triton_support.pdl_kwargs(q.device),
     )
     return combine_splits(acc, ml, q.dtype)
 

@@ -89,3 +89,10 @@ def launch_options(device) -> dict:
     """Keyword arguments of a step kernel's launch: ``{"launch_pdl": True}`` where :func:`pdl_launch` holds (the
     kernel must then execute ``gdc_wait`` before touching memory), else nothing."""
     return {"launch_pdl": True} if pdl_launch(device) else {}
+
+
+def pdl_kwargs(device) -> dict:
+    """A step kernel's ``PDL`` constexpr and launch options in one lookup: ``{"PDL": True, "launch_pdl": True}``
+    where :func:`pdl_launch` holds, else ``{"PDL": False}``."""
+    options = launch_options(device)
+    return {"PDL": bool(options), **options}
