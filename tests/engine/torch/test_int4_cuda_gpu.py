@@ -85,6 +85,9 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
                                    group, scratch, silu_output=silu)
     assert layer.backend == "mma"
     weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k), group).cuda()  # fp32 [N, K]
+    # The prefill path's weight: q * scale * prequant in float32, rounded once: the same bits as the reference's
+    # (fc + gate as [fc | gate] columns), including partial blocks (960 and 576 columns, 9 input tiles).
+    assert torch.equal(layer.dequantize(torch.empty(k, n, dtype=dtype, device="cuda")), weight.T.to(dtype))
     for rows in ROWS:
         x = torch.randn(rows, k, device="cuda").to(dtype)
         ref = x.float() @ weight.T
