@@ -41,13 +41,21 @@ CPU_KERNEL_MAX_QUERY_LEN = 128
 # and every prompt of a new length would pay it in TTFT. Flash and memory-efficient attention launch without a plan.
 PLANLESS_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
-# Opt-in (``LLMC_CUDNN_PROMPTS=1``; not yet run on a GPU, so off by default): a whole fresh prompt on CUDA attends
-# through cuDNN all the same, padded to a multiple of CUDNN_LENGTH_BUCKET tokens. Its causal attention over 2,048
-# tokens of the 8B shape took 3.1 ms for 32 layers against flash attention's 6.0-6.5 (H200, 2026-12-02, separate
-# runs), and bucketed lengths would bound its plans to one per bucket (32 up to 8,192 tokens), each built once per
-# process. Padding at the end changes nothing for the real queries: a causal query never sees a later key.
+# Except for whole fresh prompts on CUDA: they attend through cuDNN all the same, padded to a multiple of
+# CUDNN_LENGTH_BUCKET tokens, so its plans are bounded to one per bucket (32 up to 8,192 tokens), each built once per
+# process (:func:`warm_prompt_buckets` builds those up to the engine's longest prompt at warm-up). Causal attention
+# over 2,048 tokens of the 8B shape, 32 layers: 3.3-3.4 ms through cuDNN vs 6.2-6.4 ms through flash attention
+# (H200, 2026-12-02 13:50, prefill-step profiles); TTFT p50 of a 2,048-token prompt 52.0 vs 54.9 ms (int4 build),
+# 47.0 vs 49.2 ms (bf16). Padding at the end changes nothing for the real queries: a causal query never sees a later
+# key. ``LLMC_CUDNN_PROMPTS=0`` sends them to flash attention instead.
 CUDNN_PROMPTS_ENV = "LLMC_CUDNN_PROMPTS"
 CUDNN_LENGTH_BUCKET = 256
+
+
+def cudnn_prompts(device: torch.device) -> bool:
+    """Whether whole fresh prompts on ``device`` attend through cuDNN at bucketed lengths (CUDA, unless
+    ``LLMC_CUDNN_PROMPTS=0``)."""
+    return device.type == "cuda" and os.environ.get(CUDNN_PROMPTS_ENV, "1") != "0"
 
 
 def planless_sdpa():
@@ -132,10 +140,14 @@ def build_attention_metadata(
     tables = [list(s.block_ids[:max_blocks]) + [0] * (max_blocks - min(len(s.block_ids), max_blocks)) for s in seqs]
     positions: list[int] = []
     slots: list[int] = []
-    for s in seqs:
-        for p in range(s.num_computed, s.num_computed + len(s.token_ids)):
-            positions.append(p)
-            slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+    token_seqs: list[int] = []
+    for i, s in enumerate(seqs):  # runs of consecutive slots, one per block: no per-token Python on long prompts
+        start, end = s.num_computed, s.num_computed + len(s.token_ids)
+        positions.extend(range(start, end))
+        token_seqs.extend([i] * (end - start))
+        for b in range(start // block_size, -(-end // block_size)):
+            base = s.block_ids[b] * block_size
+            slots.extend(range(base + max(start - b * block_size, 0), base + min(end - b * block_size, block_size)))
     cu = [0]
     for q in query_lens:
         cu.append(cu[-1] + q)
@@ -156,7 +168,7 @@ def build_attention_metadata(
         block_tables=dev(tables, torch.int32),
         slot_mapping=dev(slots, torch.int64),
         positions=dev(positions, torch.int64),
-        token_seqs=dev([i for i, q in enumerate(query_lens) for _ in range(q)], torch.int64),
+        token_seqs=dev(token_seqs, torch.int64),
         logits_indices=dev(logits_idx, torch.int64),
         decode_seqs=dev(decodes, torch.int64),
         decode_tokens=dev([cu[i] for i in decodes], torch.int64),
@@ -280,7 +292,7 @@ def _prefill_attention(
         # A whole fresh prompt on CUDA: causal attention with the kv heads shared by their query groups in the
         # kernel (no repeated k/v): 0.096 vs 0.189 ms per 2,048-token layer of the 8B shape on an H200 (cuDNN's
         # flash kernel either way; equal outputs).
-        if os.environ.get(CUDNN_PROMPTS_ENV) == "1":
+        if cudnn_prompts(q.device):
             return bucketed_causal_attention(q, k_t, v_t, scale)
         return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_t[None], v_t[None], is_causal=True,
                                               scale=scale, enable_gqa=True)[0].transpose(0, 1)
@@ -300,13 +312,12 @@ def bucketed_causal_attention(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Ten
                               bucket: int = CUDNN_LENGTH_BUCKET) -> torch.Tensor:
     """Causal attention of a whole fresh prompt, queries ``[n, nh, hd]``, keys/values ``[nkv, n, hd]`` (kv heads
     shared by their query groups in the kernel) -> ``[n, nh, hd]``, with cuDNN's attention allowed (where the
-    device has it) on the sequences zero-padded to a multiple of ``bucket``: SDPA then sees a bounded set of
-    lengths, so cuDNN builds one plan per bucket, not one per prompt length (:data:`CUDNN_LENGTH_BUCKET`)."""
+    device has it) on contiguous copies zero-padded to a multiple of ``bucket``: SDPA then sees a bounded set of
+    shapes and strides, so cuDNN builds one plan per bucket, not one per prompt length
+    (:data:`CUDNN_LENGTH_BUCKET`)."""
     n = q.shape[0]
     pad = -n % bucket
-    q_h = q.transpose(0, 1)  # [nh, n, hd]
-    if pad:
-        q_h, k_t, v_t = (F.pad(t, (0, 0, 0, pad)) for t in (q_h, k_t, v_t))
+    q_h, k_t, v_t = (F.pad(t, (0, 0, 0, pad)).contiguous() for t in (q.transpose(0, 1), k_t, v_t))
     cudnn_was = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)  # inside the step's planless_sdpa: for this call only
     try:
@@ -315,6 +326,22 @@ def bucketed_causal_attention(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Ten
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn_was)
     return out[:, :n].transpose(0, 1)
+
+
+def warm_prompt_buckets(num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype, device: torch.device,
+                        max_len: int, bucket: int = CUDNN_LENGTH_BUCKET) -> list[int]:
+    """Run :func:`bucketed_causal_attention` once at every bucketed length up to ``max_len`` (zeros), so cuDNN
+    builds those plans now (37-54 ms of host time each on an H200) and no prompt pays one in its TTFT. Returns the
+    lengths; none where :func:`cudnn_prompts` is off."""
+    if not cudnn_prompts(device):
+        return []
+    lengths = [bucket * j for j in range(1, -(-max_len // bucket) + 1)]
+    with planless_sdpa():
+        for length in lengths:
+            q = torch.zeros(length, num_heads, head_size, dtype=dtype, device=device)
+            kv = torch.zeros(num_kv_heads, length, head_size, dtype=dtype, device=device)
+            bucketed_causal_attention(q, kv, kv, head_size**-0.5, bucket)
+    return lengths
 
 
 def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from llmc.checkpoint.convert import torch_dtype
-from llmc.engine.torch import cpu_ext
+from llmc.engine.torch import attention, cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
@@ -71,6 +71,7 @@ class TorchModelRunner:
         # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))
         self.block_size = recipe.kv_cache.tokens_per_block
+        self.max_prompt_chunk = min(recipe.engine.max_input_len, recipe.engine.max_num_tokens)
         self.vocab_size = config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_dtype)
         self.num_blocks = num_blocks or plan_num_blocks(
@@ -139,10 +140,15 @@ class TorchModelRunner:
         return PendingStep(sampled, token_ids)
 
     def warmup(self, prompt_len: int = 8) -> None:
-        """One tiny prefill + decode (greedy) so the first real request does not pay the first-call costs.
+        """One tiny prefill + decode (greedy) so the first real request does not pay the first-call costs, and on
+        CUDA cuDNN's attention plans for every prompt length bucket up to the longest prompt chunk
+        (:func:`attention.warm_prompt_buckets`).
 
         Writes into block 0 only; that is harmless: a sequence only ever reads slots it wrote itself.
         """
+        config = self.model.config
+        attention.warm_prompt_buckets(config.num_heads, config.num_kv_heads, config.head_size,
+                                      torch_dtype(config.dtype), self.device, self.max_prompt_chunk)
         prompt_len = min(prompt_len, self.block_size - 1)
         blocks = (0,)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=2)

@@ -150,6 +150,7 @@ def test_fresh_prompt_attention_padded_to_a_bucket_equals_plain_causal_attention
 
     def recording(query, key, value, **kwargs):
         seen.append((query.shape[-2], key.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()  # one stride set per bucket
         return sdpa(query, key, value, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", recording)
@@ -165,3 +166,48 @@ def test_fresh_prompt_attention_padded_to_a_bucket_equals_plain_causal_attention
                is_causal=True, scale=0.25).transpose(0, 1)
     assert got.shape == (n, nh, hd)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_prompt_buckets_are_on_for_cuda_and_warmed_up_to_the_longest_prompt_chunk(monkeypatch):
+    from llmc.engine.torch import attention
+
+    monkeypatch.delenv(attention.CUDNN_PROMPTS_ENV, raising=False)
+    assert attention.cudnn_prompts(torch.device("cuda")) and not attention.cudnn_prompts(torch.device("cpu"))
+    monkeypatch.setenv(attention.CUDNN_PROMPTS_ENV, "0")
+    assert not attention.cudnn_prompts(torch.device("cuda"))
+    calls = []
+
+    def recording(q, k, v, scale, bucket):
+        calls.append((tuple(q.shape), tuple(k.shape), v is k, scale, bucket))
+        return q
+
+    monkeypatch.setattr(attention, "bucketed_causal_attention", recording)
+    cpu = torch.device("cpu")
+    assert attention.warm_prompt_buckets(4, 2, 16, torch.bfloat16, cpu, 2000) == [] and calls == []  # off: nothing
+    monkeypatch.setattr(attention, "cudnn_prompts", lambda device: True)
+    lengths = [256 * j for j in range(1, 9)]
+    assert attention.warm_prompt_buckets(4, 2, 16, torch.bfloat16, cpu, 2000) == lengths
+    assert calls == [((n, 4, 16), (2, n, 16), True, 0.25, 256) for n in lengths]
+    assert attention.warm_prompt_buckets(4, 2, 16, torch.bfloat16, cpu, 256) == [256]
+    assert attention.warm_prompt_buckets(4, 2, 16, torch.bfloat16, cpu, 257, bucket=128) == [128, 256, 384]
+
+
+def test_metadata_slots_and_positions_follow_each_sequences_blocks_token_by_token():
+    import random
+
+    from llmc.engine.torch.attention import build_attention_metadata
+
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0.0)
+    for _ in range(200):
+        bs = rng.choice([1, 4, 16, 32])
+        seqs = []
+        for i in range(rng.randint(1, 5)):  # chunks that start and end mid-block, tables with spare blocks
+            cached, new = rng.randint(0, 100), rng.randint(1, 70)
+            blocks = tuple(rng.sample(range(1000), -(-(cached + new) // bs) + rng.randint(0, 2)))
+            seqs.append(ScheduledSequence(f"r{i}", tuple(range(new)), cached, blocks, True, greedy,
+                                          prompt_token_ids=tuple(range(cached + new))))
+        meta = build_attention_metadata(seqs, bs, "cpu")
+        expected = [(p, s.block_ids[p // bs] * bs + p % bs, i) for i, s in enumerate(seqs)
+                    for p in range(s.num_computed, s.num_computed + len(s.token_ids))]
+        assert list(zip(meta.positions.tolist(), meta.slot_mapping.tolist(), meta.token_seqs.tolist())) == expected

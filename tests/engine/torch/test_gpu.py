@@ -106,9 +106,12 @@ def test_chunk_over_cached_context_on_cuda_equals_the_masked_path(dtype, n):
     torch.testing.assert_close(out.float().cpu(), reference, rtol=2e-2, atol=2e-2)
 
 
-def test_prompts_of_new_lengths_attend_without_cudnn_plans(tmp_path):
-    # cuDNN's SDPA builds a host-side plan for every new prompt length (37-54 ms each inside the engine on the
-    # H200): prompt steps must take the flash kernel instead, and leave SDPA's global flags as they found them.
+def test_prompts_of_new_lengths_attend_without_cudnn_plans_when_switched_off(tmp_path, monkeypatch):
+    # LLMC_CUDNN_PROMPTS=0: cuDNN's SDPA builds a host-side plan for every new prompt length (37-54 ms each inside
+    # the engine on the H200), so prompt steps take the flash kernel, and leave SDPA's global flags as they found them.
+    from llmc.engine.torch import attention
+
+    monkeypatch.setenv(attention.CUDNN_PROMPTS_ENV, "0")
     hf_dir = random_llama(tmp_path, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     model = load_model(write_ir(hf_dir, tmp_path / "ir", dtype="bfloat16"), "cuda")
@@ -123,12 +126,12 @@ def test_prompts_of_new_lengths_attend_without_cudnn_plans(tmp_path):
 
 
 def test_prompts_of_new_lengths_attend_through_cudnn_at_one_bucketed_length(tmp_path, monkeypatch):
-    # LLMC_CUDNN_PROMPTS=1 (opt-in): cuDNN's SDPA builds a host-side plan for every new length (37-54 ms each
-    # inside the engine on the H200), so fresh prompts of three new lengths reach it padded to one bucket (one
-    # plan), and the steps leave SDPA's global flags as they found them.
+    # The default: cuDNN's SDPA builds a host-side plan for every new length (37-54 ms each inside the engine on
+    # the H200), so fresh prompts of three new lengths reach it padded to one bucket (one plan), and the steps
+    # leave SDPA's global flags as they found them.
     from llmc.engine.torch import attention
 
-    monkeypatch.setenv(attention.CUDNN_PROMPTS_ENV, "1")
+    monkeypatch.delenv(attention.CUDNN_PROMPTS_ENV, raising=False)
     hf_dir = random_llama(tmp_path, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=2, head_dim=128)
     model = load_model(write_ir(hf_dir, tmp_path / "ir", dtype="bfloat16"), "cuda")

@@ -38,6 +38,20 @@ def test_greedy_outputs_equal_transformers_with_staggered_arrivals(build_dir, ti
         assert sched.reqs[rid]["out"] == hf_greedy(tiny_hf_model, prompt, 10), rid
 
 
+def test_warmup_builds_prompt_attention_plans_up_to_the_longest_prompt_chunk(build_dir, monkeypatch):
+    from llmc.engine.torch import attention
+    from llmc.manifest import read_manifest
+
+    seen = []
+    monkeypatch.setattr(attention, "warm_prompt_buckets", lambda *args: seen.append(args) or [])
+    runner = TorchModelRunner(build_dir, device="cpu")
+    runner.warmup()
+    engine = read_manifest(build_dir).recipe_obj().engine
+    cfg = runner.model.config
+    assert seen == [(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, getattr(torch, cfg.dtype), torch.device("cpu"),
+                     min(engine.max_input_len, engine.max_num_tokens))]
+
+
 def test_kv_budget_and_sizes_follow_the_recipe(build_dir, tiny_model):
     runner = TorchModelRunner(build_dir, device="cpu")
     cfg = tiny_model.config
