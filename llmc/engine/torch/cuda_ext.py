@@ -158,6 +158,12 @@ def pdl(device: torch.device | int | None = None) -> int:
     return pdl_mode(torch.cuda.get_device_capability(device)[0])
 
 
+def _stream(device: torch.device) -> int:
+    """The raw handle of PyTorch's current stream on ``device`` (what Triton's launcher asks for: a few us, where
+    ``torch.cuda.current_stream(device).cuda_stream`` builds a Stream object first)."""
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
               y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
               warps: int, stages: int) -> None:
@@ -169,7 +175,7 @@ def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, p
         DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
-        group_size, int(silu_out), pdl(x.device), torch.cuda.current_stream(x.device).cuda_stream),
+        group_size, int(silu_out), pdl(x.device), _stream(x.device)),
         "llmc_w4a16_mma")
 
 
@@ -183,4 +189,4 @@ def w4a16_mma_dequant(words: torch.Tensor, scale_pairs: torch.Tensor, prequant: 
     _check(lib.llmc_w4a16_mma_dequant(
         DTYPES[out.dtype], words.data_ptr(), scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, out.data_ptr(), n, k, group_size, int(halves),
-        int(pdl(out.device) > 0), torch.cuda.current_stream(out.device).cuda_stream), "llmc_w4a16_mma_dequant")
+        int(pdl(out.device) > 0), _stream(out.device)), "llmc_w4a16_mma_dequant")

@@ -115,6 +115,7 @@ class Int4CudaLinear(nn.Module):
         self.register_buffer("words", words, persistent=False)  # triton: [Kp/8, N]; mma: [N/16, K/64, 32, 4]
         self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [N/16, K/g, 8]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
+        self._dense_weight: torch.Tensor | None = None  # this layer's view of the shared prefill scratch
         name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
         entry = tuned_entry(name, self.columns, in_features, group_size) or {}
         if backend == "mma":
@@ -243,7 +244,9 @@ class Int4CudaLinear(nn.Module):
         return out
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.dequantize(self.scratch.dense_view(self.in_features, self.columns))  # [K, N]
+        if self._dense_weight is None:  # the shared scratch is made once: its view is this layer's for good
+            self._dense_weight = self.scratch.dense_view(self.in_features, self.columns)
+        weight = self.dequantize(self._dense_weight)  # [K, N]
         y = torch.mm(x, weight)
         return silu_mul(y, interleaved=self.backend == "triton") if self.silu_output else y
 
