@@ -155,11 +155,30 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
         per_kind[kind_of(evt.key)] = per_kind.get(kind_of(evt.key), 0.0) + us / steps / 1e3
         top[evt.key[:90]] = us / steps / 1e3
     kernels_ms = sum(per_kind.values())
-    spans = [(evt.time_range.start, evt.time_range.end) for evt in prof.events()
+    events = prof.events()
+    spans = [(evt.time_range.start, evt.time_range.end, evt.name) for evt in events
              if evt.device_type == DeviceType.CUDA and not evt.name.startswith("ProfilerStep")]
+    runtime: dict[str, float] = {}  # host time in CUDA runtime / driver calls (launches, syncs, allocations)
+    for evt in events:
+        if evt.device_type == DeviceType.CPU and evt.name.startswith("cu"):
+            runtime[evt.name] = runtime.get(evt.name, 0.0) + (evt.time_range.end - evt.time_range.start) / steps / 1e3
     return {"kernel_ms_by_kind": {k: round(v, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
-            "kernel_ms_total": round(kernels_ms, 4), "gpu_busy_ms": round(busy_ms(spans) / steps, 4),
+            "kernel_ms_total": round(kernels_ms, 4), "gpu_busy_ms": round(busy_ms([s[:2] for s in spans]) / steps, 4),
+            "largest_gaps": largest_gaps(spans),
+            "runtime_calls_ms": {k: round(v, 4) for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:8]},
             "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
+
+
+def largest_gaps(spans: list[tuple[float, float, str]], top: int = 6, within_us: float = 20_000.0) -> list[dict]:
+    """The longest stretches (under ``within_us``, so not the pauses between profiled steps) in which no kernel ran,
+    with the kernels on either side: where the GPU waited for the host."""
+    gaps, reach, last = [], float("-inf"), ""
+    for start, end, name in sorted(spans):
+        if reach < start < reach + within_us:
+            gaps.append({"us": round(start - reach, 1), "after": last[:60], "before": name[:60]})
+        if end > reach:
+            reach, last = end, name
+    return sorted(gaps, key=lambda g: -g["us"])[:top]
 
 
 def step_row(runner: TorchModelRunner, step: SchedulerOutput, args: argparse.Namespace) -> dict:

@@ -234,3 +234,16 @@ def test_gpu_busy_time_counts_overlapping_kernels_once():
     assert busy_ms(spans) == pytest.approx(1.6 + 0.5)  # [1000, 2600) and [3000, 3500)
     assert busy_ms([]) == 0.0 and busy_ms([(5.0, 5.0)]) == 0.0
     assert busy_ms(list(reversed(spans))) == busy_ms(spans)
+
+
+def test_decode_steps_largest_gaps_name_the_kernels_around_each_idle_stretch():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import largest_gaps
+    finally:
+        sys.path.remove(str(ROOT))
+    spans = [(0.0, 100.0, "a"), (50.0, 300.0, "b"), (340.0, 400.0, "c"), (400.0, 410.0, "d"), (500.0, 600.0, "e"),
+             (90_000.0, 90_100.0, "next step")]  # 89,400 us later: another profiled step, not a gap
+    assert largest_gaps(spans) == [{"us": 90.0, "after": "d", "before": "e"},
+                                   {"us": 40.0, "after": "b", "before": "c"}]
+    assert largest_gaps(spans, top=1) == [{"us": 90.0, "after": "d", "before": "e"}]
