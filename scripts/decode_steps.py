@@ -165,8 +165,24 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
     return {"kernel_ms_by_kind": {k: round(v, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
             "kernel_ms_total": round(kernels_ms, 4), "gpu_busy_ms": round(busy_ms([s[:2] for s in spans]) / steps, 4),
             "largest_gaps": largest_gaps(spans),
+            "idle_ms_by_kinds": {k: round(v / steps, 4) for k, v in idle_by_kinds(spans).items()},
             "runtime_calls_ms": {k: round(v, 4) for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:8]},
             "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
+
+
+def idle_by_kinds(spans: list[tuple[float, float, str]], top: int = 10, within_us: float = 20_000.0
+                  ) -> dict[str, float]:
+    """GPU idle time (ms, summed over the profile) by the kinds of the kernels around each idle stretch
+    (``"cuBLAS GEMM -> int4 dequantize"``), largest first: which transitions the GPU waits at, a little each time."""
+    idle: dict[str, float] = {}
+    reach, last = float("-inf"), ""
+    for start, end, name in sorted(spans):
+        if reach < start < reach + within_us:
+            key = f"{kind_of(last).split(' (')[0]} -> {kind_of(name).split(' (')[0]}"
+            idle[key] = idle.get(key, 0.0) + (start - reach) / 1e3
+        if end > reach:
+            reach, last = end, name
+    return dict(sorted(idle.items(), key=lambda kv: -kv[1])[:top])
 
 
 def largest_gaps(spans: list[tuple[float, float, str]], top: int = 6, within_us: float = 20_000.0) -> list[dict]:

@@ -247,3 +247,19 @@ def test_decode_steps_largest_gaps_name_the_kernels_around_each_idle_stretch():
     assert largest_gaps(spans) == [{"us": 90.0, "after": "d", "before": "e"},
                                    {"us": 40.0, "after": "b", "before": "c"}]
     assert largest_gaps(spans, top=1) == [{"us": 90.0, "after": "d", "before": "e"}]
+
+
+def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import idle_by_kinds
+    finally:
+        sys.path.remove(str(ROOT))
+    spans = [(0.0, 100.0, "gemm_a"), (110.0, 200.0, "w4a16_mma_dequant_kernel"), (230.0, 300.0, "gemm_b"),
+             (340.0, 400.0, "w4a16_mma_dequant_kernel"), (400.0, 500.0, "nvjet_gemm"), (505.0, 600.0, "silu_mul_k"),
+             (60_000.0, 60_100.0, "gemm_next_step")]  # beyond 20 ms: between profiled steps, not counted
+    idle = idle_by_kinds(spans)
+    assert list(idle) == ["cuBLAS GEMM -> int4 dequantize", "int4 dequantize -> cuBLAS GEMM",
+                          "cuBLAS GEMM -> SiLU x gate"]  # largest first
+    assert idle == pytest.approx({"cuBLAS GEMM -> int4 dequantize": 0.05, "int4 dequantize -> cuBLAS GEMM": 0.03,
+                                  "cuBLAS GEMM -> SiLU x gate": 0.005})
