@@ -595,7 +595,7 @@ int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, cons
 int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const void* prequant, void* out, int n,
                            int k, int group_size, int halves, int pdl, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128)) return -1;
-  constexpr int TILES = 8, KT = 2;  // 128 columns x 128 inputs a block (H200: 5.3 vs 6.1 ms for 4 x 16 x 1 tiles)
+  constexpr int TILES = 8, KT = 2;  // 128 x 128 a block: 8B shapes x 32 layers 5.38 ms vs 6.31 with 64 x 64 (H200)
   const int shift = group_size == 128 ? 1 : 0;
   const dim3 grid((n / 16 + TILES - 1) / TILES, (k / 64 + KT - 1) / KT);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
