@@ -170,30 +170,32 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
             "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
 
 
-def idle_by_kinds(spans: list[tuple[float, float, str]], top: int = 10, within_us: float = 20_000.0
-                  ) -> dict[str, float]:
-    """GPU idle time (ms, summed over the profile) by the kinds of the kernels around each idle stretch
-    (``"cuBLAS GEMM -> int4 dequantize"``), largest first: which transitions the GPU waits at, a little each time."""
-    idle: dict[str, float] = {}
+def idle_stretches(spans: list[tuple[float, float, str]], within_us: float = 20_000.0):
+    """``(idle_us, kernel_before, kernel_after)`` for each stretch in which no kernel ran, in time order; stretches
+    of ``within_us`` or more are the pauses between profiled steps and are left out."""
     reach, last = float("-inf"), ""
     for start, end, name in sorted(spans):
         if reach < start < reach + within_us:
-            key = f"{kind_of(last).split(' (')[0]} -> {kind_of(name).split(' (')[0]}"
-            idle[key] = idle.get(key, 0.0) + (start - reach) / 1e3
+            yield start - reach, last, name
         if end > reach:
             reach, last = end, name
+
+
+def idle_by_kinds(spans: list[tuple[float, float, str]], top: int = 10) -> dict[str, float]:
+    """GPU idle time (ms, summed over the profile) by the kinds of the kernels around each idle stretch
+    (``"cuBLAS GEMM -> int4 dequantize"``), largest first: which transitions the GPU waits at, a little each time."""
+    idle: dict[str, float] = {}
+    for us, before, after in idle_stretches(spans):
+        key = f"{kind_of(before).split(' (')[0]} -> {kind_of(after).split(' (')[0]}"
+        idle[key] = idle.get(key, 0.0) + us / 1e3
     return dict(sorted(idle.items(), key=lambda kv: -kv[1])[:top])
 
 
-def largest_gaps(spans: list[tuple[float, float, str]], top: int = 6, within_us: float = 20_000.0) -> list[dict]:
-    """The longest stretches (under ``within_us``, so not the pauses between profiled steps) in which no kernel ran,
-    with the kernels on either side: where the GPU waited for the host."""
-    gaps, reach, last = [], float("-inf"), ""
-    for start, end, name in sorted(spans):
-        if reach < start < reach + within_us:
-            gaps.append({"us": round(start - reach, 1), "after": last[:60], "before": name[:60]})
-        if end > reach:
-            reach, last = end, name
+def largest_gaps(spans: list[tuple[float, float, str]], top: int = 6) -> list[dict]:
+    """The longest stretches in which no kernel ran (:func:`idle_stretches`), with the kernels on either side:
+    where the GPU waited for the host."""
+    gaps = [{"us": round(us, 1), "after": before[:60], "before": after[:60]}
+            for us, before, after in idle_stretches(spans)]
     return sorted(gaps, key=lambda g: -g["us"])[:top]
 
 

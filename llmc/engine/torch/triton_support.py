@@ -91,8 +91,10 @@ def launch_options(device) -> dict:
     return {"launch_pdl": True} if pdl_launch(device) else {}
 
 
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # read-only: callers unpack them
+
+
 def pdl_kwargs(device) -> dict:
     """A step kernel's ``PDL`` constexpr and launch options in one lookup: ``{"PDL": True, "launch_pdl": True}``
-    where :func:`pdl_launch` holds, else ``{"PDL": False}``."""
-    options = launch_options(device)
-    return {"PDL": bool(options), **options}
+    where :func:`pdl_launch` holds, else ``{"PDL": False}`` (no dict built per launch)."""
+    return _PDL_ON if pdl_launch(device) else _PDL_OFF
