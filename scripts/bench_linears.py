@@ -15,6 +15,9 @@ median of the replays, at every row count of ``--rows`` (decode steps: 1-64 rows
     python scripts/bench_linears.py --rows 1,8,16,32,64,2048 --json out/linears.json
 
 Prints the 32-layer sums per row count and the int4 / bf16 ratios; ``--json`` keeps every shape's timing.
+``--step-order`` also times all 128 int4 linears in one graph in the order a decode step runs them (qkv, o, fc +
+gate, down of layer 0, then of layer 1, ...): each kernel then follows one of another shape, as in the engine,
+where the per-shape sums put each layer after a layer of its own shape.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ def time_int4(spec: tuple, rows: list[int], replays: int) -> dict[int, float]:
     return out
 
 
+def time_step_order(rows: list[int], replays: int) -> dict[int, float]:
+    """ms of the 128 int4 linears in decode-step order (one graph) per row count."""
+    made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
+    chain = [made[name][i] for i in range(LAYERS) for name in ("qkv", "o", "fc_gate", "down")]
+    inputs = {m: {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {s[2] for s in LLAMA8B}}
+              for m in rows}
+    return {m: time_graph(lambda: [layer(inputs[m][layer.in_features]) for layer in chain], replays) * 1e3
+            for m in rows}
+
+
 def time_bf16(spec: tuple, rows: list[int], replays: int) -> dict[str, dict[int, float]]:
     """``{"bf16", "bf16_gemm_only": {rows: ms}}`` of the shape's 32 16-bit layers (fc + gate: with SiLU x gate)."""
     _, n, k, _, silu, _ = spec
@@ -77,6 +90,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,16,32,64,2048", help="row counts (M) to time, comma-separated")
     ap.add_argument("--replays", type=int, default=20, help="graph replays per timing (median)")
     ap.add_argument("--json", type=Path, help="write every shape's timing here")
+    ap.add_argument("--step-order", action="store_true", help="also time the int4 linears in decode-step order")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_linears.py times CUDA kernels: run it on a machine with an NVIDIA GPU")
@@ -93,6 +107,11 @@ def main() -> None:
         print(f"M={m:5d}: int4 {row['int4']:8.3f} ms  bf16 {row['bf16']:8.3f} ms (GEMM only "
               f"{row['bf16_gemm_only']:8.3f})  int4/bf16 {row['int4_over_bf16']:.3f} "
               f"({row['int4_over_bf16_gemm_only']:.3f})", flush=True)
+    if args.step_order:
+        result["int4_step_order_ms"] = time_step_order(rows, args.replays)
+        torch.cuda.empty_cache()
+        for m, ms in result["int4_step_order_ms"].items():
+            print(f"M={m:5d}: int4 in step order {ms:8.3f} ms", flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,7 @@ The same launches with the 16-bit weight through cuBLAS (``F.linear``) are the b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -244,11 +245,13 @@ def mma_layers(spec) -> tuple[list, torch.Tensor]:
                                                       torch.ones(k, device="cuda"), group)
 
 
-def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report: dict, quick: bool = False
-                ) -> dict:
+def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report: dict, quick: bool = False,
+                old: dict | None = None) -> dict:
     """One shape's table entry ``{"buckets": [[m_max, *config]], "dense_from_m": m}``: the fastest correct config
     per row bucket, and the smallest row count of ``family.dense_ms`` from which dequantize + cuBLAS (checked
-    too) beats the largest bucket's config. Every timing goes into ``report``."""
+    too) beats the largest bucket's config. Every timing goes into ``report``. With ``old`` (the shape's entry
+    in the table), only the buckets that hold ``family.buckets``' row counts are tuned: the others and
+    ``dense_from_m`` stay as they were."""
     name, n, k, group, silu, _ = spec
     silu_ref = family.silu_ref if silu else None
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
@@ -269,6 +272,8 @@ def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report
                                               "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
         print(f"{name:8s} M={m:4d}: {family.title} {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
               f"({cublas / best_t:.2f}x)  best {family.to_list(best)}", flush=True)
+    if old is not None:
+        return merge_buckets(old, entry["buckets"])
     kernel_cfg = family.from_list(entry["buckets"][-1][1:])
     for m in family.report_ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -289,6 +294,16 @@ def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report
     return entry
 
 
+def merge_buckets(old: dict, tuned: list[list[int]]) -> dict:
+    """``old`` (a shape's table entry) with the re-tuned buckets ``[[m_max, *config]]`` in place of those with the
+    same ``m_max``; its other buckets and ``dense_from_m`` stay."""
+    by_max = {bucket[0]: bucket for bucket in tuned}
+    unknown = set(by_max) - {bucket[0] for bucket in old["buckets"]}
+    if unknown:
+        raise ValueError(f"buckets {sorted(unknown)} are not in the table's entry {old['buckets']}")
+    return {**old, "buckets": [by_max.get(bucket[0], bucket) for bucket in old["buckets"]]}
+
+
 def step_table(report: dict, shapes, family: Family) -> list[dict]:
     """Per row count: the 32-layer sum over the shapes, int4 (the faster path at dense row counts) vs bf16."""
     keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
@@ -299,6 +314,8 @@ def step_table(report: dict, shapes, family: Family) -> list[dict]:
         rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
                      "bf16_over_int4": round(bf16 / int4, 2)})
     for m in family.report_ms:
+        if any(f"{family.prefix}dense_{m}" not in report[key] for key in keys):  # not compared (--only-rows)
+            continue
         cells = [report[key][f"{family.prefix}dense_{m}"] for key in keys]
         best = sum(min(c["dequant_cublas_us"], c["kernel_us"]) for c in cells)
         bf16 = sum(c["cublas_bf16_us"] for c in cells)
@@ -315,7 +332,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--kernels", choices=["triton", "mma"], default="mma",
                     help="which kernel family to tune (mma: llmc's CUDA library; triton: the fallback)")
+    ap.add_argument("--only-rows", default="",
+                    help="mma only: re-tune just the buckets tuned at these row counts (e.g. 1,8,16) of shapes "
+                         "already in the table, keeping their other buckets and dense_from_m")
     args = ap.parse_args()
+    only = {int(v) for v in args.only_rows.split(",") if v}
+    if only and args.kernels != "mma":
+        raise SystemExit("--only-rows re-tunes mma buckets: use it with --kernels mma")
     device_name = torch.cuda.get_device_name()
     shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
     report = {"device": device_name, "torch": torch.__version__, "shapes": {}, "kernels": args.kernels}
@@ -325,9 +348,19 @@ def main() -> None:
     if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
         upgrade_table(table)  # an older kernel's mma configs: none of them exists any more
         family, title = MMA, "decode-step linears (mma), 32 layers"
+        if only:
+            unknown = only - {m for _, m in MMA_BUCKETS}
+            if unknown:
+                raise SystemExit(f"--only-rows {sorted(unknown)}: the mma buckets are tuned at "
+                                 f"{[m for _, m in MMA_BUCKETS]}")
+            family = dataclasses.replace(MMA, buckets=[b for b in MMA_BUCKETS if b[1] in only])
         for spec in shapes:
-            tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})["mma"] = tune_family(
-                spec, MMA, *mma_layers(spec), report["shapes"])
+            entry = tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})
+            if only and "mma" not in entry:
+                raise SystemExit(f"--only-rows: {shape_key(spec[1], spec[2], spec[3])} has no mma entry in "
+                                 f"{args.configs} yet; tune it whole first (without --only-rows)")
+            entry["mma"] = tune_family(spec, family, *mma_layers(spec), report["shapes"],
+                                       old=entry["mma"] if only else None)
             torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
     else:
         family, title = TRITON, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"

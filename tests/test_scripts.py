@@ -222,6 +222,21 @@ def test_bench_linears_sums_the_shapes_per_row_count():
     assert out[2048]["int4_over_bf16_gemm_only"] == round(30.0 / 26.0, 3)
 
 
+def test_tuning_some_row_buckets_keeps_the_others_and_the_dense_threshold():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.tune_int4_cuda import merge_buckets
+    finally:
+        sys.path.remove(str(ROOT))
+    old = {"buckets": [[1, 1, 1, 8, 2], [8, 1, 2, 8, 2], [16, 2, 4, 8, 4], [64, 4, 4, 4, 2]], "dense_from_m": 256}
+    merged = merge_buckets(old, [[1, 1, 1, 8, 0], [16, 2, 4, 4, 2]])
+    assert merged == {"buckets": [[1, 1, 1, 8, 0], [8, 1, 2, 8, 2], [16, 2, 4, 4, 2], [64, 4, 4, 4, 2]],
+                      "dense_from_m": 256}
+    assert old["buckets"][0] == [1, 1, 1, 8, 2]  # the table's entry itself is not changed
+    with pytest.raises(ValueError, match=r"buckets \[32\] are not in the table's entry"):
+        merge_buckets(old, [[32, 4, 4, 8, 2]])
+
+
 def test_gpu_busy_time_counts_overlapping_kernels_once():
     """decode_steps' busy time is the union of kernel intervals: kernels launched programmatically overlap their
     predecessors, so the sum of their durations (2.7 ms here) overstates the time the GPU ran (2.1 ms)."""

@@ -2,7 +2,8 @@
 
 - ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
   one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`), each warp streaming its
-  weight tiles through a cp.async ring of ``stages`` tiles in shared memory; ``llmc_w4a16_mma_dequant`` writes the
+  weight tiles through a cp.async ring of ``stages`` tiles in shared memory (``stages`` 0: the register kernel,
+  each warp's tiles loaded straight into registers at once); ``llmc_w4a16_mma_dequant`` writes the
   effective 16-bit weight for prefill steps (cuBLAS multiplies it). On sm_90+ the product launches with
   programmatic dependent launch (:func:`pdl`): its first weight tiles are requested while the previous kernel of
   the step finishes, also inside CUDA graphs.
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 8
+ABI_VERSION = 9
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 

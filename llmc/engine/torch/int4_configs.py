@@ -58,7 +58,7 @@ def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
     return KernelConfig(block_m, block_n, 1, 4, 3, split)
 
 
-TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages]
+TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages (0: registers)]
 
 
 @functools.cache
@@ -98,34 +98,56 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | Non
 
 
 MMA_STAGES = (2, 4, 8)  # depths of each warp's cp.async ring
+MMA_REGISTERS = 0  # "stages" of the register kernel: no ring, each warp's tiles go straight to registers
 MMA_MAX_RING = 200 * 1024  # shared memory a config's ring may take (the CUDA library's kMaxSmem)
 MMA_MAX_BLOCK = 227 * 1024  # shared memory a block may take on the H100/H200: ring + AWQ's input scale
 
 
-def mma_smem_bytes(config: tuple[int, int, int, int], k: int = 0, prequant: bool = False) -> int:
-    """Dynamic shared memory of a block of the mma kernel (as the CUDA library computes it): each warp's ring of
-    ``stages`` slots (the slot: column tiles x (32 weight + 8 scale) uint4, row tiles x 64 uint4 of activations),
-    or the warps' partial sums if larger, then AWQ's input scale (2 K bytes) where the kernel applies it."""
+def register_depth(k: int, warps: int, n_tiles: int) -> int:
+    """Input tiles each warp of the register kernel holds at once (the library's KPW): its share of the layer's
+    ``k / 64`` tiles rounded up to a power of two, at most 16 column-tile words a thread (8 with 16 warps)."""
+    cap = (8 if warps == 16 else 16) // n_tiles
+    need, depth = -(-(k // 64) // warps), 1
+    while depth < need and depth < cap:
+        depth *= 2
+    return depth
+
+
+def mma_smem_bytes(config: tuple[int, int, int, int], k: int = 0, prequant: bool = False,
+                   rows: int | None = None) -> int:
+    """Dynamic shared memory of a block of the mma kernels (as the CUDA library computes it), or the warps'
+    partial sums if larger. The ring kernel: each warp's ring of ``stages`` slots (the slot: column tiles x (32
+    weight + 8 scale) uint4, row tiles x 64 uint4 of activations), then AWQ's input scale (2 K bytes) where the
+    kernel applies it. The register kernel (stages 0): the block's rows (``rows``, at most 8 per row tile; None:
+    a full block) of one chunk of activations, each row padded by 16 bytes."""
     mt, nt, warps, stages = config
-    ring = warps * stages * (nt * 40 + mt * 64) * 16
     partial = warps * nt * mt * 4 * 32 * 4
+    if stages == MMA_REGISTERS:
+        block_rows = 8 * mt if rows is None else min(8 * mt, rows)
+        inputs = min(warps * register_depth(k, warps, nt), k // 64) * 64
+        return max(block_rows * (inputs + 8) * 2, partial)
+    ring = warps * stages * (nt * 40 + mt * 64) * 16
     return max(ring, partial) + (2 * k if prequant else 0)
 
 
 @functools.cache
 def mma_configs() -> tuple[tuple[int, int, int, int], ...]:
     """Every ``(row tiles, column tiles, warps, stages)`` llmc's CUDA library launches (before the shape's own
-    constraints: column tiles dividing N / 16, the input scale's shared memory): 16 warps only with at most 2 (row
-    tile, column tile) pairs (a thread then has 128 registers), rings of at most 200 KB."""
-    return tuple((mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
+    constraints: column tiles dividing N / 16, shared memory). Ring kernel: 16 warps only with at most 2 (row
+    tile, column tile) pairs (a thread then has 128 registers), rings of at most 200 KB. Register kernel (stages
+    0): 1 or 2 row tiles."""
+    ring = tuple((mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
                  for stages in MMA_STAGES if (warps < 16 or mt * nt <= 2)
                  and mma_smem_bytes((mt, nt, warps, stages)) <= MMA_MAX_RING)
+    registers = tuple((mt, nt, warps, MMA_REGISTERS) for mt in (1, 2) for nt in (1, 2, 4) for warps in (4, 8, 16))
+    return ring + registers
 
 
-def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool) -> bool:
-    """Whether the library launches ``config`` for a layer of ``n`` columns and ``k`` inputs."""
+def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool, rows: int | None = None) -> bool:
+    """Whether the library launches ``config`` for a layer of ``n`` columns and ``k`` inputs (at ``rows`` rows;
+    None: any row count)."""
     return (config in mma_configs() and (n // 16) % config[1] == 0
-            and mma_smem_bytes(config, k, prequant) <= MMA_MAX_BLOCK)
+            and mma_smem_bytes(config, k, prequant, rows) <= MMA_MAX_BLOCK)
 
 
 def heuristic_mma_config(m: int, n: int, k: int, prequant: bool = False) -> tuple[int, int, int, int]:

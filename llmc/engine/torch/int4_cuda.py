@@ -167,7 +167,7 @@ class Int4CudaLinear(nn.Module):
         if config is None:
             prequant = self.prequant is not None
             tuned = next((c for m_max, c in self._mma_buckets if m <= m_max), None)
-            fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant)
+            fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant, m)
             config = tuned if fits else heuristic_mma_config(m, self.columns, self.in_features, prequant)
             self._mma_chosen[m] = config
         return config
@@ -191,7 +191,7 @@ class Int4CudaLinear(nn.Module):
 
     def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, stages: int) -> torch.Tensor:
         """The CUDA tensor-core kernel with an explicit config (the tuning script calls this); ``stages``: the depth
-        of each warp's cp.async ring."""
+        of each warp's cp.async ring, 0 for the register kernel (no ring)."""
         assert x.shape[-1] == self.in_features
         if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
             x = x.contiguous()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
-from llmc.engine.torch.int4_configs import heuristic_config, mma_configs
+from llmc.engine.torch.int4_configs import heuristic_config, mma_configs, mma_fits
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
@@ -100,8 +100,8 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
 
         assert rel(layer(x)) < 8e-3, (rows, layer.dense_from_m)
         if rows <= 255:
-            for config in mma_configs():
-                if (n // 16) % config[1] == 0:
+            for config in mma_configs():  # the ring kernel's and the register kernel's (stages 0)
+                if mma_fits(config, n, k, prequant, rows):
                     assert rel(layer.mma(x, *config)) < 8e-3, (rows, config)
         if rows in (3, 64):  # the prefill path at any row count
             assert rel(layer._dense(x)) < 8e-3, rows

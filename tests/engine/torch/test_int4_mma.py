@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import pack_int4
 from llmc.engine.torch.int4_configs import (CONFIG_FILE, MMA_MAX_BLOCK, MMA_MAX_RING, TABLE_VERSION,
-                                            heuristic_mma_config, mma_configs, mma_fits, mma_smem_bytes)
+                                            heuristic_mma_config, mma_configs, mma_fits, mma_smem_bytes,
+                                            register_depth)
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch, choose_backend
 from llmc.engine.torch.int4_layout import interleave_tiles, mma_supported, pack_mma, unpack_mma
 from llmc.errors import CheckpointError
@@ -85,6 +86,35 @@ def test_mma_shared_memory_follows_the_ring_and_the_input_scale():
     assert mma_fits((4, 2, 8, 4), 8192, 32768, False) and not mma_fits((1, 4, 8, 4), 4096 + 16, 4096, False)
     fallback = heuristic_mma_config(40, 8192, 32768, prequant=True)
     assert fallback == (4, 2, 8, 2) and mma_smem_bytes(fallback, 32768, True) <= MMA_MAX_BLOCK
+
+
+def test_register_kernel_depth_and_shared_memory_follow_the_rows_and_the_chunk():
+    """The register kernel (stages 0) holds each warp's share of the input tiles, rounded up to a power of two and
+    capped by registers, and stages the block's rows of one chunk of activations (16 bytes of padding a row)."""
+    assert register_depth(4096, 8, 1) == 8 and register_depth(576, 8, 1) == 2  # 64 and 9 input tiles
+    assert register_depth(14336, 8, 1) == 16 and register_depth(14336, 16, 1) == 8  # 224 tiles: capped, chunks
+    assert register_depth(4096, 8, 4) == 4 and register_depth(4096, 16, 2) == 4
+    assert {c for c in mma_configs() if c[3] == 0} == {(mt, nt, w, 0) for mt in (1, 2) for nt in (1, 2, 4)
+                                                       for w in (4, 8, 16)}
+    assert mma_smem_bytes((1, 1, 8, 0), 4096, rows=1) == (4096 + 8) * 2  # one row of 4,096 inputs
+    assert mma_smem_bytes((1, 1, 8, 0), 4096) == 8 * (4096 + 8) * 2  # any row count: a full row tile
+    assert mma_smem_bytes((1, 1, 8, 0), 4096, prequant=True, rows=1) == (4096 + 8) * 2  # applied while staging
+    assert mma_smem_bytes((1, 4, 16, 0), 64, rows=1) == 16 * 4 * 4 * 32 * 4  # the partial sums are larger
+    # down (K = 14336) with 16 rows: a chunk of 128 tiles is 16 x 8,200 x 2 bytes, more than a block may have
+    assert mma_smem_bytes((2, 1, 8, 0), 14336, rows=16) == 16 * (128 * 64 + 8) * 2 > MMA_MAX_BLOCK
+    assert mma_fits((2, 1, 8, 0), 4096, 14336, True, rows=3) and not mma_fits((2, 1, 8, 0), 4096, 14336, True, 16)
+    assert not mma_fits((2, 1, 8, 0), 4096, 14336, True)  # None: whatever the row count
+
+
+def test_a_register_config_is_taken_at_the_row_counts_it_fits():
+    n, k = 4096, 14336
+    words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
+    scales = torch.zeros(n // 16, k // 128, 8, dtype=torch.int32)
+    layer = Int4CudaLinear(words, scales, torch.ones(k, dtype=torch.bfloat16), k, 128,
+                           Scratch(torch.bfloat16, torch.device("cpu")), backend="mma")
+    layer._mma_buckets = [(16, (2, 1, 8, 0))]
+    assert layer.mma_config_for(3) == (2, 1, 8, 0)
+    assert layer.mma_config_for(16) == heuristic_mma_config(16, n, k, prequant=True)
 
 
 def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
@@ -215,7 +245,7 @@ def test_the_shipped_table_holds_only_configs_the_cuda_library_launches():
     for shape, mma in entries:
         columns, k = (int(v) for v in shape.split("g")[0].split("x"))
         for bucket in mma["buckets"]:  # with the input scale's shared memory too (o and down have one)
-            assert mma_fits(tuple(bucket[1:]), columns, k, prequant=True), (shape, bucket)
+            assert mma_fits(tuple(bucket[1:]), columns, k, prequant=True, rows=bucket[0]), (shape, bucket)
 
 
 def test_a_table_of_the_older_kernel_falls_back_to_the_heuristics(tmp_path, monkeypatch):

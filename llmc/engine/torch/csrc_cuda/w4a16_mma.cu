@@ -24,6 +24,8 @@
 // kt % WARPS) and add their partial sums in shared memory in a fixed order (deterministic). Each warp streams its
 // tiles, weights and activations alike, through a ring of STAGES slots in shared memory, filled with cp.async, so
 // its loads stay in flight while it multiplies.
+// Config stages 0 selects the register kernel (w4a16_reg_kernel): no ring, each warp loads all its tiles straight
+// into registers before waiting for the previous kernel.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -110,6 +112,26 @@ __device__ __forceinline__ uint4 ld_shared16(unsigned addr) {
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr)
                : "memory");
   return r;
+}
+
+// A weight tile's 16 bytes straight into registers, read once: not kept in L1. Volatile, so the loads stay where
+// they are written (before the wait for the previous kernel).
+__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t ld_stream4(const uint32_t* p) {
+  uint32_t r;
+  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void st_shared16(unsigned addr, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 __device__ __forceinline__ uint32_t ld_shared4(unsigned addr) {
@@ -394,6 +416,117 @@ constexpr int pipe_smem_bytes() {
   return ring > partial ? ring : partial;
 }
 
+// Tiles a warp of the register kernel holds at once (KPW): 16 column-tile words per thread at most, 8 with 16 warps
+// (a thread then has 128 registers).
+template <int NT, int WARPS>
+constexpr int reg_cap() { return (WARPS == 16 ? 8 : 16) / NT; }
+
+// The product without a ring ("stages" 0), for few rows: each warp loads its KPW input tiles of the block's NT
+// column tiles (weight words and scale pairs) straight into registers, all of them before it waits for the previous
+// kernel (they do not depend on it), so a whole layer's weight is in flight at once and, launched with
+// programmatic serialization, while the previous kernel finishes. Input tile ``c * WARPS * KPW + i * WARPS + warp``
+// of chunk c is the warp's i-th (adjacent warps read adjacent 512-byte tiles); a layer with more input tiles than
+// the block's warps hold is done in chunks. After the wait, the block stages its rows of the chunk's activations
+// in shared memory (times AWQ's input scale, rounded to 16 bits as the ring kernel does; each row padded by 16
+// bytes so the B fragments load without bank conflicts), then multiplies as the ring kernel does
+// (multiply_tile) and adds the warps' partial sums in warp order (write_block). On the H200 it is the fastest
+// config of the 8B o projection at one row (32 layers: 163 vs 181 us), not of wider layers, whose blocks run in
+// several waves with nothing in flight between a block's loads and the next block's.
+template <typename T, int MT, int NT, int WARPS, int KPW>
+__global__ void __launch_bounds__(WARPS * 32)
+w4a16_reg_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
+                 const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
+                 int silu_out, int late_trigger) {
+  using Ops = Half2Ops<T>;
+  extern __shared__ uint4 smem[];
+  if (!late_trigger) allow_next_grid();
+  constexpr int CHUNK = WARPS * KPW;  // input tiles of a chunk
+  const int nt0 = blockIdx.y * NT, row0 = blockIdx.x * (8 * MT);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int ktiles = k >> 6, groups = ktiles >> group_shift;
+  const int block_rows = min(8 * MT, rows - row0);
+  const int xstride = min(CHUNK, ktiles) * 64 + 8;  // T elements of a staged row
+  const size_t wcol = static_cast<size_t>(ktiles) * 32, scol = static_cast<size_t>(groups) * 8;
+  const uint4* wbase = w + static_cast<size_t>(nt0) * wcol + lane;
+  const uint32_t* sbase = scales + static_cast<size_t>(nt0) * scol + g;
+  uint4 wq[KPW][NT];
+  uint32_t sc[KPW][NT];
+  auto load = [&](int chunk) {
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const int kt = chunk * CHUNK + i * WARPS + warp;
+#pragma unroll
+      for (int c = 0; c < NT; ++c) {
+        if (kt < ktiles) {
+          wq[i][c] = ld_stream16(wbase + c * wcol + static_cast<size_t>(kt) * 32);
+          sc[i][c] = ld_stream4(sbase + c * scol + (kt >> group_shift) * 8);
+        } else {
+          wq[i][c] = make_uint4(0u, 0u, 0u, 0u);
+          sc[i][c] = 0u;
+        }
+      }
+    }
+  };
+  const int chunks = (ktiles + CHUNK - 1) / CHUNK;
+  load(0);
+  if (late_trigger && chunks == 1) allow_next_grid();
+  wait_prior_grid();
+  const unsigned xs = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  float acc[NT][MT][4];
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[c][mt][0] = acc[c][mt][1] = acc[c][mt][2] = acc[c][mt][3] = 0.f;
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    if (chunk > 0) {
+      load(chunk);
+      if (late_trigger && chunk == chunks - 1) allow_next_grid();
+      __syncthreads();  // every warp is done with the previous chunk's activations
+    }
+    const int in0 = chunk * CHUNK * 64, per_row = min(CHUNK * 64, k - in0) >> 3;  // uint4s of a staged row
+    for (int r = 0; r < block_rows; ++r) {
+      const T* src = x + static_cast<size_t>(row0 + r) * ldx + in0;
+      for (int c8 = threadIdx.x; c8 < per_row; c8 += WARPS * 32) {
+        uint4 v = *reinterpret_cast<const uint4*>(src + 8 * c8);
+        if (prequant != nullptr) {
+          const uint4 p = *reinterpret_cast<const uint4*>(prequant + in0 + 8 * c8);
+          v.x = Ops::mul(v.x, p.x); v.y = Ops::mul(v.y, p.y); v.z = Ops::mul(v.z, p.z); v.w = Ops::mul(v.w, p.w);
+        }
+        st_shared16(xs + 2 * (r * xstride + 8 * c8), v);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < KPW; ++i) {
+      const int local = i * WARPS + warp;
+      if (chunk * CHUNK + local >= ktiles) break;  // the same for the whole warp
+      uint4 xv[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (8 * mt + g < block_rows) {
+          const unsigned at = xs + 2 * ((8 * mt + g) * xstride + 64 * local + 16 * t);
+          xv[mt][0] = ld_shared16(at);
+          xv[mt][1] = ld_shared16(at + 16);
+        } else {
+          xv[mt][0] = xv[mt][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      multiply_tile<T, MT, NT>(acc, wq[i], sc[i], xv);
+    }
+  }
+  __syncthreads();  // every warp is done with the activations: the shared memory now holds the partial sums
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
+  __syncthreads();
+  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
+}
+
 // Two floats rounded (to nearest even) into one pair of T: low half = ``lo``.
 __device__ __forceinline__ uint32_t pack_floats(float lo, float hi, __nv_bfloat16) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -531,9 +664,48 @@ int launch_t(const Call& a) {
   }
 }
 
+// The register kernel with KPW tiles per warp: dynamic shared memory for the block's rows of one chunk of
+// activations (or the warps' partial sums, if larger).
+template <typename T, int MT, int NT, int WARPS, int KPW>
+int launch_reg(const Call& a) {
+  const int ktiles = a.k >> 6;
+  const int staged = min(8 * MT, a.rows) * ((WARPS * KPW < ktiles ? WARPS * KPW : ktiles) * 64 + 8) * 2;
+  const int partial = WARPS * NT * MT * 4 * 32 * 4;
+  const int smem = staged > partial ? staged : partial;
+  if ((a.n / 16) % NT || smem > kMaxBlockSmem) return -1;
+  const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
+  return launch(w4a16_reg_kernel<T, MT, NT, WARPS, KPW>, grid, WARPS * 32, smem, a.stream, a.pdl != 0,
+                static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
+                static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
+                a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out, a.pdl == 2 ? 1 : 0);
+}
+
+// KPW: the warp's share of the input tiles rounded up to a power of two, at most reg_cap (more: chunks). Only KPW
+// values up to reg_cap are instantiated (the switch cannot reach the others).
+template <typename T, int MT, int NT, int WARPS>
+int launch_registers(const Call& a) {
+  if constexpr (MT > 2) {
+    return -1;
+  } else {
+    constexpr int cap = reg_cap<NT, WARPS>();
+    const int need = ((a.k >> 6) + WARPS - 1) / WARPS;
+    int kpw = 1;
+    while (kpw < need && kpw < cap) kpw *= 2;
+    switch (kpw) {
+      case 1: return launch_reg<T, MT, NT, WARPS, 1>(a);
+      case 2: return launch_reg<T, MT, NT, WARPS, 2>(a);
+      case 4: return launch_reg<T, MT, NT, WARPS, (cap >= 4 ? 4 : 1)>(a);
+      case 8: return launch_reg<T, MT, NT, WARPS, (cap >= 8 ? 8 : 1)>(a);
+      case 16: return launch_reg<T, MT, NT, WARPS, (cap >= 16 ? 16 : 1)>(a);
+      default: return -1;
+    }
+  }
+}
+
 template <typename T, int MT, int NT, int WARPS>
 int launch_stages(int stages, const Call& a) {
   switch (stages) {
+    case 0: return launch_registers<T, MT, NT, WARPS>(a);
     case 2: return launch_t<T, MT, NT, WARPS, 2>(a);
     case 4: return launch_t<T, MT, NT, WARPS, 4>(a);
     case 8: return launch_t<T, MT, NT, WARPS, 8>(a);
@@ -578,7 +750,7 @@ extern "C" {
 // y [rows, n] (or [rows, n/2] with silu_out) = x [rows, k] (row stride ldx, 16-byte aligned) times the packed
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
 // per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
-// (the depth of each warp's cp.async ring). pdl: launch with programmatic stream serialization (sm_90+): the
+// (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}). pdl: launch with programmatic stream serialization (sm_90+): the
 // kernel's first weight requests overlap the end of the previous kernel (1: the next kernel may start its blocks
 // at once, 2: once every block of this one has its loads done; 0: a plain launch). Returns 0 or a CUDA error code
 // (-1: an unsupported config).
@@ -610,6 +782,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 8; }
+int llmc_w4a16_abi_version() { return 9; }
 
 }  // extern "C"
