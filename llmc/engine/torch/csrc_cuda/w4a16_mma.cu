@@ -750,10 +750,10 @@ extern "C" {
 // y [rows, n] (or [rows, n/2] with silu_out) = x [rows, k] (row stride ldx, 16-byte aligned) times the packed
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
 // per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
-// (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}). pdl: launch with programmatic stream serialization (sm_90+): the
-// kernel's first weight requests overlap the end of the previous kernel (1: the next kernel may start its blocks
-// at once, 2: once every block of this one has its loads done; 0: a plain launch). Returns 0 or a CUDA error code
-// (-1: an unsupported config).
+// (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}). pdl: launch
+// with programmatic stream serialization (sm_90+): the kernel's first weight requests overlap the end of the
+// previous kernel (1: the next kernel may start its blocks at once, 2: once every block of this one has its loads
+// done; 0: a plain launch). Returns 0 or a CUDA error code (-1: an unsupported config).
 int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                    const void* w, const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k,
                    int group_size, int silu_out, int pdl, void* stream) {
