@@ -354,11 +354,13 @@ def main() -> None:
                 raise SystemExit(f"--only-rows {sorted(unknown)}: the mma buckets are tuned at "
                                  f"{[m for _, m in MMA_BUCKETS]}")
             family = dataclasses.replace(MMA, buckets=[b for b in MMA_BUCKETS if b[1] in only])
+            missing = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes
+                       if "mma" not in tuned.get(shape_key(n, k, g), {})]
+            if missing:  # checked before any tuning: nothing is spent on a run that cannot be written
+                raise SystemExit(f"--only-rows: {', '.join(missing)} have no mma entry in {args.configs} yet; tune "
+                                 f"them whole first (without --only-rows)")
         for spec in shapes:
             entry = tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})
-            if only and "mma" not in entry:
-                raise SystemExit(f"--only-rows: {shape_key(spec[1], spec[2], spec[3])} has no mma entry in "
-                                 f"{args.configs} yet; tune it whole first (without --only-rows)")
             entry["mma"] = tune_family(spec, family, *mma_layers(spec), report["shapes"],
                                        old=entry["mma"] if only else None)
             torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
