@@ -106,25 +106,24 @@ def test_register_kernel_depth_and_shared_memory_follow_the_rows_and_the_chunk()
     assert not mma_fits((2, 1, 8, 0), 4096, 14336, True)  # None: whatever the row count
 
 
-def test_a_register_config_is_taken_at_the_row_counts_it_fits():
-    n, k = 4096, 14336
+def zero_mma_layer(n: int, k: int) -> Int4CudaLinear:
+    """An mma layer of ``n`` columns x ``k`` inputs (group 128, with an input scale) on the CPU, for config choices."""
     words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
     scales = torch.zeros(n // 16, k // 128, 8, dtype=torch.int32)
-    layer = Int4CudaLinear(words, scales, torch.ones(k, dtype=torch.bfloat16), k, 128,
-                           Scratch(torch.bfloat16, torch.device("cpu")), backend="mma")
+    return Int4CudaLinear(words, scales, torch.ones(k, dtype=torch.bfloat16), k, 128,
+                          Scratch(torch.bfloat16, torch.device("cpu")), backend="mma")
+
+
+def test_a_register_config_is_taken_at_the_row_counts_it_fits():
+    n, k = 4096, 14336
+    layer = zero_mma_layer(n, k)
     layer._mma_buckets = [(16, (2, 1, 8, 0))]
     assert layer.mma_config_for(3) == (2, 1, 8, 0)
     assert layer.mma_config_for(16) == heuristic_mma_config(16, n, k, prequant=True)
 
 
 def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
-    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
-
-    n, k = 8192, 32768
-    words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
-    scales = torch.zeros(n // 16, k // 128, 8, dtype=torch.int32)
-    layer = Int4CudaLinear(words, scales, torch.ones(k, dtype=torch.bfloat16), k, 128,
-                           Scratch(torch.bfloat16, torch.device("cpu")), backend="mma")
+    layer = zero_mma_layer(8192, 32768)
     layer._mma_buckets = [(64, (4, 2, 8, 4))]  # fits without the input scale, not with this one
     assert layer.mma_config_for(40) == (4, 2, 8, 2)
     layer._mma_buckets, layer._mma_chosen = [(64, (2, 2, 8, 4))], {}

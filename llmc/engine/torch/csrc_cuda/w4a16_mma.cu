@@ -258,6 +258,24 @@ __device__ __forceinline__ void write_block(const float* partial, T* __restrict_
   }
 }
 
+// A block's end, once its warps have issued their last reads of shared memory: it waits for all of them, puts each
+// warp's sums there (``partial``, as write_block reads them) and writes the block's result.
+template <typename T, int MT, int NT, int WARPS>
+__device__ __forceinline__ void finish_block(uint4* smem, const float (&acc)[NT][MT][4], T* __restrict__ y, int ldy,
+                                             int rows, int nt0, int row0, int silu_out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // every warp is done with the shared memory: it now holds the partial sums
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
+  __syncthreads();
+  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
+}
+
 // The product, each warp streaming its input tiles through a ring of STAGES slots in shared memory (cp.async):
 // slot j holds one input tile of the warp (tile kt = warp + WARPS * i, slot i % STAGES): for the NT column tiles NT
 // x 32 weight words (one uint4 per lane) and NT x 32 scale pairs (one word per lane), then the tile's activations,
@@ -396,16 +414,7 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
 
   cp_async_wait<0>();
   if (late_trigger) allow_next_grid();
-  __syncthreads();  // every warp is done with its ring: the shared memory now holds the partial sums
-  float* partial = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int c = 0; c < NT; ++c)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
-  __syncthreads();
-  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
+  finish_block<T, MT, NT, WARPS>(smem, acc, y, ldy, rows, nt0, row0, silu_out);
 }
 
 // Dynamic shared memory of a pipe config without the input scale (which adds 2 K bytes behind it).
@@ -515,16 +524,7 @@ w4a16_reg_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, 
       multiply_tile<T, MT, NT>(acc, wq[i], sc[i], xv);
     }
   }
-  __syncthreads();  // every warp is done with the activations: the shared memory now holds the partial sums
-  float* partial = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int c = 0; c < NT; ++c)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
-  __syncthreads();
-  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, silu_out);
+  finish_block<T, MT, NT, WARPS>(smem, acc, y, ldy, rows, nt0, row0, silu_out);
 }
 
 // Two floats rounded (to nearest even) into one pair of T: low half = ``lo``.
@@ -647,6 +647,17 @@ struct Call {
   cudaStream_t stream;
 };
 
+// A product kernel (the ring or the register kernel: one signature) on the call's grid, 8 MT rows x NT column tiles
+// a block.
+template <typename T, int MT, int NT, typename Kernel>
+int launch_product(Kernel kernel, int threads, int smem, const Call& a) {
+  const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
+  return launch(kernel, grid, threads, smem, a.stream, a.pdl != 0, static_cast<const T*>(a.x), a.ldx,
+                static_cast<const uint4*>(a.w), static_cast<const uint32_t*>(a.scales),
+                static_cast<const T*>(a.prequant), static_cast<T*>(a.y), a.ldy, a.rows, a.n, a.k, a.group_shift,
+                a.silu_out, a.pdl == 2 ? 1 : 0);
+}
+
 template <typename T, int MT, int NT, int WARPS, int STAGES>
 int launch_t(const Call& a) {
   constexpr int smem = pipe_smem_bytes<MT, NT, WARPS, STAGES>();
@@ -656,11 +667,7 @@ int launch_t(const Call& a) {
   } else {
     const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);  // + the input scale
     if ((a.n / 16) % NT || total > kMaxBlockSmem) return -1;
-    const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
-    return launch(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, grid, WARPS * 32, total, a.stream, a.pdl != 0,
-                  static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
-                  static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
-                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out, a.pdl == 2 ? 1 : 0);
+    return launch_product<T, MT, NT>(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, WARPS * 32, total, a);
   }
 }
 
@@ -673,11 +680,7 @@ int launch_reg(const Call& a) {
   const int partial = WARPS * NT * MT * 4 * 32 * 4;
   const int smem = staged > partial ? staged : partial;
   if ((a.n / 16) % NT || smem > kMaxBlockSmem) return -1;
-  const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
-  return launch(w4a16_reg_kernel<T, MT, NT, WARPS, KPW>, grid, WARPS * 32, smem, a.stream, a.pdl != 0,
-                static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
-                static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
-                a.ldy, a.rows, a.n, a.k, a.group_shift, a.silu_out, a.pdl == 2 ? 1 : 0);
+  return launch_product<T, MT, NT>(w4a16_reg_kernel<T, MT, NT, WARPS, KPW>, WARPS * 32, smem, a);
 }
 
 // KPW: the warp's share of the input tiles rounded up to a power of two, at most reg_cap (more: chunks). Only KPW
