@@ -9,11 +9,18 @@ a decode step reads each cached K/V row once and has fixed-shape inputs (``block
 
 Work split (flash-decoding): one program per (sequence, kv head, split); a split takes a contiguous share of
 the sequence's blocks and keeps an online softmax for the ``group`` query heads of its kv head (padded to 16
-rows for ``tl.dot``). Partial results (running max, sum and weighted values) are merged by a second, small
-kernel (one program per (sequence, head); as nine torch ops per layer the merge took ~0.5 ms of a 3.3 ms
-batch-1 decode step of the 8B model on an H200: 288 launches of a few microseconds).
-More splits keep the GPU busy when there are few sequences (at batch 1 an 8-kv-head model has 8 programs
-without splitting); small programs (2 warps, one 16-row dot per block) keep more of them resident.
+rows for ``tl.dot``). Splits keep the GPU busy when there are few sequences (at batch 1 an 8-kv-head model has
+8 programs without splitting): a step launches about TARGET_PROGRAMS programs. Two forms, chosen by the number
+of sequences and kv heads alone (so a decode step from a CUDA graph, whose block tables span max_seq_len, and
+the same step run eagerly split every context alike and give the same bits):
+
+- few sequences (more than MAX_FUSED_SPLITS splits each): a split per block, and a second small kernel merges
+  the splits' partial results (one program per (sequence, head); as nine torch ops per layer the merge took
+  ~0.5 ms of a 3.3 ms batch-1 decode step of the 8B model on an H200);
+- more sequences (at most MAX_FUSED_SPLITS splits): at least MIN_BLOCKS_PER_SPLIT blocks a split, two blocks
+  per loop iteration, and the last split of a (sequence, kv head) to finish (an atomic counter) merges the
+  partials itself, in split order (one split writes no partials at all). Splits past a short context are empty:
+  they store no partial sums and the merges skip them, so their number does not change the result.
 
 Triton is imported lazily: :func:`kernel_available` is False without it (CPU builds of PyTorch) and the engine
 keeps the reference path.
@@ -28,12 +35,19 @@ import torch
 from llmc.engine.torch import triton_support
 
 MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a kv head's query heads are padded to this
-# Splits are chosen so that a step launches about TARGET_PROGRAMS programs of NUM_WARPS warps (H200, 8B shape,
-# 2,048 cached tokens, 32 layers in a CUDA graph, 2026-12-01: 256 programs of 4 warps took 9.65 / 33.66 / 138.1 us
-# per layer at batch 1 / 8 / 64, 512 programs of 2 warps and 3 stages 9.31 / 23.2 / 131.3; the KV bound at 4.2
-# TB/s is 2.0 / 16.0 / 127.8 us).
+# H200, 8B shape (32 q / 8 kv heads of 128), 2,048 cached tokens in blocks of 32, 32 layers' caches in a CUDA
+# graph, programmatic launch, us per layer at batch 1 / 8 / 64 (KV bound at 4.29 TB/s: 1.96 / 15.6 / 125.1), the
+# split form everywhere (the code before 2026-12-03) vs the fused form at 8 and 64, same data, three runs:
+# 9.31-9.41 / 25.96-26.27 / 137.1-139.4 vs 23.40-25.30 / 124.1-127.2. The fused form at batch 1 (8.8-8.9 us at
+# 16 splits) needs the split count of the context, which a CUDA graph's tables do not give: from the tables'
+# width (72-128 blocks) it took 9.9-10.9 us, so batch 1 keeps the split form. Sweep behind the forms: 1-4
+# blocks per iteration, 1-64 splits, 2-4 warps, 2-4 stages, merging in the last program or in the merge kernel.
 TARGET_PROGRAMS = 512
-NUM_WARPS, NUM_STAGES = 2, 3
+MAX_FUSED_SPLITS = 8  # the fused form up to this many splits (merging 16 in the last program was slower)
+MIN_BLOCKS_PER_SPLIT = 4  # fused form: a split's least blocks, of the table's width and of the context found
+# (blocks per loop iteration, least blocks a split, warps, stages) of each form
+SPLIT_FORM, FUSED_FORM = (1, 1, 2, 3), (2, MIN_BLOCKS_PER_SPLIT, 2, 2)
+_COUNTERS: dict = {}  # device -> int32 zeros, one counter per (sequence, kv head); each merging program resets its own
 
 
 def kernel_available(device: torch.device | str, block_size: int, head_size: int) -> bool:
@@ -48,8 +62,28 @@ def _pow2(n: int) -> bool:
 
 
 def num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
-    """Context splits per (sequence, kv head): about TARGET_PROGRAMS programs, at most one per block."""
-    return max(1, min(max_blocks, -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads))))
+    """Context splits per (sequence, kv head) for block tables of width ``max_blocks``: about TARGET_PROGRAMS
+    programs; at most one per block in the split form, one per MIN_BLOCKS_PER_SPLIT blocks in the fused form
+    (:func:`fused_merge`)."""
+    cap = -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads))
+    per = MIN_BLOCKS_PER_SPLIT if cap <= MAX_FUSED_SPLITS else 1
+    return max(1, min(-(-max_blocks // per), cap))
+
+
+def fused_merge(num_seqs: int, num_kv_heads: int) -> bool:
+    """Whether the attention kernel merges its splits itself (the fused form): at most MAX_FUSED_SPLITS splits,
+    i.e. at least TARGET_PROGRAMS / MAX_FUSED_SPLITS (sequence, kv head) pairs."""
+    return -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads)) <= MAX_FUSED_SPLITS
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 counters on ``device`` (kept for the process: CUDA graphs hold their address)."""
+    key = (device.type, device.index)
+    have = _COUNTERS.get(key)
+    if have is None or have[-1].numel() < n:
+        have = (*(have or ()), torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        _COUNTERS[key] = have
+    return have[-1]
 
 
 @functools.cache
@@ -60,34 +94,40 @@ def _kernel():
     # would compile a variant per divisibility class of each, in the middle of serving, on a fresh machine).
     @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
     def paged_decode(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, scale, num_splits,
-        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr, scale, num_splits,
+        stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-        PRECISION: tl.constexpr, PDL: tl.constexpr,
+        PER_ITER: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, FUSED: tl.constexpr, PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        if PDL:  # launched while the previous kernel runs: the merge may launch now; wait for the previous one
+        if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_kv_heads = tl.num_programs(1)
         ctx = tl.load(lens_ptr + seq)
         blocks = tl.cdiv(ctx, BLOCK)
-        per_split = tl.cdiv(blocks, num_splits)
+        per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_PER_SPLIT)
         first, last = split * per_split, tl.minimum((split + 1) * per_split, blocks)
-        g, d, j = tl.arange(0, GROUP_P), tl.arange(0, HEAD), tl.arange(0, BLOCK)
+        g, d = tl.arange(0, GROUP_P), tl.arange(0, HEAD)
+        j = tl.arange(0, PER_ITER * BLOCK)  # PER_ITER blocks' tokens
+        jb, jt = j // BLOCK, j % BLOCK
         heads = kvh * GROUP + g  # [GROUP_P] query heads of this kv head (rows >= GROUP are padding)
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None],
+        keep = g < GROUP
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=keep[:, None],
                     other=0.0)  # [GROUP_P, HEAD]
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD], tl.float32)
-        for b in range(first, last):
-            block = tl.load(tables_ptr + seq * stride_tb + b).to(tl.int64)
-            valid = b * BLOCK + j < ctx  # [BLOCK]
-            offs = block * stride_kb + j[:, None] * stride_ks + kvh * stride_kh + d[None, :]  # [BLOCK, HEAD]
+        for b in range(first, last, PER_ITER):
+            bi = b + jb  # [PER_ITER * BLOCK] block of each token
+            real = bi < last
+            block = tl.load(tables_ptr + seq * stride_tb + bi, mask=real, other=0).to(tl.int64)
+            valid = real & (bi * BLOCK + jt < ctx)
+            offs = block[:, None] * stride_kb + jt[:, None] * stride_ks + kvh * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
-            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_P, BLOCK] fp32
+            s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_P, tokens] fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -95,12 +135,43 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
-        # Partials: acc [D, nh, S, HEAD], ml [D, nh, S, 2] (running max, running sum); padding rows not stored.
-        row = (seq * num_kv_heads * GROUP + heads) * num_splits + split  # [GROUP_P]
-        keep = g < GROUP
-        tl.store(acc_ptr + row[:, None] * HEAD + d[None, :], acc, mask=keep[:, None])
-        tl.store(ml_ptr + row * 2, m_i, mask=keep)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=keep)
+        if FUSED and num_splits == 1:  # the whole context in this program: no partials
+            out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
+        else:
+            # Partials: acc [D, nh, S, HEAD], ml [D, nh, S, 2] (running max, running sum); padding rows not stored.
+            base = (seq * num_kv_heads * GROUP + heads) * num_splits  # [GROUP_P]
+            row = base + split
+            # An empty split (a context shorter than the splits' minimum blocks) stores its m = -inf only: its acc
+            # is never read (the merges skip splits whose m is -inf).
+            written = keep & (g * 0 + first < last)  # [GROUP_P]
+            tl.store(acc_ptr + row[:, None] * HEAD + d[None, :], acc, mask=written[:, None])
+            tl.store(ml_ptr + row * 2, m_i, mask=keep)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=keep)
+            if FUSED:
+                counter = cnt_ptr + seq * num_kv_heads + kvh
+                arrived = tl.atomic_add(counter, 1, sem="acq_rel")  # release: this program's partials first
+                if arrived == num_splits - 1:  # the last split to finish merges all of them, in split order
+                    m_all = tl.full([GROUP_P], float("-inf"), tl.float32)
+                    l_all = tl.zeros([GROUP_P], tl.float32)
+                    a_all = tl.zeros([GROUP_P, HEAD], tl.float32)
+                    for sp in range(0, num_splits):
+                        m_s = tl.load(ml_ptr + (base + sp) * 2, mask=keep, other=float("-inf"), cache_modifier=".cg")
+                        l_s = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=keep, other=0.0, cache_modifier=".cg")
+                        seen = keep & (m_s > float("-inf"))
+                        a_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD + d[None, :], mask=seen[:, None],
+                                      other=0.0, cache_modifier=".cg")
+                        m_new = tl.maximum(m_all, m_s)
+                        empty = m_new == float("-inf")  # no token so far (padding rows, empty splits)
+                        w_old = tl.where(empty, 0.0, tl.exp(m_all - m_new))
+                        w_new = tl.where(empty, 0.0, tl.exp(m_s - m_new))
+                        a_all = a_all * w_old[:, None] + a_s * w_new[:, None]
+                        l_all = l_all * w_old + l_s * w_new
+                        m_all = m_new
+                    l_all = tl.where(keep, l_all, 1.0)
+                    out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+                    tl.store(out_rows, (a_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
+                    tl.atomic_xchg(counter, 0)  # ready for the next launch (stream order: none is running)
 
     return paged_decode
 
@@ -125,7 +196,8 @@ def _combine_kernel():
         m = tl.load(ml_ptr + (row0 + s) * 2, mask=ok, other=float("-inf"))
         l_sum = tl.load(ml_ptr + (row0 + s) * 2 + 1, mask=ok, other=0.0)
         w = tl.exp(m - tl.max(m, axis=0))  # empty splits (m = -inf) weigh 0; a context has >= 1 token
-        acc = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD + d[None, :], mask=ok[:, None], other=0.0)
+        seen = ok & (m > float("-inf"))  # empty splits store no acc
+        acc = tl.load(acc_ptr + (row0 + s)[:, None] * HEAD + d[None, :], mask=seen[:, None], other=0.0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
         tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -167,19 +239,32 @@ def paged_decode_attention(
     d, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    splits = splits or num_splits(d, num_kv_heads, block_tables.shape[1])
+    if splits is None:
+        splits, fused = num_splits(d, num_kv_heads, block_tables.shape[1]), fused_merge(d, num_kv_heads)
+    else:  # a given split count (tests, sweeps) picks the form by itself
+        fused = splits <= MAX_FUSED_SPLITS
+    per_iter, min_per_split, warps, stages = FUSED_FORM if fused else SPLIT_FORM
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "unexpected layout"
-    acc = torch.empty(d, num_heads, splits, head_size, dtype=torch.float32, device=q.device)
-    ml = torch.empty(d, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(d, num_heads, head_size, dtype=q.dtype, device=q.device)
+    if not d:
+        return out
+    partials = 1 if fused and splits == 1 else d * num_heads * splits  # one split writes no partials
+    acc = torch.empty(partials, head_size, dtype=torch.float32, device=q.device)
+    ml = torch.empty(partials, 2, dtype=torch.float32, device=q.device)
+    counters = _counters(q.device, d * num_kv_heads)
     _kernel()[(d, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, splits,
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, counters, out, scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
+        PER_ITER=per_iter, MIN_PER_SPLIT=min_per_split, FUSED=fused,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        num_warps=num_warps or NUM_WARPS, num_stages=num_stages or NUM_STAGES,
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
         **triton_support.pdl_kwargs(q.device),
     )
-    return combine_splits(acc, ml, q.dtype)
+    if fused:
+        return out
+    return combine_splits(acc.view(d, num_heads, splits, head_size), ml.view(d, num_heads, splits, 2), q.dtype)
 
 
 def _next_pow2(n: int) -> int:

@@ -38,10 +38,36 @@ def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():
 
 
 def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
-    assert num_splits(1, 8, 72) == 64  # batch 1, 8 kv heads: 512 programs
-    assert num_splits(8, 8, 72) == 8  # batch 8: 8 blocks of 32 tokens per program at 2,048 cached tokens
+    from llmc.engine.torch.triton_attention import fused_merge
+
+    assert num_splits(1, 8, 72) == 64 and not fused_merge(1, 8)  # batch 1, 8 kv heads: 512 programs, a block each
     assert num_splits(1, 8, 4) == 4  # never more splits than blocks
-    assert num_splits(64, 8, 72) == 1
+    assert num_splits(8, 8, 72) == 8 and fused_merge(8, 8)  # batch 8: 512 programs, merged by the last split
+    assert num_splits(8, 8, 20) == 5  # fused form: at least 4 blocks of the table a split
+    assert num_splits(64, 8, 72) == 1 and fused_merge(64, 8)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 2, 3, 8, 12])
+def test_decode_kernel_under_the_interpreter_matches_the_reference(splits):
+    """The decode kernel itself, run by Triton's interpreter on the CPU in float32: each split's online softmax
+    over two blocks per iteration (contexts of 1-333 tokens: partial blocks, empty splits), the merge by the last
+    split of each (sequence, kv head) to finish (up to 8 splits; one split writes no partials), the merge kernel
+    above 8, equal the gathered-context softmax; the merging programs leave their counters at zero."""
+    from llmc.engine.torch import triton_attention, triton_support
+
+    if triton_support.modules() is None or not triton_support.interpreting():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1, set by the test suite's conftest)")
+    q, k_cache, v_cache, meta = _random_decode_batch("cpu", torch.float32)
+    scale = q.shape[-1] ** -0.5
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens,
+                                                  scale, splits)
+    k = gather_blocks(k_cache, meta.decode_tables).transpose(1, 2)
+    v = gather_blocks(v_cache, meta.decode_tables).transpose(1, 2)
+    d, nh, hd = q.shape
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(d, k.shape[1], -1, hd), k, v, attn_mask=meta.decode_mask, scale=scale).reshape(d, nh, hd)
+    assert (got - ref).abs().max().item() < 1e-5
+    assert not triton_attention._counters(torch.device("cpu"), 1).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,10 +85,12 @@ def test_split_merge_kernel_matches_the_torch_merge(dtype, splits):
     acc = torch.randn(d, nh, splits, hd, generator=gen) * 5
     m = torch.randn(d, nh, splits, generator=gen) * 3
     l_sum = torch.rand(d, nh, splits, generator=gen) * 10 + 0.5
-    if splits > 1:  # the last split of sequence 0 and head 1 saw no tokens
+    written = acc.clone()
+    if splits > 1:  # the last split of sequence 0 and head 1 saw no tokens: it stores m = -inf, l = 0 and no acc
         m[0, 1, -1], l_sum[0, 1, -1], acc[0, 1, -1] = float("-inf"), 0.0, 0.0
+        written[0, 1, -1] = float("nan")  # whatever the buffer held
     ml = torch.stack([m, l_sum], dim=-1)
-    got, ref = combine_splits(acc, ml, dtype), combine_splits_reference(acc, ml, dtype)
+    got, ref = combine_splits(written, ml, dtype), combine_splits_reference(acc, ml, dtype)
     assert got.dtype == dtype and got.shape == (d, nh, hd) and torch.isfinite(got).all()
     tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # float32 sums in another order; one bf16 rounding
     assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs().clamp_min(1.0)).all()
@@ -97,7 +125,7 @@ def _random_decode_batch(device, dtype, block_size=16, num_blocks=64, nkv=4, gro
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("splits", [None, 1, 5, 12])
 def test_kernel_matches_the_reference_decode_attention(dtype, splits):
     from llmc.engine.torch.triton_attention import paged_decode_attention
 
@@ -267,3 +295,25 @@ def test_step_triton_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_pro
         assert torch.isfinite(plain[0]).all() and not torch.equal(plain[2], k_cache0)  # keys were written
         for p, q, e in zip(plain, pdl, eager):
             assert torch.equal(p, q) and torch.equal(p, e)
+
+
+def test_fused_form_gives_the_same_bits_whatever_the_tables_width(monkeypatch):
+    """A decode step from a CUDA graph reads block tables as wide as max_seq_len; the same step run eagerly, tables
+    as wide as its longest context. In the fused form the wider tables make more splits, all past the contexts'
+    ends: empty splits store nothing and the in-order merge skips them, so the output is the same bits (Triton's
+    interpreter, float32; the gpu test of int4 decode steps checks graph against eager tokens on the GPU)."""
+    from llmc.engine.torch import triton_attention, triton_support
+
+    if triton_support.modules() is None or not triton_support.interpreting():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1, set by the test suite's conftest)")
+    monkeypatch.setattr(triton_attention, "TARGET_PROGRAMS", 160)  # 5 sequences x 4 kv heads: at most 8 splits
+    q, k_cache, v_cache, meta = _random_decode_batch("cpu", torch.float32)
+    d, nkv = q.shape[0], k_cache.shape[2]
+    assert triton_attention.fused_merge(d, nkv)
+    tables = meta.decode_tables
+    wide = torch.cat([tables, torch.zeros(d, 64, dtype=tables.dtype)], dim=1)
+    assert triton_attention.num_splits(d, nkv, tables.shape[1]) < triton_attention.num_splits(d, nkv, wide.shape[1])
+    scale = q.shape[-1] ** -0.5
+    exact = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, meta.decode_context_lens, scale)
+    graph = triton_attention.paged_decode_attention(q, k_cache, v_cache, wide, meta.decode_context_lens, scale)
+    assert torch.equal(exact, graph)
