@@ -143,6 +143,9 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       "prefix_caching": engine.block_manager.enable_prefix_caching},
            # The weights as the engine holds them on its device (int4 layers packed on CUDA), by dtype.
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),
+           # What the levels' hardware bounds need (llmc.bench.bounds); absent for engines that do not say.
+           "model_shape": _model_shape(engine.runner),
+           "kv_bytes_per_token": getattr(engine.runner, "kv_bytes_per_token", None),
            "prefix_caching": {"mode": opts.prefix_caching, "llmc": engine.block_manager.enable_prefix_caching,
                               "baseline": False if baseline else None, "why": why},
            "order": "at each level llmc first, then the baseline, same prompts" if baseline else "llmc only",
@@ -150,6 +153,16 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
     if baseline is not None:
         run["baseline_info"] = baseline.describe()
     return run, levels, plan, base_levels
+
+
+def _model_shape(runner: Any) -> dict[str, Any] | None:
+    from llmc.bench.bounds import shape_of
+
+    config = getattr(getattr(runner, "model", None), "config", None)
+    try:
+        return shape_of(config) if config is not None else None
+    except AttributeError:  # a runner whose model config lacks a figure: no bounds
+        return None
 
 
 def check_step_log(path: Path | None) -> None:

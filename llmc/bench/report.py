@@ -17,6 +17,7 @@ import os
 import platform
 from typing import Any, Sequence
 
+from llmc.bench.bounds import check, level_bound, peaks_for
 from llmc.bench.records import LevelResult
 from llmc.bench.plan import BenchPlan
 from llmc.bench.workload import BenchPrompt, prompt_length_summary
@@ -49,6 +50,12 @@ def _tgs(level: LevelResult) -> float | None:
     return generated / level.wall_s if level.wall_s > 0 else None
 
 
+def median_repetition(reps: Sequence[LevelResult]) -> LevelResult:
+    """The repetition whose TGS a level reports: the lower median (an even count never averages two runs)."""
+    by_tgs = sorted(reps, key=lambda lv: _tgs(lv) or 0.0)
+    return by_tgs[(len(by_tgs) - 1) // 2]
+
+
 def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequence[BenchPrompt],
                     sampling: dict[str, Any]) -> dict[str, Any]:
     """The report entry of one level: latency percentiles, throughput and the TGS conditions.
@@ -57,8 +64,7 @@ def summarize_level(level: LevelResult | Sequence[LevelResult], prompts: Sequenc
     repetition's (each repetition's is in ``repetitions``), memory and step figures are that repetition's, and
     ``wall_s`` / ``requests_per_s`` cover all of them."""
     reps = [level] if isinstance(level, LevelResult) else list(level)
-    by_tgs = sorted(reps, key=lambda lv: _tgs(lv) or 0.0)
-    median = by_tgs[(len(by_tgs) - 1) // 2]  # the lower median: an even count never averages two runs
+    median = median_repetition(reps)
     records = [r for lv in reps for r in lv.records]
     ttfts = [r.ttft for r in records if r.ttft is not None]
     by_bucket = {b: _stats([r.ttft for r in records if r.ttft is not None and ttft_bucket(r.prompt_tokens) == b])
@@ -204,11 +210,28 @@ def build_report(run: dict[str, Any], levels: Sequence[LevelResult], plan: Bench
         "baseline": None,
         "ratios": [],
     }
+    add_bounds(summaries, levels, run, host)
     if baseline is not None:
         base = [summarize_level(reps, plan.prompts_of(c), sampling) for c, reps in _by_level(baseline)]
         report["baseline"] = {**(baseline_info or {}), "levels": base, "scaling": scaling(base)}
         report["ratios"] = ratios(summaries, base)
     return report
+
+
+def add_bounds(summaries: list[dict[str, Any]], levels: Sequence[LevelResult], run: dict[str, Any],
+               host: dict[str, Any]) -> None:
+    """Each level's hardware bounds (:mod:`llmc.bench.bounds`), from its median repetition, as ``bound`` with
+    ``problems`` (figures the GPU cannot produce), where the run's GPU has known peaks and the run says the
+    model's shape, weights on the device and KV bytes per token."""
+    peaks = peaks_for(run.get("device"), host.get("cuda_device"))
+    shape, weights, kv = run.get("model_shape"), run.get("weight_bytes_on_device"), run.get("kv_bytes_per_token")
+    if peaks is None or not (shape and weights and kv):
+        return
+    for summary, (_, reps) in zip(summaries, _by_level(levels)):
+        rep = median_repetition(reps)
+        bound = level_bound([(r.prompt_tokens, r.generated_tokens) for r in rep.records], rep.concurrency,
+                            rep.prefix_cache.get("hit_tokens") or 0, shape, weights, kv, peaks)
+        summary["bound"] = {**bound, "problems": check(summary, bound)}
 
 
 def _by_level(levels: Sequence[LevelResult]) -> list[tuple[int, list[LevelResult]]]:
@@ -276,6 +299,21 @@ def steps_line(kinds: dict[str, dict[str, Any]]) -> str:
     return ", ".join(parts)
 
 
+def bound_line(level: dict[str, Any]) -> str:
+    """One level's hardware bounds in words, and in capitals what its figures break."""
+    b, conc = level["bound"], level["concurrency"]
+    if not b.get("tgs_max"):
+        return f"bound at concurrency {conc}: none (nothing computed or moved)"
+    share = 100 * (level["tgs"] or 0) / b["tgs_max"]
+    line = (f"bound at concurrency {conc}: TGS <= {_num(b['tgs_max'])} tok/s (prefill then decode: "
+            f"{_num(b['tgs_max_prefill_then_decode'])}), measured {share:.0f} % of it")
+    if b.get("ttft_p50_min_s"):
+        line += f"; TTFT p50 >= {_ms(b['ttft_p50_min_s'])} ms"
+    for problem in b.get("problems", []):
+        line += f"\nIMPOSSIBLE on this GPU: {problem}: a measuring error (prefix-cache hits, identical prompts, a clock)"
+    return line
+
+
 def print_report(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as tables: llmc's levels, the baseline's, the ratios and the scaling."""
     from rich.table import Table
@@ -305,6 +343,9 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         console.print(f"every level measured {report['repeat']} times, interleaved: TGS is the median repetition's "
                       "(each repetition's in brackets); latencies pool all requests")
     console.print(level_table("llmc", report["levels"]))
+    for lv in report["levels"]:
+        if lv.get("bound"):
+            console.print(bound_line(lv), highlight=False)
     for lv in report["levels"]:
         kinds = (lv.get("steps") or {}).get("by_kind")
         if kinds:

@@ -1,0 +1,86 @@
+"""Hardware bounds of a benchmark level: the 8B arithmetic of ../shared/reference/gpu-bounds.md, the two TGS bounds
+of a round of fresh prompts, the report's flags for figures no GPU can produce, and no bound where peaks are unknown."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.bench.bounds import PEAKS, check, level_bound, linear_params, peaks_for, prompt_flops, step_weight_bytes
+from llmc.bench.plan import BenchPlan
+from llmc.bench.records import LevelResult, RequestRecord
+from llmc.bench.report import build_report, print_report
+from llmc.bench.workload import BenchPrompt
+
+LLAMA8B = {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 8, "head_size": 128,
+           "intermediate_size": 14336, "vocab_size": 128256, "tie_word_embeddings": False, "dtype": "bfloat16"}
+KV_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # 128 KiB
+INT4_WEIGHTS = {"bfloat16": 2_103_058_432, "int32": 3_598_712_832}  # the 8B int4 twin on an H200 (llmc bench)
+H200 = PEAKS["NVIDIA H200"]
+
+
+def test_the_8b_shape_matches_the_reference_arithmetic():
+    assert linear_params(LLAMA8B) == pytest.approx(6.98e9, rel=1e-3)
+    flops = prompt_flops(LLAMA8B, 2048)
+    assert flops == pytest.approx(29.7e12, rel=0.01)  # ~28.6 TFLOP of linears + ~1.1 of causal attention
+    assert flops / H200.flops == pytest.approx(0.0376, rel=0.01)  # >= ~38 ms for a fresh 2,048-token prefill
+    assert step_weight_bytes(LLAMA8B, INT4_WEIGHTS) == pytest.approx(4.65e9, rel=0.01)  # int4 + the bf16 lm_head
+    tied = {**LLAMA8B, "tie_word_embeddings": True}
+    assert step_weight_bytes(tied, INT4_WEIGHTS) == sum(INT4_WEIGHTS.values())
+
+
+def test_a_round_of_64_fresh_prompts_is_prefill_bound():
+    bound = level_bound([(2048, 128)] * 64, 64, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
+    assert bound["decode_steps"] == 127
+    assert bound["tgs_max"] == pytest.approx(64 * 128 / (64 * 0.0376), rel=0.01)  # the prefill alone: ~3,400
+    assert bound["tgs_max_prefill_then_decode"] == pytest.approx(2668, rel=0.01)  # + 127 steps of >= 5.2 ms
+    assert bound["ttft_p50_min_s"] == pytest.approx(0.0376, rel=0.01)
+    one = level_bound([(2048, 128)], 1, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
+    assert one["tgs_max_prefill_then_decode"] == pytest.approx(697, rel=0.01)
+    cached = level_bound([(2048, 128)], 1, 2016, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
+    assert cached["ttft_p50_min_s"] is None and cached["prefill_tflop"] < 1.0  # hits: only 32 tokens' linears
+
+
+def test_steps_are_at_least_the_longest_request_and_the_tokens_over_the_concurrency():
+    assert level_bound([(10, 100), (10, 2)], 8, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)["decode_steps"] == 99
+    assert level_bound([(10, 11)] * 10, 2, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)["decode_steps"] == 50
+
+
+def _level(ttft: float, wall: float, hits: int = 0) -> LevelResult:
+    records = tuple(RequestRecord(2048, 128, 0.0, tuple(ttft + 0.002 * i for i in range(128)), ttft + 0.3, "length")
+                    for _ in range(4))
+    return LevelResult(1, records, wall, prefix_cache={"queried_tokens": 8192, "hit_tokens": hits})
+
+
+RUN = {"mode": "offline", "engine_dir": "x", "device": "cuda", "model_shape": LLAMA8B,
+       "weight_bytes_on_device": INT4_WEIGHTS, "kv_bytes_per_token": KV_PER_TOKEN}
+PLAN = BenchPlan(warmup=(), levels=((1, tuple(BenchPrompt("x", (0,) * 2048, 128) for _ in range(4))),))
+
+
+def test_the_report_flags_figures_faster_than_the_gpu(monkeypatch):
+    from rich.console import Console
+
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H200"})
+    honest = build_report(RUN, [_level(0.0537, 4 * 0.33)], PLAN, {})["levels"][0]
+    assert honest["bound"]["problems"] == [] and honest["tgs"] < honest["bound"]["tgs_max"]
+    # README's first H200 rows: 29 ms TTFT for fresh 2,048-token prompts (prefix-cache hits counted as none)
+    wrong = build_report(RUN, [_level(0.029, 4 * 0.1)], PLAN, {})
+    problems = wrong["levels"][0]["bound"]["problems"]
+    assert any("TTFT p50 29.0 ms" in p for p in problems) and any("TGS" in p for p in problems)
+    console = Console(width=200, record=True)
+    print_report(wrong, console)
+    assert "IMPOSSIBLE on this GPU" in console.export_text()
+    hits = build_report(RUN, [_level(0.029, 4 * 0.3, hits=8000)], PLAN, {})["levels"][0]["bound"]
+    assert hits["ttft_p50_min_s"] is None and not any("TTFT" in p for p in hits["problems"])
+
+
+def test_no_bound_without_known_peaks_or_shape(monkeypatch):
+    from llmc.bench import report as report_module
+
+    assert peaks_for("cpu", "NVIDIA H200") is None and peaks_for("cuda", "NVIDIA A10") is None
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA A10"})
+    assert "bound" not in build_report(RUN, [_level(0.05, 1.3)], PLAN, {})["levels"][0]
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H200"})
+    assert "bound" not in build_report({**RUN, "model_shape": None}, [_level(0.05, 1.3)], PLAN, {})["levels"][0]
+    assert check({"tgs": None, "ttft_s": {"p50": None}}, {"tgs_max": 1.0, "ttft_p50_min_s": 1.0}) == []
