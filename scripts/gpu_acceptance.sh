@@ -156,6 +156,13 @@ report = json.load(open(sys.argv[1]))
 hits = {lv["concurrency"]: lv["prefix_cache"]["hit_tokens"] for lv in report["levels"]}
 print("workload:", report["workload"]["source"], "| prefix-cache hit tokens per level:", hits)
 sys.exit(1 if any(hits.values()) else 0)' "$out/bench_$name.json"
+  # No figure faster than the GPU can compute (llmc bench's bounds, where it knows the GPU's peaks).
+  check "bench $name: within the hardware bounds" "$py" -c '
+import json, sys
+report = json.load(open(sys.argv[1]))
+problems = {lv["concurrency"]: lv["bound"]["problems"] for lv in report["levels"] if lv.get("bound")}
+print("hardware bounds:", {c: "ok" if not p else p for c, p in problems.items()} or "none known for this GPU")
+sys.exit(1 if any(problems.values()) else 0)' "$out/bench_$name.json"
 }
 
 if [ -z "${SKIP_BENCH:-}" ]; then
