@@ -65,15 +65,19 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int) -> int:
     """Context splits per (sequence, kv head) for block tables of width ``max_blocks``: about TARGET_PROGRAMS
     programs; at most one per block in the split form, one per MIN_BLOCKS_PER_SPLIT blocks in the fused form
     (:func:`fused_merge`)."""
-    cap = -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads))
-    per = MIN_BLOCKS_PER_SPLIT if cap <= MAX_FUSED_SPLITS else 1
-    return max(1, min(-(-max_blocks // per), cap))
+    per = MIN_BLOCKS_PER_SPLIT if fused_merge(num_seqs, num_kv_heads) else 1
+    return max(1, min(-(-max_blocks // per), _split_cap(num_seqs, num_kv_heads)))
 
 
 def fused_merge(num_seqs: int, num_kv_heads: int) -> bool:
     """Whether the attention kernel merges its splits itself (the fused form): at most MAX_FUSED_SPLITS splits,
     i.e. at least TARGET_PROGRAMS / MAX_FUSED_SPLITS (sequence, kv head) pairs."""
-    return -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads)) <= MAX_FUSED_SPLITS
+    return _split_cap(num_seqs, num_kv_heads) <= MAX_FUSED_SPLITS
+
+
+def _split_cap(num_seqs: int, num_kv_heads: int) -> int:
+    """Splits per (sequence, kv head) that make about TARGET_PROGRAMS programs."""
+    return -(-TARGET_PROGRAMS // (num_seqs * num_kv_heads))
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
@@ -204,11 +208,12 @@ def _combine_kernel():
     return paged_decode_combine
 
 
-def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Merge the per-split partials ``acc [D, nh, S, hd]``, ``ml [D, nh, S, 2]`` (running max, running sum) of
-    :func:`paged_decode_attention` into ``[D, nh, hd]`` in ``dtype`` (one Triton launch)."""
+    :func:`paged_decode_attention` into ``[D, nh, hd]`` in ``dtype`` (one Triton launch), into ``out`` if given."""
     d, nh, splits, head = acc.shape
-    out = torch.empty(d, nh, head, dtype=dtype, device=acc.device)
+    out = torch.empty(d, nh, head, dtype=dtype, device=acc.device) if out is None else out
     if d:
         _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
                                    SPLITS_P=max(2, _next_pow2(splits)),
@@ -264,7 +269,7 @@ def paged_decode_attention(
     )
     if fused:
         return out
-    return combine_splits(acc.view(d, num_heads, splits, head_size), ml.view(d, num_heads, splits, 2), q.dtype)
+    return combine_splits(acc.view(d, num_heads, splits, head_size), ml.view(d, num_heads, splits, 2), q.dtype, out)
 
 
 def _next_pow2(n: int) -> int:
