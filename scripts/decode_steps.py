@@ -78,18 +78,13 @@ def parse_mixed(spec: str) -> tuple[int, int, int, int]:
         raise SystemExit(f"--mixed {spec!r}: write D@C+N@P, e.g. 64@2048+960@1024") from None
 
 
-def prefill_flops(config: dict, prompts: int, length: int) -> float:
-    """Model FLOPs of a prefill step (``config``: the IR's config.json): 2 x tokens x linear weights (lm_head only
-    at the sampled rows) plus causal attention (QK^T and PV over the lower triangle)."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    head = config.get("head_size") or h // heads
-    inter, vocab = config["intermediate_size"], config["vocab_size"]
-    per_layer = h * head * (heads + 2 * kv_heads) + heads * head * h + 3 * h * inter
-    tokens = prompts * length
-    linear = 2.0 * tokens * per_layer * layers + 2.0 * prompts * h * vocab
-    attention = 2.0 * 2.0 * heads * head * prompts * length * (length + 1) / 2 * layers
-    return linear + attention
+def prefill_flops(shape: dict, prompts: int, length: int) -> float:
+    """Model FLOPs of a prefill step of fresh prompts (``shape``: :func:`llmc.bench.bounds.shape_of`): each
+    prompt's linears and causal attention (:func:`llmc.bench.bounds.prompt_flops`) plus the lm_head at its
+    sampled row."""
+    from llmc.bench.bounds import prompt_flops
+
+    return prompts * (prompt_flops(shape, length) + 2.0 * shape["hidden_size"] * shape["vocab_size"])
 
 
 def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> float:
@@ -253,11 +248,13 @@ def main() -> None:
         print(json.dumps({batch: row}), file=sys.stderr, flush=True)
     first = next(iter(runners.values()))
     if prefills:
-        config = json.loads((Path(args.build) / "checkpoint" / "config.json").read_text())  # the IR's config
+        from llmc.bench.bounds import shape_of
+
+        shape = shape_of(first.model.config)
         result["prefill"] = {}
         for prompts, length in prefills:
             row = step_row(first, prefill_step(prompts, length, first.block_size, first.vocab_size), args)
-            flops = prefill_flops(config, prompts, length)
+            flops = prefill_flops(shape, prompts, length)
             row["tflop"] = float(f"{flops / 1e12:.4g}")
             row["tflop_per_s"] = round(flops / (row["ms"] / 1e3) / 1e12, 1)
             result["prefill"][f"{prompts}x{length}"] = row

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+from llmc.recipe.checks import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
