@@ -130,11 +130,12 @@ def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heurist
     assert layer.mma_config_for(40) == (2, 2, 8, 4)
 
 
-def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
+def emulate_kernel(x, words, pairs, prequant, n, k, group, silu, exact=False):
     """The CUDA kernel's arithmetic, lane by lane: A fragments from each word as the kernel decodes them (``base + u``),
     B fragments from the activations as it loads them, PTX's m16n8k16 fragment layouts, each tile's accumulator
     started at ``-(base + 8) * sum(x)`` by an mma with a constant A, the group scale applied once per tile, and the
-    epilogue's indexing."""
+    epilogue's indexing. ``exact`` (configs of several row tiles): each A register made ``(base + u) - (base + 8)``
+    in 16 bits and no constant-A mma."""
     dtype, rows = x.dtype, x.shape[0]
     base = 128.0 if dtype == torch.bfloat16 else 1024.0  # magic | nibble read as a 16-bit float
     xs = x if prequant is None else (x.float() * prequant.float()).to(dtype)  # rounded once, as hmul2
@@ -157,7 +158,10 @@ def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
                     regs = []
                     for i in range(4):  # (word >> 4i) & 0x000F000F | magic: nibbles i (low half) and i + 4 (high half)
                         lo, hi = (word >> (4 * i)) & 0xF, (word >> (4 * i + 16)) & 0xF
-                        regs.append(torch.tensor([base + lo, base + hi], dtype=torch.float64))
+                        pair = torch.tensor([base + lo, base + hi], dtype=dtype)  # magic | nibble
+                        if exact:  # hsub2: a 16-bit subtraction, rounded (exact for these values)
+                            pair = pair - torch.tensor([base + 8.0, base + 8.0], dtype=dtype)
+                        regs.append(pair.double())
                     a[g, 2 * t: 2 * t + 2] = regs[0]
                     a[g + 8, 2 * t: 2 * t + 2] = regs[1]
                     a[g, 2 * t + 8: 2 * t + 10] = regs[2]
@@ -169,7 +173,7 @@ def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
                         b[mt, 2 * t + 8: 2 * t + 10, g] = chunk[2 * word_index + 2: 2 * word_index + 4]
                 offset = torch.full((16, 16), -(base + 8.0), dtype=torch.float64)  # the start's constant A
                 for mt in range(mtiles):
-                    tile_sum[mt] += offset @ b[mt] + a @ b[mt]  # [16 columns, 8 rows]
+                    tile_sum[mt] += a @ b[mt] if exact else offset @ b[mt] + a @ b[mt]  # [16 columns, 8 rows]
             for mt in range(mtiles):
                 for lane in range(32):
                     g, t = lane // 4, lane % 4
@@ -194,8 +198,10 @@ def emulate_kernel(x, words, pairs, prequant, n, k, group, silu):
     return out
 
 
+@pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("silu,prequant,group", [(False, False, 64), (False, True, 128), (True, False, 64)])
-def test_kernel_emulation_over_the_packed_layout_equals_the_unrounded_dequantized_product(silu, prequant, group):
+def test_kernel_emulation_over_the_packed_layout_equals_the_unrounded_dequantized_product(silu, prequant, group,
+                                                                                        exact):
     dtype, n, k, rows = torch.bfloat16, 32, 128, 11
     gen = torch.Generator().manual_seed(1)
     q, scales = random_q(n, k, group, dtype, seed=2)
@@ -206,7 +212,7 @@ def test_kernel_emulation_over_the_packed_layout_equals_the_unrounded_dequantize
                                 interleave_tiles(scales[: n // 2], scales[n // 2:]), group)
     else:
         words, pairs = pack_mma(q, scales, group)
-    got = emulate_kernel(x, words, pairs, pq, n, k, group, silu)
+    got = emulate_kernel(x, words, pairs, pq, n, k, group, silu, exact)
     weight = q.double() * scales.double().repeat_interleave(group, dim=1)  # q * s, never rounded
     xs = x if pq is None else (x.float() * pq.float()).to(dtype)
     ref = xs.double() @ weight.T
@@ -260,3 +266,12 @@ def test_a_table_of_the_older_kernel_falls_back_to_the_heuristics(tmp_path, monk
         assert "mma" not in entry and entry["buckets"] == [[1, 16, 64, 1, 2, 3, 8]]  # the Triton entry stays
     finally:
         int4_configs._tuned_table.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,magic,offset", [(torch.bfloat16, 0x4300, 0x4308), (torch.float16, 0x6400, 0x6408)])
+def test_the_exact_fragment_decoding_gives_each_nibble_minus_8(dtype, magic, offset):
+    """Configs of several row tiles make each A register ``(magic | u) - (base + 8)`` in 16 bits (hsub2): ``q = u - 8``
+    exactly, for both activation dtypes (the kernel's kMagic and kOffset constants)."""
+    u = torch.arange(16, dtype=torch.int16)
+    got = (u | magic).view(dtype) - torch.full((16,), offset, dtype=torch.int16).view(dtype)
+    assert torch.equal(got.float(), (u - 8).float())

@@ -13,8 +13,9 @@
 // mapped to the tile's inputs as {2t, 2t+1, 2t+8, 2t+9} -> 16 t + 4 s + {0, 1, 2, 3}. The B fragment of row m is
 // then x[m, 16 t .. 16 t + 15] of the tile: two 16-byte loads per lane. Nibble pairs (j, j + 4) sit in the two
 // halves of a 32-bit word, so ``(w >> 4i) & 0x000F000F | magic`` (one shift, one lop3) is two 16-bit floats
-// 128 + u (bf16) or 1024 + u (fp16), exactly. The mma sums (base + u) x in float32, starting from
-// -(base + 8) * sum(x) (see multiply_tile), which leaves sum(q x); the group scale multiplies that sum once per
+// 128 + u (bf16) or 1024 + u (fp16), exactly. With one row tile the mma sums (base + u) x in float32, starting
+// from -(base + 8) * sum(x) (see multiply_tile), which leaves sum(q x); with several, each fragment is first made
+// q exactly (one hsub2 per register, shared by the row tiles' mma). The group scale multiplies that sum once per
 // tile. So the weight q * s is never rounded to 16 bits (the float32 reference's weight), and the decoding costs
 // two integer ops per pair of weights (a subtraction and a multiply per pair made the loop issue-bound before).
 //
@@ -58,6 +59,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 template <typename T, typename T2, uint32_t Magic, uint32_t Offset>
 struct Half2OpsOf {
   static constexpr uint32_t kMagic = Magic;
+  static constexpr uint32_t kOffset = Offset;                   // (base + 8) in both halves
   static constexpr uint32_t kNegOffset = Offset | 0x80008000u;  // -(base + 8) in both halves
   static __device__ __forceinline__ float low(uint32_t pair) {  // the pair's first value as float
     return static_cast<float>(*reinterpret_cast<const T*>(&pair));
@@ -67,6 +69,10 @@ struct Half2OpsOf {
     return static_cast<float>(*reinterpret_cast<const T*>(&h));
   }
   static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return mul2<T2>(a, b); }
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) {  // a - b in both halves
+    T2 r = __hsub2(*reinterpret_cast<T2*>(&a), *reinterpret_cast<T2*>(&b));
+    return *reinterpret_cast<uint32_t*>(&r);
+  }
   static __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     mma_16816(d, a, b0, b1, T());
   }
@@ -160,26 +166,31 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
-// One input tile of a warp (64 inputs) for NT column tiles and MT row tiles, added into acc. The A fragments are the
-// nibbles as 16-bit floats ``base + u`` (u = q + 8; one lop3 each), so the mma sums ``(base + u) x``; the
-// accumulator of each column tile starts at ``-(base + 8) * sum(x)`` over the tile's inputs (an mma whose A
-// operand is that constant: the same for every column, computed once per tile and row tile), which leaves
-// ``sum(q x)`` in float32; the group scale then multiplies it once per tile: acc += s * sum(q x). The weight q * s is
-// never rounded to 16 bits.
+// One input tile of a warp (64 inputs) for NT column tiles and MT row tiles, added into acc. One row tile: the A
+// fragments are the nibbles as 16-bit floats ``base + u`` (u = q + 8; one lop3 each), so the mma sums
+// ``(base + u) x``; the accumulator of each column tile starts at ``-(base + 8) * sum(x)`` over the tile's inputs (an
+// mma whose A operand is that constant: the same for every column, computed once per tile and row tile), which
+// leaves ``sum(q x)`` in float32. Several row tiles: each fragment feeds MT mma, so making it exact in 16 bits,
+// ``(base + u) - (base + 8) = q`` (one hsub2 per register), costs less than the constant-A mma (a quarter of the
+// mma with 4 column tiles); the mma then sums ``q x`` from zero. Either way the group scale multiplies the tile's
+// sum once: acc += s * sum(q x), and the weight q * s is never rounded to 16 bits.
 template <typename T, int MT, int NT>
 __device__ __forceinline__ void multiply_tile(float (&acc)[NT][MT][4], const uint4 (&wq)[NT], const uint32_t (&sc)[NT],
                                               const uint4 (&xv)[MT][2]) {
   using Ops = Half2Ops<T>;
+  constexpr bool kExact = MT >= 2;
   const uint32_t mask = 0x000F000Fu, magic = Ops::kMagic;  // operands of lop3, not immediates (one per instruction)
   const uint32_t neg_offset[4] = {Ops::kNegOffset, Ops::kNegOffset, Ops::kNegOffset, Ops::kNegOffset};
-  float start[MT][4];  // -(base + 8) * sum(x) of the lane's accumulator rows
+  float start[MT][4];  // -(base + 8) * sum(x) of the lane's accumulator rows (zero when exact)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     start[mt][0] = start[mt][1] = start[mt][2] = start[mt][3] = 0.f;
+    if constexpr (!kExact) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint4& lo = xv[mt][s >> 1];
-      Ops::mma(start[mt], neg_offset, (s & 1) ? lo.z : lo.x, (s & 1) ? lo.w : lo.y);
+      for (int s = 0; s < 4; ++s) {
+        const uint4& lo = xv[mt][s >> 1];
+        Ops::mma(start[mt], neg_offset, (s & 1) ? lo.z : lo.x, (s & 1) ? lo.w : lo.y);
+      }
     }
   }
 #pragma unroll
@@ -192,10 +203,14 @@ __device__ __forceinline__ void multiply_tile(float (&acc)[NT][MT][4], const uin
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const uint32_t word = word_of(wq[c], s);
-      const uint32_t a[4] = {and_or(word, mask, magic),         // col g, inputs +0 +1
-                             and_or(word >> 4, mask, magic),    // col g + 8
-                             and_or(word >> 8, mask, magic),    // col g, inputs +2 +3
-                             and_or(word >> 12, mask, magic)};  // col g + 8
+      uint32_t a[4] = {and_or(word, mask, magic),         // col g, inputs +0 +1
+                       and_or(word >> 4, mask, magic),    // col g + 8
+                       and_or(word >> 8, mask, magic),    // col g, inputs +2 +3
+                       and_or(word >> 12, mask, magic)};  // col g + 8
+      if constexpr (kExact) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = Ops::sub(a[i], Ops::kOffset);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const uint4& lo = xv[mt][s >> 1];
@@ -785,6 +800,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, halves);
 }
 
-int llmc_w4a16_abi_version() { return 9; }
+int llmc_w4a16_abi_version() { return 10; }
 
 }  // extern "C"
