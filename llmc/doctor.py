@@ -182,6 +182,20 @@ def triton_launch(sm: int) -> str:
     return f" (launched programmatically; {PDL_ENV}=0 turns it off)"
 
 
+def embedding_place() -> str:
+    """Where a CUDA engine keeps an untied input embedding (``LLMC_EMBEDDING``), or the variable's problem."""
+    from llmc.engine.torch.host_embedding import ENV, placement
+    from llmc.errors import EngineError
+
+    try:
+        where = placement()
+    except EngineError as exc:
+        return f"; {exc}"
+    if where == "host":
+        return f"; untied input embeddings in page-locked host memory ({ENV}=device keeps them on the GPU)"
+    return f"; input embeddings on the GPU ({ENV}=device)"
+
+
 def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtllm_note: str | None,
                      triton_version: str | None = None, cuda_int4_why_not: str | None = "not checked"
                      ) -> tuple[BackendStatus, ...]:
@@ -193,6 +207,7 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
                          f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}; AWQ int4 (W4A16), weights kept packed: "
                          f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
+                         f"{embedding_place()}"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
                          "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "
                          "llmc's int4 kernels and paged attention in CUDA graphs)")

@@ -267,6 +267,7 @@ def main() -> None:
             print(json.dumps({f"mixed {d}@{c}+{n}@{p}": row}), file=sys.stderr, flush=True)
     result["graphs_used"] = "graphs" in runners and runners["graphs"].graphs is not None
     result["weight_bytes_on_device"] = first.weight_bytes
+    result["weight_bytes_on_host"] = first.host_weight_bytes
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     print(json.dumps(result, indent=2))

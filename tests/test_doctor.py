@@ -67,24 +67,35 @@ def test_tensorrt_llm_usable_on_hopper_with_1_2():
 
 def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
+    monkeypatch.delenv("LLMC_EMBEDDING", raising=False)
+    host = "; untied input embeddings in page-locked host memory (LLMC_EMBEDDING=device keeps them on the GPU)"
     with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
     assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
         in with_triton.detail
     # The shipped int4 configs were tuned on an H200, not an H100: the H100 gets the heuristic configs.
     assert with_triton.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's Triton W4A16 kernels (not "
-                                       "checked) (tuned for no GPU here: heuristic configs)")
+                                       "checked) (tuned for no GPU here: heuristic configs)" + host)
     no_nvcc, _ = backend_statuses((H100,), None, "missing", "3.6.0", "nvcc was not found (CUDA_HOME, PATH)")
     assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
     assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels (built "
                                  "once with nvcc, then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 "
-                                 "turns it off)) (tuned for NVIDIA H200)")
+                                 "turns it off)) (tuned for NVIDIA H200)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail
     cpu_only, _ = backend_statuses((), None, "missing", triton_version="3.6.0")
     assert cpu_only.detail == "CPU; no CUDA GPU found"
+
+
+def test_doctor_says_where_cuda_engines_keep_the_input_embedding(monkeypatch):
+    monkeypatch.setenv("LLMC_EMBEDDING", "device")
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert status.detail.endswith("; input embeddings on the GPU (LLMC_EMBEDDING=device)")
+    monkeypatch.setenv("LLMC_EMBEDDING", "pcie")
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert "LLMC_EMBEDDING='pcie' is not a placement; Fix: set LLMC_EMBEDDING to host or device" in status.detail
 
 
 def test_int4_awq_not_on_sm100():

@@ -70,19 +70,22 @@ def prompt_flops(shape: dict[str, Any], tokens: int, attention: bool = True) -> 
     return flops
 
 
-def step_weight_bytes(shape: dict[str, Any], weight_bytes: dict[str, int]) -> int:
+def step_weight_bytes(shape: dict[str, Any], weight_bytes: dict[str, int], host_bytes: dict[str, int] | None = None
+                      ) -> int:
     """Weight bytes one decode step reads: all on the device but an untied input-embedding table (read a row a
-    token)."""
+    token), unless that table is the weights the engine holds in host memory (``host_bytes``; not counted)."""
     total = sum(weight_bytes.values())
-    if not shape["tie_word_embeddings"]:
+    if not shape["tie_word_embeddings"] and not host_bytes:
         total -= shape["vocab_size"] * shape["hidden_size"] * DTYPE_BYTES.get(shape["dtype"], 2)
     return max(total, 0)
 
 
 def level_bound(requests: Sequence[tuple[int, int]], concurrency: int, hit_tokens: int, shape: dict[str, Any],
-                weight_bytes: dict[str, int], kv_bytes_per_token: int, peaks: Peaks) -> dict[str, Any]:
+                weight_bytes: dict[str, int], kv_bytes_per_token: int, peaks: Peaks,
+                host_bytes: dict[str, int] | None = None) -> dict[str, Any]:
     """Bounds of one measured repetition: ``requests`` its (prompt tokens, generated tokens), ``hit_tokens`` the
-    prompt tokens it served from the prefix cache."""
+    prompt tokens it served from the prefix cache, ``host_bytes`` the weights held in host memory
+    (:func:`step_weight_bytes`)."""
     prompts = sum(p for p, _ in requests)
     flops = (sum(prompt_flops(shape, p) for p, _ in requests) if not hit_tokens
              else prompt_flops(shape, max(prompts - hit_tokens, 0), attention=False))
@@ -90,7 +93,7 @@ def level_bound(requests: Sequence[tuple[int, int]], concurrency: int, hit_token
     steps = max(math.ceil(sum(decodes) / max(concurrency, 1)), max(decodes, default=0))
     # decode token t (1-based) of a prompt of p tokens reads at least the p + t - 1 cached positions before it
     kv_reads = sum(d * p + d * (d - 1) // 2 for (p, _), d in zip(requests, decodes))
-    moved = steps * step_weight_bytes(shape, weight_bytes) + kv_reads * kv_bytes_per_token
+    moved = steps * step_weight_bytes(shape, weight_bytes, host_bytes) + kv_reads * kv_bytes_per_token
     compute_s, memory_s = flops / peaks.flops, moved / peaks.bandwidth
     generated = sum(g for _, g in requests)
     own = sorted(prompt_flops(shape, p) / peaks.flops for p, _ in requests)

@@ -143,6 +143,8 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       "prefix_caching": engine.block_manager.enable_prefix_caching},
            # The weights as the engine holds them on its device (int4 layers packed on CUDA), by dtype.
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),
+           # Weights the engine reads from host memory (an input embedding in page-locked memory on CUDA), by dtype.
+           "weight_bytes_on_host": getattr(engine.runner, "host_weight_bytes", None) or {},
            # What the levels' hardware bounds need (llmc.bench.bounds); absent for engines that do not say.
            "model_shape": _model_shape(engine.runner),
            "kv_bytes_per_token": getattr(engine.runner, "kv_bytes_per_token", None),

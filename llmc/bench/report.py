@@ -230,7 +230,8 @@ def add_bounds(summaries: list[dict[str, Any]], levels: Sequence[LevelResult], r
     for summary, (_, reps) in zip(summaries, _by_level(levels)):
         rep = median_repetition(reps)
         bound = level_bound([(r.prompt_tokens, r.generated_tokens) for r in rep.records], rep.concurrency,
-                            rep.prefix_cache.get("hit_tokens") or 0, shape, weights, kv, peaks)
+                            rep.prefix_cache.get("hit_tokens") or 0, shape, weights, kv, peaks,
+                            run.get("weight_bytes_on_host"))
         summary["bound"] = {**bound, "problems": check(summary, bound)}
 
 
@@ -336,6 +337,10 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
         parts = ", ".join(f"{dtype} {n / 1e9:.2f} GB" for dtype, n in sorted(weights.items()))
         console.print(f"weights on the device: {sum(weights.values()) / 1e9:.2f} GB "
                       f"({sum(weights.values()) / 2**30:.2f} GiB; {parts})", highlight=False)
+    on_host = report.get("weight_bytes_on_host")
+    if on_host:
+        console.print(f"weights in page-locked host memory (the input embedding, a row per token): "
+                      f"{sum(on_host.values()) / 1e9:.2f} GB", highlight=False)
     why_random = (report.get("workload") or {}).get("why")
     if why_random:
         console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)

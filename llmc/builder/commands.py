@@ -85,7 +85,11 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
 
 
 def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
-    """Bytes the torch engine holds on a CUDA GPU for this IR (int4 layers stay packed), from the headers only."""
+    """Bytes the torch engine holds for this IR on a CUDA GPU (``cuda``: int4 layers stay packed) and in page-locked
+    host memory there (``cuda_host``: an untied input embedding, unless ``LLMC_EMBEDDING=device``), from the
+    headers only."""
+    from llmc.checkpoint.names import VOCAB_EMBEDDING
+    from llmc.engine.torch.host_embedding import placement
     from llmc.engine.torch.int4_cuda import cuda_weight_bytes
 
     tensors = {}
@@ -94,7 +98,8 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
             if name != "__metadata__":
                 start, end = info["data_offsets"]
                 tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
-    return {"cuda": cuda_weight_bytes(tensors, tied)}
+    on_host = tensors.pop(VOCAB_EMBEDDING)[2] if not tied and placement() == "host" and VOCAB_EMBEDDING in tensors else 0
+    return {"cuda": cuda_weight_bytes(tensors, tied), "cuda_host": on_host}
 
 
 def weight_bytes_by_dtype(checkpoint_dir: Path) -> dict[str, int]:
@@ -185,6 +190,12 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
     }
 
 
+def _host_part(held: dict[str, int]) -> str:
+    """`` (+ N input embedding in page-locked host memory)`` where the engine keeps it there, else ""."""
+    on_host = held.get("cuda_host", 0)
+    return f" (+ {human_bytes(on_host)} input embedding in page-locked host memory)" if on_host else ""
+
+
 def _print_inspection(info: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]{info['name']}[/]  {info['build_dir']}")
     console.print(f"backend {info['backend']}, dtype {info['dtype']}, format v{info['format_version']}, "
@@ -195,7 +206,7 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
     weights = info["weights"]
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(weights["bytes_by_dtype"].items()))
     console.print(f"weights: {human_bytes(weights['total_bytes'])} ({parts}); held on a CUDA GPU by the torch "
-                  f"engine: {human_bytes(weights['on_device_bytes']['cuda'])}")
+                  f"engine: {human_bytes(weights['on_device_bytes']['cuda'])}{_host_part(weights['on_device_bytes'])}")
     q = info["quantization"]["recipe"]
     qtext = "none" if q.get("method") == "none" else f"{q.get('method')} int{q.get('bits')} group {q.get('group_size')}"
     console.print(f"quantization: {qtext}")

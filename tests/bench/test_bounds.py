@@ -28,6 +28,15 @@ def test_the_8b_shape_matches_the_reference_arithmetic():
     assert step_weight_bytes(tied, INT4_WEIGHTS) == sum(INT4_WEIGHTS.values())
 
 
+def test_an_embedding_in_host_memory_is_not_subtracted_from_the_device_weights_again():
+    embedding = 128256 * 4096 * 2
+    on_device = {"bfloat16": INT4_WEIGHTS["bfloat16"] - embedding, "int32": INT4_WEIGHTS["int32"]}
+    host = {"bfloat16": embedding}
+    assert step_weight_bytes(LLAMA8B, on_device, host) == step_weight_bytes(LLAMA8B, INT4_WEIGHTS)
+    moved = level_bound([(2048, 128)], 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, H200, host)
+    assert moved["tgs_max_prefill_then_decode"] == pytest.approx(697, rel=0.01)  # the same bound as on the device
+
+
 def test_a_round_of_64_fresh_prompts_is_prefill_bound():
     bound = level_bound([(2048, 128)] * 64, 64, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
     assert bound["decode_steps"] == 127
@@ -84,3 +93,21 @@ def test_no_bound_without_known_peaks_or_shape(monkeypatch):
     monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H200"})
     assert "bound" not in build_report({**RUN, "model_shape": None}, [_level(0.05, 1.3)], PLAN, {})["levels"][0]
     assert check({"tgs": None, "ttft_s": {"p50": None}}, {"tgs_max": 1.0, "ttft_p50_min_s": 1.0}) == []
+
+
+def test_the_report_bounds_and_prints_an_engine_with_its_embedding_in_host_memory(monkeypatch):
+    from rich.console import Console
+
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H200"})
+    embedding = 128256 * 4096 * 2
+    run = {**RUN, "weight_bytes_on_device": {**INT4_WEIGHTS, "bfloat16": INT4_WEIGHTS["bfloat16"] - embedding},
+           "weight_bytes_on_host": {"bfloat16": embedding}}
+    on_host = build_report(run, [_level(0.0537, 4 * 0.33)], PLAN, {})
+    on_device = build_report(RUN, [_level(0.0537, 4 * 0.33)], PLAN, {})
+    assert on_host["levels"][0]["bound"] == on_device["levels"][0]["bound"]
+    console = Console(width=200, record=True)
+    print_report(on_host, console)
+    text = console.export_text()
+    assert "weights on the device: 4.65 GB" in text and "page-locked host memory" in text and "1.05 GB" in text

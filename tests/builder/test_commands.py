@@ -128,3 +128,22 @@ def test_build_prints_wide_tables_whole_into_a_log(tmp_path, tiny_hf_dir, monkey
     result = CliRunner().invoke(build_cmd, [str(write_recipe(tmp_path, tiny_hf_dir)), "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "failed the accuracy gate" in result.output
     assert all(f"{1234.5678 + i:.4f}" in result.output for i in range(9)) and "…" not in result.output
+
+
+def test_the_cuda_estimate_counts_an_untied_embedding_in_host_memory_unless_told_device(tmp_path, monkeypatch):
+    from llmc.builder.commands import _host_part, device_weight_bytes
+    from tests import factories
+    from tests.engine.torch.helpers import write_ir
+
+    (tmp_path / "tok").mkdir()
+    ir = write_ir(factories.make_tiny_llama(tmp_path / "hf", tmp_path / "tok", tie_word_embeddings=False), tmp_path / "ir")
+    with safe_open(str(ir / "rank0.safetensors"), "pt") as f:
+        sizes = {name: f.get_tensor(name).numel() * 4 for name in f.keys()}
+    table = sizes["transformer.vocab_embedding.weight"]
+    monkeypatch.delenv("LLMC_EMBEDDING", raising=False)
+    held = device_weight_bytes(ir, tied=False)
+    assert held == {"cuda": sum(sizes.values()) - table, "cuda_host": table}
+    assert "input embedding in page-locked host memory" in _host_part(held)
+    monkeypatch.setenv("LLMC_EMBEDDING", "device")
+    assert device_weight_bytes(ir, tied=False) == {"cuda": sum(sizes.values()), "cuda_host": 0}
+    assert _host_part({"cuda": 1, "cuda_host": 0}) == ""

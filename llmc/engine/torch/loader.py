@@ -21,7 +21,7 @@ from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import dequantized_weights, merge_shards, torch_dtype
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
-from llmc.engine.torch import cpu_ext, triton_support
+from llmc.engine.torch import cpu_ext, host_embedding, triton_support
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
 from llmc.engine.torch.prefill_cpu import MixedLinear, prefill_precision
 from llmc.errors import CheckpointError
@@ -141,10 +141,13 @@ def _load_int4_cuda(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]
 
 
 def _finish_cuda(model: LlamaForCausalLM) -> LlamaForCausalLM:
-    """Fused CUDA kernels where the shape allows them; the allocator's cache of load-time temporaries is
-    returned to the device, so the KV cache planned next gets that memory."""
+    """Fused CUDA kernels where the shape allows them; an untied input embedding in page-locked host memory
+    (:mod:`llmc.engine.torch.host_embedding`, ``LLMC_EMBEDDING``); the allocator's cache of load-time temporaries
+    and the device table are returned to the device, so the KV cache planned next gets that memory."""
     head_size = model.config.head_size
     model.use_cuda_fused(head_size >= 16 and head_size & (head_size - 1) == 0)
+    if host_embedding.move_to_host(model):
+        logger.info("input embedding in page-locked host memory (%s=device keeps it on the GPU)", host_embedding.ENV)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return model.eval().requires_grad_(False)

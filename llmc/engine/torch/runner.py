@@ -22,6 +22,7 @@ from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
+from llmc.engine.torch.host_embedding import host_weight_bytes
 from llmc.engine.torch.loader import load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
@@ -44,7 +45,8 @@ def resolve_device(device: torch.device | str) -> torch.device:
 class TorchModelRunner:
     """Loads a build folder's torch engine and executes scheduler steps over a paged KV cache.
 
-    Attributes: ``device``, ``weight_bytes`` (by dtype, as held on the device), ``block_size`` (recipe
+    Attributes: ``device``, ``weight_bytes`` (by dtype, as held on the device), ``host_weight_bytes`` (by dtype:
+    an untied input embedding kept in page-locked host memory on CUDA), ``block_size`` (recipe
     ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
@@ -67,6 +69,7 @@ class TorchModelRunner:
         self.model = load_model(build_dir / "engine" / engine["checkpoint"], self.device, cpu_kernels=True)
         config = self.model.config
         self.weight_bytes = weight_bytes(self.model)  # {dtype: bytes} of the weights as held on the device
+        self.host_weight_bytes = host_weight_bytes(self.model)  # {dtype: bytes}: an input embedding in host memory
         # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
         # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))
