@@ -98,7 +98,9 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
             if name != "__metadata__":
                 start, end = info["data_offsets"]
                 tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
-    on_host = tensors.pop(VOCAB_EMBEDDING)[2] if not tied and placement() == "host" and VOCAB_EMBEDDING in tensors else 0
+    on_host = 0
+    if not tied and placement() == "host" and VOCAB_EMBEDDING in tensors:
+        on_host = tensors.pop(VOCAB_EMBEDDING)[2]
     return {"cuda": cuda_weight_bytes(tensors, tied), "cuda_host": on_host}
 
 

@@ -136,7 +136,8 @@ def test_the_cuda_estimate_counts_an_untied_embedding_in_host_memory_unless_told
     from tests.engine.torch.helpers import write_ir
 
     (tmp_path / "tok").mkdir()
-    ir = write_ir(factories.make_tiny_llama(tmp_path / "hf", tmp_path / "tok", tie_word_embeddings=False), tmp_path / "ir")
+    hf = factories.make_tiny_llama(tmp_path / "hf", tmp_path / "tok", tie_word_embeddings=False)
+    ir = write_ir(hf, tmp_path / "ir")
     with safe_open(str(ir / "rank0.safetensors"), "pt") as f:
         sizes = {name: f.get_tensor(name).numel() * 4 for name in f.keys()}
     table = sizes["transformer.vocab_embedding.weight"]

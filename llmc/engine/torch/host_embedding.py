@@ -51,7 +51,7 @@ def _kernel():
         memory must never read past the table."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        row = tl.load(ids_ptr + t * stride_i).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)  # the row id in every lane
+        row = tl.load(ids_ptr + t * stride_i).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)  # in every lane
         ok = (cols < H) & (row >= 0) & (row < V)
         values = tl.load(table_ptr + row * stride_t + cols, mask=ok, other=0.0)
         tl.store(out_ptr + t * stride_o + cols, values, mask=cols < H)
