@@ -74,7 +74,7 @@ class HostEmbedding(nn.Module):
     """An input embedding whose ``[V, H]`` table stays in host memory (page-locked when the activations are on
     CUDA) and is gathered by the activations' device. The table is a plain attribute, not a parameter or buffer:
     moving the module moves nothing, and the engine's device weight bytes do not count it (see
-    :func:`host_weight_bytes`)."""
+    :func:`llmc.engine.torch.loader.host_weight_bytes`)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -108,12 +108,3 @@ def move_to_host(model: nn.Module) -> bool:
     model.transformer.vocab_embedding = HostEmbedding.from_embedding(embedding, pin=on_cuda)
     return True
 
-
-def host_weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the model's weights held in host memory by dtype name (a :class:`HostEmbedding`'s table)."""
-    out: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, HostEmbedding):
-            key = str(module.weight.dtype).removeprefix("torch.")
-            out[key] = out.get(key, 0) + module.weight.numel() * module.weight.element_size()
-    return out

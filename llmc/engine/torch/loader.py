@@ -156,13 +156,25 @@ def _finish_cuda(model: LlamaForCausalLM) -> LlamaForCausalLM:
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the model's weights on its device by dtype name (parameters and persistent + packed buffers;
     the RoPE table is not a weight)."""
+    tensors = [p for p in model.parameters()] + [b for name, b in model.named_buffers() if name != "inv_freq"]
+    return _bytes_by_dtype(tensors)
+
+
+def host_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the model's weights held in host memory by dtype name (a
+    :class:`~llmc.engine.torch.host_embedding.HostEmbedding`'s table)."""
+    return _bytes_by_dtype([m.weight for m in model.modules() if isinstance(m, host_embedding.HostEmbedding)])
+
+
+def _bytes_by_dtype(tensors: list[torch.Tensor | None]) -> dict[str, int]:
+    """``{dtype name: bytes}`` of ``tensors``, each storage counted once (fused fc/gate views share storage with
+    their stacked weight)."""
     out: dict[str, int] = {}
     seen: set[int] = set()
-    tensors = [p for p in model.parameters()] + [b for name, b in model.named_buffers() if name != "inv_freq"]
     for t in tensors:
         if t is None or t.data_ptr() in seen:
             continue
-        seen.add(t.data_ptr())  # fused fc/gate views share storage with their stacked weight
+        seen.add(t.data_ptr())
         key = str(t.dtype).removeprefix("torch.")
         out[key] = out.get(key, 0) + t.numel() * t.element_size()
     return out

@@ -22,8 +22,7 @@ from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
-from llmc.engine.torch.host_embedding import host_weight_bytes
-from llmc.engine.torch.loader import load_model, weight_bytes
+from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput

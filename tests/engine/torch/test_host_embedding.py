@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from llmc.engine.torch import host_embedding, triton_support
-from llmc.engine.torch.host_embedding import HostEmbedding, gather_rows, host_weight_bytes, move_to_host, placement
-from llmc.engine.torch.loader import load_model, weight_bytes
+from llmc.engine.torch.host_embedding import HostEmbedding, gather_rows, move_to_host, placement
+from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.errors import EngineError
 from tests import factories
 from tests.engine.torch.helpers import PagedSession, write_ir
