@@ -20,7 +20,7 @@ from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import attention, cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
-from llmc.engine.torch.cuda_graphs import DecodeGraphs
+from llmc.engine.torch.cuda_graphs import CHUNKS_ENV, DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
@@ -32,6 +32,7 @@ from llmc.request.params import SamplingParams
 
 WARMUP_REQUEST_ID = "__llmc_warmup__"
 CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
+WARMUP_LONG_PROMPT = 512  # CUDA: tokens of the warm-up's second prompt, at least every int4 layer's dense_from_m
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -51,8 +52,9 @@ class TorchModelRunner:
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
     decode steps on CUDA, else None).
 
-    On CUDA with Triton, pure decode steps of up to ``engine.max_batch_size`` sequences replay CUDA graphs
-    (:mod:`llmc.engine.torch.cuda_graphs`); ``cuda_graphs=False`` or ``LLMC_CUDA_GRAPHS=0`` runs them eagerly.
+    On CUDA with Triton, steps of up to ``engine.max_batch_size`` new tokens (decodes, and short prompt chunks
+    unless ``LLMC_GRAPH_CHUNKS=0``) replay CUDA graphs (:mod:`llmc.engine.torch.cuda_graphs`);
+    ``cuda_graphs=False`` or ``LLMC_CUDA_GRAPHS=0`` runs them eagerly.
     The cache then holds one extra block, after the ``num_blocks`` the block manager hands out: the padding
     rows' scratch block.
     """
@@ -93,7 +95,8 @@ class TorchModelRunner:
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                        -(-recipe.engine.max_seq_len // self.block_size), recipe.engine.max_batch_size,
-                                       scratch_block=self.num_blocks, device=self.device)
+                                       scratch_block=self.num_blocks, device=self.device,
+                                       chunks=os.environ.get(CHUNKS_ENV, "1") != "0")
             self.graphs.capture()
 
     @property
@@ -119,15 +122,17 @@ class TorchModelRunner:
             return PendingStep(())
         self._check_blocks(seqs)
         fill = _placeholder_fill(seqs, previous)
+        sampled = tuple(s for s in seqs if s.sample)
         if self.graphs is not None and self.graphs.can_run(seqs):
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs, fill)
+                if not sampled:  # prompt chunks that end no prompt
+                    return PendingStep(())
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
-                token_ids = greedy if self.sampler.plain_greedy(seqs) else self.sampler(logits, list(seqs))
-            return PendingStep(seqs, token_ids)
+                token_ids = greedy if self.sampler.plain_greedy(sampled) else self.sampler(logits, list(sampled))
+            return PendingStep(sampled, token_ids)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
-        sampled = tuple(s for s in seqs if s.sample)
         with torch.inference_mode():
             if fill is not None:  # a placeholder is its sequence's last token in the flat input
                 rows, values = fill
@@ -142,25 +147,34 @@ class TorchModelRunner:
         return PendingStep(sampled, token_ids)
 
     def warmup(self, prompt_len: int = 8) -> None:
-        """One tiny prefill + decode (greedy) so the first real request does not pay the first-call costs, and on
-        CUDA cuDNN's attention plans for every prompt length bucket up to the longest prompt chunk
-        (:func:`attention.warm_prompt_buckets`).
+        """Tiny prefills and a decode (greedy) so the first real request does not pay the first-call costs (Triton
+        compiles, cuBLAS workspaces), and on CUDA cuDNN's attention plans for every prompt length bucket up to the
+        longest prompt chunk (:func:`attention.warm_prompt_buckets`). The prefills run eagerly, the path of
+        prompts longer than the graphs' rows; on CUDA a second one of up to :data:`WARMUP_LONG_PROMPT` tokens
+        takes the int4 layers' prefill path too (dequantize + cuBLAS from their ``dense_from_m`` rows).
 
-        Writes into block 0 only; that is harmless: a sequence only ever reads slots it wrote itself.
+        Writes into the first blocks only; that is harmless: a sequence only ever reads slots it wrote itself.
         """
         config = self.model.config
         attention.warm_prompt_buckets(config.num_heads, config.num_kv_heads, config.head_size,
                                       torch_dtype(config.dtype), self.device, self.max_prompt_chunk)
-        prompt_len = min(prompt_len, self.block_size - 1)
-        blocks = (0,)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
-        prompt = tuple(range(prompt_len))
-        prefill = ScheduledSequence(WARMUP_REQUEST_ID, prompt, 0, blocks, True, greedy, prompt_token_ids=prompt)
-        first = self.execute(SchedulerOutput(step=-2, sequences=(prefill,))).sampled_token_ids[WARMUP_REQUEST_ID]
-        decode = ScheduledSequence(
-            WARMUP_REQUEST_ID, (first,), prompt_len, blocks, True, greedy, prompt_token_ids=prompt,
-            output_token_ids=(first,),
-        )
+        lengths = [min(prompt_len, self.block_size - 1)]
+        if self.device.type == "cuda":
+            lengths.append(min(WARMUP_LONG_PROMPT, self.max_prompt_chunk, self.num_blocks * self.block_size - 1))
+        graphs, self.graphs = self.graphs, None  # the eager path first
+        try:
+            for length in lengths:
+                prompt = tuple(i % config.vocab_size for i in range(length))
+                blocks = tuple(range(-(-(length + 1) // self.block_size)))
+                prefill = ScheduledSequence(WARMUP_REQUEST_ID, prompt, 0, blocks, True, greedy,
+                                            prompt_token_ids=prompt)
+                first = self.execute(SchedulerOutput(step=-2, sequences=(prefill,)))
+        finally:
+            self.graphs = graphs
+        token = first.sampled_token_ids[WARMUP_REQUEST_ID]
+        decode = ScheduledSequence(WARMUP_REQUEST_ID, (token,), len(prompt), blocks, True, greedy,
+                                   prompt_token_ids=prompt, output_token_ids=(token,))
         self.execute(SchedulerOutput(step=-1, sequences=(decode,)))
 
     def _check_blocks(self, seqs: tuple[ScheduledSequence, ...]) -> None:

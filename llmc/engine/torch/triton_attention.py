@@ -209,14 +209,16 @@ def _combine_kernel():
 
 
 def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, most_splits: int = 0) -> torch.Tensor:
     """Merge the per-split partials ``acc [D, nh, S, hd]``, ``ml [D, nh, S, 2]`` (running max, running sum) of
-    :func:`paged_decode_attention` into ``[D, nh, hd]`` in ``dtype`` (one Triton launch), into ``out`` if given."""
+    :func:`paged_decode_attention` into ``[D, nh, hd]`` in ``dtype`` (one Triton launch), into ``out`` if given.
+    ``most_splits``: the most splits calls like this one can have; the kernel is compiled per power of two at
+    least that (and ``S``), so a call with fewer splits reuses it instead of compiling while serving."""
     d, nh, splits, head = acc.shape
     out = torch.empty(d, nh, head, dtype=dtype, device=acc.device) if out is None else out
     if d:
         _combine_kernel()[(d, nh)](acc, ml, out, splits, out.stride(0), out.stride(1), HEAD=head,
-                                   SPLITS_P=max(2, _next_pow2(splits)),
+                                   SPLITS_P=max(2, _next_pow2(max(splits, most_splits))),
                                    EARLY_LAUNCH=triton_support.early_launch(acc.device),
                                    **triton_support.pdl_kwargs(acc.device))
     return out
@@ -269,7 +271,10 @@ def paged_decode_attention(
     )
     if fused:
         return out
-    return combine_splits(acc.view(d, num_heads, splits, head_size), ml.view(d, num_heads, splits, 2), q.dtype, out)
+    # The merge kernel's padded split count follows the batch alone, not the tables' width: eager steps (prompt
+    # chunks over short contexts: narrow tables, few splits) then reuse what the CUDA graphs compiled at capture.
+    return combine_splits(acc.view(d, num_heads, splits, head_size), ml.view(d, num_heads, splits, 2), q.dtype, out,
+                          most_splits=_split_cap(d, num_kv_heads))
 
 
 def _next_pow2(n: int) -> int:

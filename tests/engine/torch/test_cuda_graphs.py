@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmc.engine.torch.attention import decode_attention, build_attention_metadata, gather_blocks
-from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes
+from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes, graph_rows, last_rows
 from llmc.engine.torch.triton_attention import kernel_available, num_splits
 from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
@@ -35,6 +35,38 @@ def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():
         [0, 0, 80, 1, 20, 20, 20],
         [0, 0, 80, 1, 20, 20, 20],
     ]
+
+
+def test_decode_rows_give_each_prompt_token_a_row_over_its_own_sequence_up_to_its_position():
+    a = ScheduledSequence("a", (11,), 5, (7, 3), True, GREEDY)
+    b = ScheduledSequence("b", (21, 22, 23), 2, (9, 4), False, GREEDY)  # positions 2-4: block 9 then block 4
+    c = ScheduledSequence("c", (31, 32), 0, (6,), True, GREEDY)  # a whole fresh prompt
+    rows = decode_rows((a, b, c), rows=8, block_size=4, max_blocks=3, scratch_block=20)
+    assert rows == [
+        [11, 5, 3 * 4 + 1, 6, 7, 3, 20],
+        [21, 2, 9 * 4 + 2, 3, 9, 4, 20],
+        [22, 3, 9 * 4 + 3, 4, 9, 4, 20],
+        [23, 4, 4 * 4 + 0, 5, 9, 4, 20],
+        [31, 0, 6 * 4, 1, 6, 20, 20],
+        [32, 1, 6 * 4 + 1, 2, 6, 20, 20],
+        [0, 0, 80, 1, 20, 20, 20],
+        [0, 0, 80, 1, 20, 20, 20],
+    ]
+    assert last_rows((a, b, c)) == [0, 3, 5]  # the rows the sampling sequences (a, c) read their logits from
+
+
+def test_graph_rows_take_steps_of_few_new_tokens_and_chunks_only_when_allowed():
+    dec = [ScheduledSequence(f"d{i}", (5,), 40, (1, 2, 3), True, GREEDY) for i in range(3)]
+    chunk = ScheduledSequence("p", tuple(range(4)), 8, (4, 5), False, GREEDY)  # positions 8-11 in blocks of 8
+    assert graph_rows(tuple(dec), 16, 4, 8, chunks=False) == 3
+    assert graph_rows((*dec, chunk), 16, 4, 8, chunks=True) == 7
+    assert graph_rows((*dec, chunk), 16, 4, 8, chunks=False) == 0  # prompt chunks run eagerly
+    assert graph_rows((*dec, chunk), 16, 4, 6, chunks=True) == 0  # 7 rows > the largest graph's 6
+    assert graph_rows((), 16, 4, 8, chunks=True) == 0
+    wide = ScheduledSequence("w", (5,), 64, tuple(range(5)), True, GREEDY)  # position 64: a 5th block of 16
+    assert graph_rows((wide,), 16, 4, 8, chunks=True) == 0
+    no_sample = ScheduledSequence("n", (5,), 3, (1,), False, GREEDY)  # one token that samples nothing: a chunk
+    assert graph_rows((no_sample,), 16, 4, 8, chunks=False) == 0 and graph_rows((no_sample,), 16, 4, 8, True) == 1
 
 
 def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
@@ -186,6 +218,39 @@ def test_graph_decode_equals_eager_decode_and_leaves_other_blocks_alone(tmp_path
     untouched = [b for b in range(64) if b not in used]
     assert untouched and k_cache[untouched].abs().sum().item() == 0  # padding rows wrote only the scratch block
     assert k_cache[64].abs().sum().item() > 0
+
+
+@pytest.mark.gpu
+def test_short_prompt_chunks_replay_the_graphs_and_give_the_eager_tokens(tmp_path, monkeypatch):
+    """Steps whose prompt chunks and decodes fit the graphs' rows replay them (each prompt token a one-token query
+    over its own sequence's cache): greedy tokens equal to eager steps (float32), the sampled rows picked from
+    each chunk's last token, chunks that end no prompt sampling nothing; ``LLMC_GRAPH_CHUNKS=0`` keeps chunks
+    eager; the warm-up's prefills run eagerly and leave the graphs in place."""
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    graphed = TorchModelRunner(build, device="cuda", num_blocks=64)
+    eager = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=False)
+    monkeypatch.setenv("LLMC_GRAPH_CHUNKS", "0")
+    decodes_only = TorchModelRunner(build, device="cuda", num_blocks=64)
+    assert graphed.graphs.chunks and not decodes_only.graphs.chunks
+    graphed.warmup()
+    assert graphed.graphs is not None
+    chunk_rows = {"graphed": [], "decodes_only": []}
+    for key, runner in (("graphed", graphed), ("decodes_only", decodes_only)):
+        run = runner.graphs.run
+        runner.graphs.run = (lambda seqs, fill=None, run=run, key=key:
+                             chunk_rows[key].append(sum(len(s.token_ids) for s in seqs if not s.is_decode))
+                             or run(seqs, fill))
+    prompts = {"a": list(range(100, 111)), "b": list(range(300, 305)), "c": list(range(500, 530))}
+    arrivals = {"a": 0, "b": 1, "c": 3}
+    out_graph, _ = _run_schedule(graphed, prompts, arrivals, max_new=10, chunk=3)
+    out_eager, _ = _run_schedule(eager, prompts, arrivals, max_new=10, chunk=3)
+    out_decodes, _ = _run_schedule(decodes_only, prompts, arrivals, max_new=10, chunk=3)
+    assert out_graph == out_eager == out_decodes
+    assert sum(chunk_rows["graphed"]) == sum(len(p) for p in prompts.values())  # every prompt token in a graph
+    assert chunk_rows["decodes_only"] and not any(chunk_rows["decodes_only"])
 
 
 @pytest.mark.gpu
