@@ -10,8 +10,9 @@ Batch sizes are padded up to the next captured size (powers of two up to ``max_b
 ``max_batch_size``). Padding rows decode token 0 at position 0 into a scratch KV block that the block
 manager never hands out, so they cannot touch a live sequence's cache; their logits are dropped.
 
-A row is one new token, not one sequence: a step whose prompt chunks and decodes add up to at most the largest
-graph's rows replays it too, each prompt token a one-token query over its sequence's cache up to its own
+A row is one new token, not one sequence: a step with prompt chunks replays a graph too when its tokens fit
+``chunk_rows`` (graphs of 2 * max_batch_size, ... up to it are captured as well) and its rows' contexts add up to
+no more than a full decode step's, each prompt token a one-token query over its sequence's cache up to its own
 position (each layer writes the step's keys and values before it attends, so a chunk's tokens see each other
 causally). Without that, such a step runs eagerly, a thousand-odd launches from Python: a step of 7 decodes and a
 4-token chunk of the 8B shape took 26.6 ms for 5.7 ms of GPU work (H200, 2026-12-03). ``LLMC_GRAPH_CHUNKS=0``
@@ -29,6 +30,7 @@ from llmc.engine.torch.model import KVCache, LlamaForCausalLM
 from llmc.engine.types import ScheduledSequence
 
 CHUNKS_ENV = "LLMC_GRAPH_CHUNKS"  # "0": only pure decode steps replay the graphs (prompt chunks run eagerly)
+CHUNK_ROWS = 256  # the largest step of prompt chunks the graphs take (at most engine.max_num_tokens)
 
 
 def decode_rows(seqs: tuple[ScheduledSequence, ...], rows: int, block_size: int, max_blocks: int,
@@ -53,43 +55,51 @@ def last_rows(seqs: tuple[ScheduledSequence, ...]) -> list[int]:
     return [end - 1 for end in itertools.accumulate(len(s.token_ids) for s in seqs)]
 
 
-def graph_rows(seqs: tuple[ScheduledSequence, ...], block_size: int, max_blocks: int, max_rows: int,
-               chunks: bool) -> int:
-    """The rows a step takes in the graphs (its new tokens), or 0 where it cannot replay them: no sequences, more
-    rows than ``max_rows``, a block table wider than ``max_blocks``, or (without ``chunks``) anything but one
-    sampled token per sequence."""
+def graph_rows(seqs: tuple[ScheduledSequence, ...], block_size: int, max_blocks: int, max_decodes: int,
+               chunk_rows: int) -> int:
+    """The rows a step takes in the graphs (its new tokens), or 0 where it cannot replay them: no sequences, a
+    block table wider than ``max_blocks``; a pure decode step (every sequence one sampled token) of more than
+    ``max_decodes`` sequences; a step with prompt chunks of more than ``chunk_rows`` tokens (0: none), or whose
+    rows read more context than ``max_decodes`` full-length decodes (each row reads its sequence's cache up to its
+    position: a long chunk after a long context is cheaper eagerly, its queries sharing one read)."""
     rows = sum(len(s.token_ids) for s in seqs)
-    if not seqs or rows > max_rows:
+    if not seqs or any(-(-(s.num_computed + len(s.token_ids)) // block_size) > max_blocks for s in seqs):
         return 0
-    if any(-(-(s.num_computed + len(s.token_ids)) // block_size) > max_blocks for s in seqs):
-        return 0
-    if not chunks and not all(s.is_decode and s.sample for s in seqs):
-        return 0
-    return rows
+    if all(s.is_decode and s.sample for s in seqs):
+        return rows if rows <= max_decodes else 0
+    context = sum(len(s.token_ids) * s.num_computed + len(s.token_ids) * (len(s.token_ids) + 1) // 2 for s in seqs)
+    return rows if rows <= chunk_rows and context <= max_decodes * max_blocks * block_size else 0
 
 
-def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself."""
+def graph_batch_sizes(max_batch_size: int, chunk_rows: int = 0) -> list[int]:
+    """1, 2, 4, ... below ``max_batch_size``, then ``max_batch_size`` itself; then, for prompt chunks, twice that,
+    ... below ``chunk_rows`` and ``chunk_rows`` itself."""
     sizes, size = [], 1
     while size < max_batch_size:
         sizes.append(size)
         size *= 2
-    return sizes + [max_batch_size]
+    sizes.append(max_batch_size)
+    size = 2 * max_batch_size
+    while size < chunk_rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + ([chunk_rows] if chunk_rows > max_batch_size else [])
 
 
 class DecodeGraphs:
     """Captured decode steps of ``model`` over ``kv_caches`` for batch sizes up to ``max_batch_size``.
 
     ``scratch_block`` is a cache block outside the block manager's range (padding rows write there);
-    ``max_blocks`` is the block-table width (``ceil(max_seq_len / block_size)``); ``chunks``: steps with prompt
-    chunks replay the graphs too when their tokens fit (see the module's docstring).
+    ``max_blocks`` is the block-table width (``ceil(max_seq_len / block_size)``); ``chunk_rows``: the largest
+    step with prompt chunks that replays a graph (0: none; see the module's docstring).
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache], block_size: int, max_blocks: int,
-                 max_batch_size: int, scratch_block: int, device: torch.device, chunks: bool = True):
-        self.model, self.kv_caches, self.device, self.chunks = model, kv_caches, device, chunks
+                 max_batch_size: int, scratch_block: int, device: torch.device, chunk_rows: int = 0):
+        self.model, self.kv_caches, self.device = model, kv_caches, device
         self.block_size, self.max_blocks, self.scratch_block = block_size, max_blocks, scratch_block
-        self.sizes = graph_batch_sizes(max_batch_size)
+        self.max_batch_size, self.chunk_rows = max_batch_size, chunk_rows
+        self.sizes = graph_batch_sizes(max_batch_size, chunk_rows)
         n = self.sizes[-1]
         # Static inputs, overwritten before every replay; graph b uses rows [:b]. Pinned host mirrors, one copy
         # each; two of them, alternating, because the next step is filled in while the last one may still wait
@@ -103,10 +113,6 @@ class DecodeGraphs:
         self._logits: dict[int, torch.Tensor] = {}
         self._argmax: dict[int, torch.Tensor] = {}  # greedy token of each row, computed inside the graph
         self._pad_all()
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.sizes[-1]
 
     def _pad_all(self) -> None:
         """Every row a padding row (see :func:`decode_rows`), so capture writes only the scratch block."""
@@ -165,7 +171,7 @@ class DecodeGraphs:
     def can_run(self, seqs: tuple[ScheduledSequence, ...]) -> bool:
         """True for a step the captured graphs can run (:func:`graph_rows`)."""
         return bool(self._graphs) and graph_rows(seqs, self.block_size, self.max_blocks, self.max_batch_size,
-                                                 self.chunks) > 0
+                                                 self.chunk_rows) > 0
 
     def run(self, seqs: tuple[ScheduledSequence, ...], fill: tuple[list[int], torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:

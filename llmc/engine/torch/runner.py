@@ -20,7 +20,7 @@ from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import attention, cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
-from llmc.engine.torch.cuda_graphs import CHUNKS_ENV, DecodeGraphs
+from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
@@ -52,8 +52,8 @@ class TorchModelRunner:
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
     decode steps on CUDA, else None).
 
-    On CUDA with Triton, steps of up to ``engine.max_batch_size`` new tokens (decodes, and short prompt chunks
-    unless ``LLMC_GRAPH_CHUNKS=0``) replay CUDA graphs (:mod:`llmc.engine.torch.cuda_graphs`);
+    On CUDA with Triton, decode steps of up to ``engine.max_batch_size`` sequences and steps with up to 256 prompt
+    tokens (unless ``LLMC_GRAPH_CHUNKS=0``) replay CUDA graphs (:mod:`llmc.engine.torch.cuda_graphs`);
     ``cuda_graphs=False`` or ``LLMC_CUDA_GRAPHS=0`` runs them eagerly.
     The cache then holds one extra block, after the ``num_blocks`` the block manager hands out: the padding
     rows' scratch block.
@@ -96,7 +96,9 @@ class TorchModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                        -(-recipe.engine.max_seq_len // self.block_size), recipe.engine.max_batch_size,
                                        scratch_block=self.num_blocks, device=self.device,
-                                       chunks=os.environ.get(CHUNKS_ENV, "1") != "0")
+                                       chunk_rows=0 if os.environ.get(CHUNKS_ENV, "1") == "0" else max(
+                                           recipe.engine.max_batch_size,
+                                           min(CHUNK_ROWS, recipe.engine.max_num_tokens)))
             self.graphs.capture()
 
     @property

@@ -23,6 +23,9 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
     assert graph_batch_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert graph_batch_sizes(64, chunk_rows=256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # and prompt chunks
+    assert graph_batch_sizes(48, chunk_rows=200) == [1, 2, 4, 8, 16, 32, 48, 96, 192, 200]
+    assert graph_batch_sizes(64, chunk_rows=64) == graph_batch_sizes(64)
 
 
 def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():
@@ -57,16 +60,23 @@ def test_decode_rows_give_each_prompt_token_a_row_over_its_own_sequence_up_to_it
 
 def test_graph_rows_take_steps_of_few_new_tokens_and_chunks_only_when_allowed():
     dec = [ScheduledSequence(f"d{i}", (5,), 40, (1, 2, 3), True, GREEDY) for i in range(3)]
-    chunk = ScheduledSequence("p", tuple(range(4)), 8, (4, 5), False, GREEDY)  # positions 8-11 in blocks of 8
-    assert graph_rows(tuple(dec), 16, 4, 8, chunks=False) == 3
-    assert graph_rows((*dec, chunk), 16, 4, 8, chunks=True) == 7
-    assert graph_rows((*dec, chunk), 16, 4, 8, chunks=False) == 0  # prompt chunks run eagerly
-    assert graph_rows((*dec, chunk), 16, 4, 6, chunks=True) == 0  # 7 rows > the largest graph's 6
-    assert graph_rows((), 16, 4, 8, chunks=True) == 0
+    chunk = ScheduledSequence("p", tuple(range(4)), 8, (4, 5), False, GREEDY)  # positions 8-11 in blocks of 16
+    assert graph_rows(tuple(dec), 16, 4, 8, chunk_rows=0) == 3
+    assert graph_rows(tuple(dec), 16, 4, 2, chunk_rows=16) == 0  # 3 decodes > the largest decode graph's 2
+    assert graph_rows((*dec, chunk), 16, 4, 8, chunk_rows=8) == 7
+    assert graph_rows((*dec, chunk), 16, 4, 8, chunk_rows=0) == 0  # prompt chunks run eagerly
+    assert graph_rows((*dec, chunk), 16, 4, 4, chunk_rows=6) == 0  # 7 rows > the 6 the chunk graphs take
+    assert graph_rows((), 16, 4, 8, chunk_rows=8) == 0
     wide = ScheduledSequence("w", (5,), 64, tuple(range(5)), True, GREEDY)  # position 64: a 5th block of 16
-    assert graph_rows((wide,), 16, 4, 8, chunks=True) == 0
+    assert graph_rows((wide,), 16, 4, 8, chunk_rows=8) == 0
     no_sample = ScheduledSequence("n", (5,), 3, (1,), False, GREEDY)  # one token that samples nothing: a chunk
-    assert graph_rows((no_sample,), 16, 4, 8, chunks=False) == 0 and graph_rows((no_sample,), 16, 4, 8, True) == 1
+    assert graph_rows((no_sample,), 16, 4, 8, chunk_rows=0) == 0 and graph_rows((no_sample,), 16, 4, 8, 8) == 1
+    # Each row reads its sequence's cache up to its position: at most what 2 decodes of 4 blocks of 16 read (128).
+    fresh = ScheduledSequence("f", tuple(range(15)), 0, (1,), True, GREEDY)  # contexts 1 .. 15: 120 in all
+    late = ScheduledSequence("l", tuple(range(3)), 60, (1, 2, 3, 4), True, GREEDY)  # contexts 61-63: 186
+    assert graph_rows((fresh,), 16, 4, 2, chunk_rows=16) == 15
+    assert graph_rows((late,), 16, 4, 2, chunk_rows=16) == 0  # eager: one read of the context for all 3 queries
+    assert graph_rows((late,), 16, 4, 3, chunk_rows=16) == 3
 
 
 def test_splits_keep_the_gpu_busy_without_exceeding_the_blocks():
@@ -234,7 +244,8 @@ def test_short_prompt_chunks_replay_the_graphs_and_give_the_eager_tokens(tmp_pat
     eager = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=False)
     monkeypatch.setenv("LLMC_GRAPH_CHUNKS", "0")
     decodes_only = TorchModelRunner(build, device="cuda", num_blocks=64)
-    assert graphed.graphs.chunks and not decodes_only.graphs.chunks
+    assert graphed.graphs.chunk_rows == 256 and decodes_only.graphs.chunk_rows == 0
+    assert graphed.graphs.sizes[-2:] == [128, 256] and decodes_only.graphs.sizes[-1] == 16
     graphed.warmup()
     assert graphed.graphs is not None
     chunk_rows = {"graphed": [], "decodes_only": []}
@@ -293,8 +304,8 @@ def test_graph_decode_takes_placeholder_tokens_from_the_previous_step_on_the_dev
         return out
 
     known = decode(ahead=False)
-    assert not any(calls) and len(calls) == 8
-    assert decode(ahead=True) == known and sum(calls) == 7  # every graph step after the first took placeholders
+    assert not any(calls) and len(calls) == 9  # the 42-token prompt step replays a chunk graph too
+    assert decode(ahead=True) == known and sum(calls) == 7  # every decode step after the first took placeholders
 
 
 @pytest.mark.gpu
