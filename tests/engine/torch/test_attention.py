@@ -123,8 +123,11 @@ def test_decode_kernels_are_not_specialized_on_values_that_change_every_step(mon
     variants in the middle of serving (measured on the H200: one kernel compiled during a concurrency-8 run, its
     TGS 12.5 % below the same run with a warm cache). They are left unspecialized: CUDA-graph capture at load
     compiles every variant a step can need."""
-    from llmc.engine.torch import triton_attention
+    from llmc.engine.torch import triton_attention, triton_support
 
+    # Triton's own jit helpers (tl.cdiv, ...) take the interpreter switch when Triton is first imported: import it
+    # under the tests' setting first, or the interpreted kernels of later tests call compiled helpers and fail.
+    triton_support.modules()
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the real JIT functions (the CPU tests interpret them)
     triton_attention._kernel.cache_clear()
     triton_attention._combine_kernel.cache_clear()
