@@ -176,19 +176,19 @@ class DecodeGraphs:
     def run(self, seqs: tuple[ScheduledSequence, ...], fill: tuple[list[int], torch.Tensor] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest graph that fits; returns the logits ``[S, V]`` and argmax ``[S]`` of the ``S``
-        sequences that sample, in order (views or copies, valid until the next replay). ``fill`` = (indices into
-        ``seqs``, token ids on the device): those sequences' last input tokens (placeholders on the host), written
-        on the device before the replay."""
+        sequences that sample, in order (views or copies, valid until the next replay). ``fill`` = (rows, token ids
+        on the device): the input tokens of those rows (placeholders on the host), written on the device before
+        the replay."""
         ends = last_rows(seqs)
         b = next(size for size in self.sizes if size >= ends[-1] + 1)
         self._upload(torch.tensor(decode_rows(seqs, b, self.block_size, self.max_blocks, self.scratch_block),
                                   dtype=torch.int64))
         if fill is not None:
-            at = torch.tensor([ends[i] for i in fill[0]], dtype=torch.int64).to(self.device, non_blocking=True)
+            at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
             self._dev[:, 0].index_copy_(0, at, fill[1].to(torch.int64))
         self._graphs[b].replay()
+        if len(ends) == ends[-1] + 1 and all(s.sample for s in seqs):  # a row per sequence: the first rows
+            return self._logits[b][: len(ends)], self._argmax[b][: len(ends)]
         picked = [end for end, s in zip(ends, seqs, strict=True) if s.sample]
-        if picked == list(range(len(picked))):  # a pure decode step: the first rows
-            return self._logits[b][: len(picked)], self._argmax[b][: len(picked)]
         index = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
         return self._logits[b].index_select(0, index), self._argmax[b].index_select(0, index)

@@ -10,7 +10,6 @@ tokens taken from this step's ids on the device, and processes this step's token
 
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import attention, cpu_ext
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
-from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs
+from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.sampler import Sampler
@@ -136,11 +135,9 @@ class TorchModelRunner:
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         with torch.inference_mode():
-            if fill is not None:  # a placeholder is its sequence's last token in the flat input
-                rows, values = fill
-                ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
-                at = torch.tensor([ends[i] - 1 for i in rows], dtype=torch.int64).to(self.device)
-                input_ids.index_copy_(0, at, values.to(input_ids.dtype))
+            if fill is not None:  # placeholders at their packed rows of the flat input
+                at = torch.tensor(fill[0], dtype=torch.int64).to(self.device)
+                input_ids.index_copy_(0, at, fill[1].to(input_ids.dtype))
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             if not sampled:
                 return PendingStep(())
@@ -190,16 +187,18 @@ class TorchModelRunner:
 
 def _placeholder_fill(seqs: tuple[ScheduledSequence, ...], previous: PendingStep | None
                       ) -> tuple[list[int], torch.Tensor] | None:
-    """For the sequences whose token is a :data:`PLACEHOLDER`: their indices in ``seqs`` and the ids ``previous``
+    """For the sequences whose token is a :data:`PLACEHOLDER` (a sequence's last new token): its row among the
+    step's packed tokens (the eager input's and the graphs' alike, :func:`last_rows`) and the ids ``previous``
     sampled for them (a tensor on the device, in that order); None when there is none."""
-    rows = [i for i, s in enumerate(seqs) if s.token_ids and s.token_ids[-1] == PLACEHOLDER]
-    if not rows:
+    placeholders = [i for i, s in enumerate(seqs) if s.token_ids and s.token_ids[-1] == PLACEHOLDER]
+    if not placeholders:
         return None
     if previous is None or previous.device_ids is None:
         raise EngineError("a step has placeholder tokens but no previous step on the device to take them from")
-    src = [previous.row_of[seqs[i].request_id] for i in rows]
+    src = [previous.row_of[seqs[i].request_id] for i in placeholders]
     index = torch.tensor(src, dtype=torch.int64).to(previous.device_ids.device, non_blocking=True)
-    return rows, previous.device_ids.index_select(0, index)
+    ends = last_rows(seqs)
+    return [ends[i] for i in placeholders], previous.device_ids.index_select(0, index)
 
 
 class PendingStep:
