@@ -3,16 +3,18 @@
 - ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
   one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`), each warp streaming its
   weight tiles through a cp.async ring of ``stages`` tiles in shared memory (``stages`` 0: the register kernel,
-  each warp's tiles loaded straight into registers at once); ``llmc_w4a16_mma_dequant`` writes the
-  effective 16-bit weight for prefill steps (cuBLAS multiplies it). On sm_90+ the product launches with
+  each warp's tiles loaded straight into registers at once); ``llmc_w4a16_mma_rope``: the same product for a qkv
+  layer whose columns are interleaved per head, its epilogue rotating q and k (RoPE) and writing k and v to their
+  KV-cache slots (:meth:`llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`); ``llmc_w4a16_mma_dequant``
+  writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it). On sm_90+ the product launches with
   programmatic dependent launch (:func:`pdl`): its first weight tiles are requested while the previous kernel of
   the step finishes, also inside CUDA graphs.
 
 The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about a minute, once per
-machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash, flags
-(architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture records
-them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU older
-than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
+machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash,
+flags (architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture
+records them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU
+older than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 10
+ABI_VERSION = 11
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -117,8 +119,11 @@ def load() -> ctypes.CDLL | None:
                        "CUDA toolkit (nvcc) matching the driver, or set %s=triton", _why_not, ENV)
         return None
     i, p = ctypes.c_int, ctypes.c_void_p
-    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, p]
+    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, i, p]
     lib.llmc_w4a16_mma.restype = i
+    lib.llmc_w4a16_mma_rope.argtypes = [i, i, i, i, i, p, i, p, p, p, i, i, i, i, i, p, p, i, p, i, p, i, p, p, i, i,
+                                        i, p]
+    lib.llmc_w4a16_mma_rope.restype = i
     lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, i, p]
     lib.llmc_w4a16_mma_dequant.restype = i
     return lib
@@ -165,29 +170,59 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
-              y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
-              warps: int, stages: int) -> None:
-    """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream."""
+def _check_x(x: torch.Tensor) -> ctypes.CDLL:
     lib = load()
     assert lib is not None and x.dtype in DTYPES and x.stride(-1) == 1 and x.stride(0) % 8 == 0
-    assert x.data_ptr() % 16 == 0 and y.stride(-1) == 1
+    assert x.data_ptr() % 16 == 0
+    return lib
+
+
+def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
+              y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
+              warps: int, stages: int, period: int = 0) -> None:
+    """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream; ``period``: the
+    weight's columns interleaved in blocks of 8 within segments of that many columns
+    (:func:`llmc.engine.torch.int4_layout.interleave_halves`), written back in their own order."""
+    lib = _check_x(x)
+    assert y.stride(-1) == 1
     _check(lib.llmc_w4a16_mma(
         DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
-        group_size, int(silu_out), pdl(x.device), _stream(x.device)),
+        group_size, int(silu_out), period, pdl(x.device), _stream(x.device)),
         "llmc_w4a16_mma")
 
 
+def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
+                   n: int, k: int, group_size: int, config: tuple[int, int, int, int], cos: torch.Tensor,
+                   sin: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    """A qkv layer's product with RoPE and the KV-cache write in its epilogue: the weight's columns interleaved per
+    head (period = head size), ``cos, sin [T, hd]`` (the tables of :func:`llmc.engine.torch.rope.rope_cos_sin`),
+    ``slots [T]`` int64, rotated queries into ``q [T, nh * hd]``, keys and values into the caches
+    ``[blocks, block_size, nkv, hd]`` (x's dtype)."""
+    lib = _check_x(x)
+    head = k_cache.shape[-1]
+    assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0) and q.stride(-1) == 1
+    assert slots.dtype == torch.int64 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert cos.dtype == sin.dtype == q.dtype == k_cache.dtype == v_cache.dtype == x.dtype
+    _check(lib.llmc_w4a16_mma_rope(
+        DTYPES[x.dtype], *config, x.data_ptr(), x.stride(0), words.data_ptr(), scale_pairs.data_ptr(),
+        prequant.data_ptr() if prequant is not None else None, x.shape[0], n, k, group_size, head, cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), slots.data_ptr(), slots.stride(0), q.data_ptr(), q.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), num_heads, num_kv_heads, pdl(x.device), _stream(x.device)),
+        "llmc_w4a16_mma_rope")
+
+
 def w4a16_mma_dequant(words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
-                      out: torch.Tensor, n: int, k: int, group_size: int, halves: bool) -> None:
-    """The effective weight ``[K, N]`` into ``out`` (``halves``: fc + gate tiles as ``[fc | gate]`` columns); with
-    programmatic dependent launch where :func:`pdl` is on (the blocks read their tiles while the previous kernel
-    finishes, and write only once it has)."""
+                      out: torch.Tensor, n: int, k: int, group_size: int, period: int) -> None:
+    """The effective weight ``[K, N]`` into ``out``, columns in their own order (``period``: as in
+    :func:`w4a16_mma`; fc + gate tiles, period N, come out as ``[fc | gate]``); with programmatic dependent launch
+    where :func:`pdl` is on (the blocks read their tiles while the previous kernel finishes, and write only once it
+    has)."""
     lib = load()
     assert lib is not None and out.dtype in DTYPES and out.is_contiguous()
     _check(lib.llmc_w4a16_mma_dequant(
         DTYPES[out.dtype], words.data_ptr(), scale_pairs.data_ptr(),
-        prequant.data_ptr() if prequant is not None else None, out.data_ptr(), n, k, group_size, int(halves),
+        prequant.data_ptr() if prequant is not None else None, out.data_ptr(), n, k, group_size, period,
         int(pdl(out.device) > 0), _stream(out.device)), "llmc_w4a16_mma_dequant")

@@ -7,8 +7,9 @@
 
 Numerics follow the reference ops of :mod:`llmc.engine.torch.model` (transformers' order of roundings): the
 residual sum is rounded to the activations' dtype, the norm is computed in float32 from that rounded sum and
-rounded before the weight multiply. RoPE is computed in float32 from the 16-bit tables and rounded once (the
-reference rounds after each of its three ops), a difference within one rounding of the result.
+rounded before the weight multiply. RoPE is computed in float32 from the 16-bit tables as ``fma(x, cos, x_rot * sin)``
+and rounded once (the reference rounds after each of its three ops), a difference within one rounding of the result;
+the int4 qkv layers' RoPE epilogue on CUDA computes the same ops, so both give the same bits.
 
 Imported only where Triton is installed (:mod:`llmc.engine.torch.model` asks :func:`available` first).
 """
@@ -69,7 +70,8 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     ok = h < NH
     x = tl.load(row + h * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xr = tl.load(row + h * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(q_ptr + t * stride_q + h * HD + d[None, :], (x * cos + xr * sin).to(q_ptr.dtype.element_ty), mask=ok)
+    q = tl.fma(x, cos, xr * sin)  # one fma, as the int4 qkv layers' RoPE epilogue (csrc_cuda/w4a16_mma.cu) computes
+    tl.store(q_ptr + t * stride_q + h * HD + d[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
 
     g = tl.arange(0, BLOCK_KV)[:, None]  # kv heads
     ok = g < NKV
@@ -77,7 +79,7 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     x = tl.load(k_row + g * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xr = tl.load(k_row + g * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
     # Round like the reference: k is rotated in the activations' dtype, then stored in the cache's dtype.
-    k = (x * cos + xr * sin).to(qkv_ptr.dtype.element_ty)
+    k = tl.fma(x, cos, xr * sin).to(qkv_ptr.dtype.element_ty)
     cache = slot * NKV * HD + g * HD + d[None, :]
     tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
     if HAS_K_OUT:

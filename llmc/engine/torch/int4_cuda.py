@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 
 import torch
 from torch import nn
@@ -32,8 +33,8 @@ from llmc.checkpoint.int4 import unpack_int4
 from llmc.engine.torch import cuda_ext, triton_support
 from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
                                             heuristic_mma_config, mma_fits, tuned_entry)
-from llmc.engine.torch.int4_layout import (MMA_COLS, MMA_INPUTS, TILE, interleave_tiles, mma_supported,
-                                           pack_for_cuda, pack_mma)
+from llmc.engine.torch.int4_layout import (MMA_COLS, MMA_INPUTS, TILE, interleave_halves, interleave_tiles,
+                                           mma_supported, pack_for_cuda, pack_mma)
 from llmc.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,12 @@ logger = logging.getLogger(__name__)
 MAGIC = {torch.bfloat16: (0x4300, 136.0), torch.float16: (0x6400, 1032.0), torch.float32: (0, 8.0)}
 
 MMA_DENSE_FROM_M_DEFAULT = 96
+ROPE_EPILOGUE_ENV = "LLMC_ROPE_EPILOGUE"  # "0": qkv layers write qkv, then a separate kernel does RoPE + KV write
+
+
+def rope_epilogue_enabled() -> bool:
+    """The qkv layers' RoPE + KV-write epilogue is on (``LLMC_ROPE_EPILOGUE`` is not ``0``; for A/B runs)."""
+    return os.environ.get(ROPE_EPILOGUE_ENV, "1").strip().lower() not in ("0", "false", "off")
 
 
 def choose_backend(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -99,19 +106,26 @@ class Int4CudaLinear(nn.Module):
 
     ``backend``: ``triton`` (``words`` and ``scales`` from :func:`pack_for_cuda`, fc + gate columns interleaved
     one by one) or ``mma`` (from :func:`pack_mma`, fc + gate interleaved in blocks of 8: :func:`interleave_tiles`).
-    :meth:`from_ir` packs for either.
+    :meth:`from_ir` packs for either. ``rope_head`` (``mma``, a qkv layer): the columns are interleaved per head of
+    that size (:func:`interleave_halves`), so :meth:`rope_write_kv` can rotate q and k and write the KV cache in
+    the product's epilogue; :meth:`forward` still returns the columns in their own order.
     """
 
     def __init__(self, words: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None, in_features: int,
-                 group_size: int, scratch: Scratch, silu_output: bool = False, backend: str = "triton"):
+                 group_size: int, scratch: Scratch, silu_output: bool = False, backend: str = "triton",
+                 rope_head: int = 0):
         super().__init__()
         assert backend in ("triton", "mma"), backend
+        assert not rope_head or (backend == "mma" and not silu_output), "the RoPE epilogue is the mma kernel's"
         self.backend = backend
+        self.rope_head = rope_head
         # the weight's columns (2I with silu_output)
         self.columns = words.shape[0] * MMA_COLS if backend == "mma" else words.shape[1]
         self.in_features = in_features
         self.out_features = self.columns // 2 if silu_output else self.columns
         self.group_size, self.silu_output, self.scratch = group_size, silu_output, scratch
+        # mma: the columns' interleave period (interleave_halves): fc + gate over all of them, qkv per head
+        self.period = self.columns if silu_output and backend == "mma" else rope_head
         self.register_buffer("words", words, persistent=False)  # triton: [Kp/8, N]; mma: [N/16, K/64, 32, 4]
         self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [N/16, K/g, 8]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
@@ -137,28 +151,36 @@ class Int4CudaLinear(nn.Module):
 
     @classmethod
     def from_ir(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], prequant: torch.Tensor | None, group_size: int,
-                scratch: Scratch, silu_output: bool = False, backend: str | None = None) -> Int4CudaLinear:
+                scratch: Scratch, silu_output: bool = False, backend: str | None = None,
+                rope_head: int = 0) -> Int4CudaLinear:
         """The layer of IR tensors ``[(packed int8 [N/2, K], scales [N, K/g] in the compute dtype)]`` on the
-        device: one part, or fc and gate with ``silu_output``. ``backend`` None: :func:`choose_backend`."""
+        device: one part, or fc and gate with ``silu_output``. ``backend`` None: :func:`choose_backend`.
+        ``rope_head``: a qkv layer's head size, for the RoPE epilogue (used with the ``mma`` backend only, when the
+        head size is a multiple of 16)."""
         assert len(parts) == (2 if silu_output else 1)
         k = parts[0][0].shape[1]
         n = sum(2 * packed.shape[0] for packed, _ in parts)
         backend = backend or choose_backend(n, k, group_size, scratch.dtype, parts[0][0].device)
+        rope_head = rope_head if backend == "mma" and rope_head and rope_head % 16 == 0 and n % rope_head == 0 else 0
         if backend == "mma":
             qs = [unpack_int4(packed) for packed, _ in parts]
             q = interleave_tiles(*qs) if silu_output else qs[0]
             scales = interleave_tiles(*(s for _, s in parts)) if silu_output else parts[0][1]
+            if rope_head:
+                q, scales = interleave_halves(q, rope_head), interleave_halves(scales, rope_head)
             words, scales = pack_mma(q, scales, group_size)
         else:
             packed_scales = [pack_for_cuda(packed, s, group_size) for packed, s in parts]
             # fc + gate: their columns interleaved (2n = fc n, 2n + 1 = gate n)
             words = torch.stack([w for w, _ in packed_scales], dim=2).flatten(1)
             scales = torch.stack([s for _, s in packed_scales], dim=2).flatten(1)
-        return cls(words, scales, prequant, k, group_size, scratch, silu_output=silu_output, backend=backend)
+        return cls(words, scales, prequant, k, group_size, scratch, silu_output=silu_output, backend=backend,
+                   rope_head=rope_head)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"prequant={self.prequant is not None}, silu_output={self.silu_output}, backend={self.backend}")
+                f"prequant={self.prequant is not None}, silu_output={self.silu_output}, backend={self.backend}"
+                + (f", rope_head={self.rope_head}" if self.rope_head else ""))
 
     def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
         """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket where the
@@ -198,8 +220,30 @@ class Int4CudaLinear(nn.Module):
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         if x.shape[0]:
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
-                               self.group_size, self.silu_output, m_tiles, n_tiles, warps, stages)
+                               self.group_size, self.silu_output, m_tiles, n_tiles, warps, stages,
+                               period=0 if self.silu_output else self.period)
         return y
+
+    def rope_write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int
+                      ) -> torch.Tensor | None:
+        """A qkv layer's decode-sized product with RoPE and the KV-cache write in the kernel's epilogue (what
+        :func:`llmc.engine.torch.fused_triton.rope_write_kv` does after :meth:`forward`, one kernel fewer per layer
+        and step): ``x [T, H]``, tables ``cos, sin [T, 1, hd]`` (:func:`llmc.engine.torch.rope.rope_cos_sin`),
+        caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]`` int64 -> rotated queries ``[T, nh, hd]``.
+        None where it does not apply (no ``rope_head``, prefill-sized steps, a cache of another dtype, or
+        ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps."""
+        m, hd = x.shape[0], self.rope_head
+        if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != x.dtype or k_cache.shape[-1] != hd
+                or (num_heads + 2 * num_kv_heads) * hd != self.columns or not rope_epilogue_enabled()):
+            return None
+        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+            x = x.contiguous()
+        q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
+        cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
+                                self.group_size, self.mma_config_for(m), cos.reshape(m, hd), sin.reshape(m, hd),
+                                slot_mapping, q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads)
+        return q
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:
         """The int4 kernel with an explicit config (the tuning script calls this)."""
@@ -232,9 +276,9 @@ class Int4CudaLinear(nn.Module):
     def dequantize(self, out: torch.Tensor) -> torch.Tensor:
         """The effective weight ``[K, N]`` (q * scale * prequant; N = the weight's columns) written into ``out``."""
         k, n = self.in_features, self.columns
-        if self.backend == "mma":  # fc + gate come out as [fc | gate]
+        if self.backend == "mma":  # columns in their own order; fc + gate come out as [fc | gate]
             cuda_ext.w4a16_mma_dequant(self.words, self.scales, self.prequant, out, n, k, self.group_size,
-                                       self.silu_output)
+                                       self.period)
             return out
         block_n = 128
         _kernels().w4a16_dequant[(-(-n // block_n), -(-k // TILE))](
@@ -330,7 +374,8 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
     """Put :class:`Int4CudaLinear` layers into a loaded ``LlamaForCausalLM`` (its float weights on the device)
     for every quantized linear; returns counts (``layers``, ``folded`` prequant vectors, ``fused_fc_gate``).
 
-    Per decoder layer: qkv's prequant is folded into ``input_layernorm`` (its only reader); fc and gate become one
+    Per decoder layer: qkv's prequant is folded into ``input_layernorm`` (its only reader), and with the ``mma``
+    backend its columns are interleaved per head for the RoPE + KV-write epilogue; fc and gate become one
     layer over their interleaved columns that returns ``silu(fc) * gate`` when their prequant vectors are equal
     (AWQ smooths them together), folded into ``post_layernorm``. ``fold_prequant=False`` applies every prequant
     in the kernels instead (for tests: the two must agree).
@@ -340,7 +385,8 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
     scratch = Scratch(dtype, device)
     counts = {"layers": 0, "folded": 0, "fused_fc_gate": 0}
 
-    def build(prefix: str, norm: nn.Module | None = None, parts: tuple[str, ...] | None = None) -> Int4CudaLinear:
+    def build(prefix: str, norm: nn.Module | None = None, parts: tuple[str, ...] | None = None,
+              rope_head: int = 0) -> Int4CudaLinear:
         tensors = [quantized[p] for p in (parts or (prefix,))]
         prequant = tensors[0][2]
         if prequant is not None and norm is not None:
@@ -350,7 +396,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
             prequant = None
         layer = Int4CudaLinear.from_ir([(t[0].to(device), t[1].to(device, dtype)) for t in tensors],
                                        None if prequant is None else prequant.to(device, dtype), group_size,
-                                       scratch, silu_output=parts is not None)
+                                       scratch, silu_output=parts is not None, rope_head=rope_head)
         counts["layers"] += 1
         counts[layer.backend] = counts.get(layer.backend, 0) + 1
         return layer
@@ -360,7 +406,7 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
         fold_in, fold_post = (layer.input_layernorm, layer.post_layernorm) if fold_prequant else (None, None)
         att, mlp = layer.attention, layer.mlp
         if f"{base}.attention.qkv" in quantized:
-            att.qkv = build(f"{base}.attention.qkv", fold_in)
+            att.qkv = build(f"{base}.attention.qkv", fold_in, rope_head=model.config.head_size)
         if f"{base}.attention.dense" in quantized:
             att.dense = build(f"{base}.attention.dense")
         fc, gate = quantized.get(f"{base}.mlp.fc"), quantized.get(f"{base}.mlp.gate")

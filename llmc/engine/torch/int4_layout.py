@@ -4,7 +4,7 @@
   ``[Kp/8, N]``, inputs in tiles of 128 = 8 chunks of 16.
 - :func:`pack_mma`: llmc's CUDA tensor-core kernels' layout (``csrc_cuda/w4a16_mma.cu``): tiles of 16 columns x
   64 inputs in mma fragment order; :func:`unpack_mma` inverts it; :func:`interleave_tiles` orders fc and gate
-  for the fused ``silu(fc) * gate`` epilogue.
+  for the fused ``silu(fc) * gate`` epilogue, :func:`interleave_halves` a qkv layer's heads for the RoPE epilogue.
 """
 
 from __future__ import annotations
@@ -55,12 +55,21 @@ def mma_supported(n: int, k: int, group_size: int) -> bool:
     return n % MMA_COLS == 0 and k % MMA_INPUTS == 0 and group_size in GROUP_SIZES
 
 
+def interleave_halves(rows: torch.Tensor, period: int) -> torch.Tensor:
+    """Rows ``[N, ...]`` reordered in blocks of 8 within each segment of ``period`` rows: rows 8i..8i+7 of the
+    segment's first half, then rows 8i..8i+7 of its second half, for each i. Each 16-column mma tile then holds
+    row ``c`` of a half and the same row of the other half in its columns ``c`` and ``c + 8``, the same lane's
+    results: fc and gate (:func:`interleave_tiles`), or both halves of a NeoX rotation pair with a head's size as
+    the period (the qkv layer's RoPE epilogue). The kernels write the columns back in their own order."""
+    n = rows.shape[0]
+    assert period % 16 == 0 and n % period == 0, (n, period)
+    return rows.reshape(n // period, 2, period // 16, 8, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
 def interleave_tiles(fc: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Rows of fc and gate ``[I, ...]`` -> ``[2I, ...]`` in blocks of 8 (fc 8i..8i+7, then gate 8i..8i+7): each
     16-column mma tile holds a feature's fc in column c and its gate in column c + 8, the same lane's results."""
-    rows = fc.shape[0]
-    return torch.stack([fc.reshape(rows // 8, 8, -1), gate.reshape(rows // 8, 8, -1)], dim=1).reshape(
-        2 * rows, *fc.shape[1:])
+    return interleave_halves(torch.cat([fc, gate]), 2 * fc.shape[0])
 
 
 def pack_mma(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,23 +130,31 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``fused`` (CUDA with Triton, see :attr:`LlamaForCausalLM.cuda_fused`): one kernel rotates q and k and
         writes k, v to the cache (every step: a prefill's elementwise RoPE ops and cache write cost ~8 % of its
-        step on an H200)."""
+        step on an H200); in decode-sized steps an int4 qkv layer does it in its own epilogue
+        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
         if fused:
             from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
 
             if attn.all_decode:
-                q = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
-                                               self.num_heads, self.num_kv_heads, self.head_size)  # [T, nh, hd]
+                # an int4 qkv layer rotates q, k and writes the cache in its own epilogue where it can
+                rope = getattr(self.qkv, "rope_write_kv", None)
+                q = rope and rope(x, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping, self.num_heads,
+                                  self.num_kv_heads)
+                if q is None:
+                    q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1],
+                                                   attn.slot_mapping, self.num_heads, self.num_kv_heads,
+                                                   self.head_size)  # [T, nh, hd]
                 out = decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
                 return self.dense(out.reshape(t, q_size))
+            qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
             q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
                                               self.num_heads, self.num_kv_heads, self.head_size, return_k=True)
             v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True)
             return self.dense(out.reshape(t, q_size))
+        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]

@@ -226,3 +226,36 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     assert (got - ref).abs().max() < 0.05 * scale
     assert (got_unfolded - ref).abs().max() < 0.05 * scale
     assert (got - got_unfolded).abs().max() < 0.05 * scale  # folding the prequant into the norms changes rounding only
+
+
+def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(tiny_w4a16_ir):
+    """The model's decode path asks the qkv layer for its RoPE + KV-write epilogue (CUDA's mma layers have one) and
+    runs the product and the rope kernel only when the layer says it does not apply; prompt chunks never ask. Here
+    each layer's epilogue is stood in for by those two steps, so the results must not change."""
+    from llmc.engine.torch import fused_triton
+    from llmc.engine.torch.loader import load_model
+    from tests.engine.torch.helpers import PagedSession
+
+    ids = list(range(300, 316))
+
+    def run(model):
+        session = PagedSession(model, block_size=16, num_blocks=8)
+        out = [session.step({"a": ids[:9]})["a"]]
+        out += [session.step({"a": [t]})["a"] for t in ids[9:12]]  # decode steps
+        out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
+        return torch.cat(out)
+
+    plain = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+    ref = run(plain)
+    model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+    calls = []
+    for layer in model.transformer.layers:
+        qkv = layer.attention.qkv
+
+        def epilogue(x, cos, sin, k_cache, v_cache, slots, nh, nkv, qkv=qkv):
+            calls.append(x.shape[0])
+            return fused_triton.rope_write_kv(qkv(x), cos, sin, k_cache, v_cache, slots, nh, nkv, k_cache.shape[-1])
+
+        qkv.rope_write_kv = epilogue
+    assert torch.equal(run(model), ref)
+    assert calls == [1] * (3 * len(model.transformer.layers))  # the three decode steps, every layer once

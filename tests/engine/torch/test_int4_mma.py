@@ -1,7 +1,7 @@
-"""The mma int4 layout (llmc/engine/torch/csrc_cuda/w4a16_mma.cu) checked on CPU: ``int4_layout.pack_mma`` against the
-documented nibble order, its inverse, the fc + gate tile interleave, and an emulation of the kernel's lanes and
-mma fragments (PTX's m16n8k16 operand layouts) that must reproduce the product over the dequantized weight. The
-kernel itself runs on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
+"""The mma int4 layout (llmc/engine/torch/csrc_cuda/w4a16_mma.cu) checked on CPU: ``int4_layout.pack_mma`` against
+the documented nibble order, its inverse, the fc + gate and per-head (RoPE) tile interleaves, and an emulation of
+the kernel's lanes and mma fragments (PTX's m16n8k16 operand layouts) that must reproduce the product over the
+dequantized weight. The kernel itself runs on a GPU in tests/engine/torch/test_int4_cuda_gpu.py."""
 
 from __future__ import annotations
 
@@ -228,6 +228,48 @@ def test_from_ir_packs_fc_and_gate_for_the_triton_kernels_on_cpu():
     assert layer.backend == "triton" and layer.columns == 32 and layer.out_features == 16
     with pytest.raises(AssertionError):  # fc + gate need both parts
         Int4CudaLinear.from_ir(parts[:1], None, 64, Scratch(torch.bfloat16, torch.device("cpu")), silu_output=True)
+
+
+def test_a_qkv_layer_packed_for_the_rope_epilogue_holds_both_halves_of_a_rotation_pair_in_one_tile(monkeypatch):
+    """rope_head: tile nt of head h (hd / 16 tiles a head) holds dims 8 (nt % (hd / 16)) + c in its columns c < 8 and
+    those + hd / 2 in columns c + 8 (the kernel's column_of); the epilogue is used only where it applies."""
+    from llmc.engine.torch import int4_cuda
+    from llmc.engine.torch.int4_layout import interleave_halves
+
+    nh, nkv, hd, k, group = 2, 1, 32, 64, 64
+    n = (nh + 2 * nkv) * hd
+    q, scales = random_q(n, k, group)
+    cpu = Scratch(torch.bfloat16, torch.device("cpu"))
+    layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], None, group, cpu, backend="mma", rope_head=hd)
+    assert layer.rope_head == layer.period == hd
+    got_q, got_s = unpack_mma(layer.words, layer.scales, group, torch.bfloat16)
+    source = []
+    for col in range(n):
+        nt, c = divmod(col, 16)
+        head, lt = divmod(nt, hd // 16)
+        source.append(head * hd + 8 * lt + c % 8 + (hd // 2 if c >= 8 else 0))
+    assert sorted(source) == list(range(n))
+    assert torch.equal(got_q, q[source]) and torch.equal(got_s, scales[source])
+    assert torch.equal(interleave_halves(q, hd), q[source])
+    # No epilogue for the Triton layout or a head size the tiles cannot pair; and where it does not apply,
+    # rope_write_kv returns None before any kernel runs (the model then runs the product and the rope kernel).
+    parts = [(pack_int4(q), scales)]
+    assert Int4CudaLinear.from_ir(parts, None, group, cpu, backend="triton", rope_head=hd).period == 0
+    assert Int4CudaLinear.from_ir(parts, None, group, cpu, backend="mma", rope_head=8).period == 0
+    cache = torch.zeros(4, 16, nkv, hd, dtype=torch.bfloat16)
+    cos = sin = torch.ones(2, 1, hd, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1])
+
+    def call(rows=2, cache=cache, heads=(nh, nkv)):
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        return layer.rope_write_kv(x, cos[:rows], sin[:rows], cache, cache, slots[:rows], *heads)
+
+    assert call(cache=cache.float()) is None and call(heads=(nh + 1, nkv)) is None
+    layer.dense_from_m = 2
+    assert call() is None  # a prefill-sized step
+    layer.dense_from_m = 96
+    monkeypatch.setenv(int4_cuda.ROPE_EPILOGUE_ENV, "0")
+    assert call() is None
 
 
 def test_cuda_weight_bytes_pads_only_shapes_the_mma_layout_cannot_hold():
