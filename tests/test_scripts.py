@@ -264,6 +264,18 @@ def test_decode_steps_largest_gaps_name_the_kernels_around_each_idle_stretch():
     assert largest_gaps(spans, top=1) == [{"us": 90.0, "after": "d", "before": "e"}]
 
 
+def test_decode_steps_kinds_count_every_int4_kernel_as_an_int4_matmul():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import kind_of
+    finally:
+        sys.path.remove(str(ROOT))
+    for name in ("void (anonymous namespace)::w4a16_pipe_kernel<__nv_bfloat16, 1, 2, 4, 2>(",
+                 "void (anonymous namespace)::w4a16_reg_kernel<__nv_bfloat16, 1, 1, 8, 8>(", "w4a16_matmul"):
+        assert kind_of(name) == "int4 matmul (llmc)", name
+    assert kind_of("w4a16_mma_dequant_kernel") == "int4 dequantize (llmc)"
+
+
 def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
     sys.path.insert(0, str(ROOT))
     try:
