@@ -68,6 +68,7 @@ def test_tensorrt_llm_usable_on_hopper_with_1_2():
 def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     monkeypatch.delenv("LLMC_EMBEDDING", raising=False)
+    monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
     host = "; untied input embeddings in page-locked host memory (LLMC_EMBEDDING=device keeps them on the GPU)"
     with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
     assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
@@ -81,7 +82,8 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
     assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels (built "
                                  "once with nvcc, then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 "
-                                 "turns it off)) (tuned for NVIDIA H200)" + host)
+                                 "turns it off)); qkv layers rotate q, k and write the KV cache in their epilogue "
+                                 "(LLMC_ROPE_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail
@@ -151,12 +153,17 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
     from llmc.doctor import int4_cuda_path
 
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
+    monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
     assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
-    assert int4_cuda_path(None, 80).endswith("cached; plain launches)")  # Ampere has no griddepcontrol
+    assert "cached; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
     monkeypatch.setenv("LLMC_CUDA_PDL", "early")
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
-    assert int4_cuda_path(None, 90).endswith("cached; plain launches (LLMC_CUDA_PDL=0))")
+    assert "cached; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
+    assert int4_cuda_path(None, 90).endswith("KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off)")
+    monkeypatch.setenv("LLMC_ROPE_EPILOGUE", "0")
+    assert int4_cuda_path(None, 90).endswith("RoPE + KV write in a Triton kernel (LLMC_ROPE_EPILOGUE=0)")
+    assert "epilogue" not in int4_cuda_path("no nvcc")  # the Triton kernels
 
 
 def test_doctor_says_how_the_steps_triton_kernels_launch(monkeypatch):
