@@ -90,7 +90,7 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
     headers only."""
     from llmc.checkpoint.names import VOCAB_EMBEDDING
     from llmc.engine.torch.host_embedding import placement
-    from llmc.engine.torch.int4_cuda import cuda_weight_bytes
+    from llmc.engine.torch.int4_install import cuda_weight_bytes
 
     tensors = {}
     for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):

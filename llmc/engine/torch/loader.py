@@ -115,10 +115,10 @@ def _load_int4_cuda(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]
                     ) -> LlamaForCausalLM:
     """The model with its W4A16 linears as packed :class:`~llmc.engine.torch.int4_cuda.Int4CudaLinear` layers: the
     float linears are removed while the model is still on the meta device, so no float copy is ever allocated."""
-    from llmc.engine.torch import int4_cuda
+    from llmc.engine.torch import int4_install
 
     merged = rank_weights[0] if len(rank_weights) == 1 else merge_shards(rank_weights, raw_config)
-    quantized, rest = int4_cuda.split_quantized(merged)
+    quantized, rest = int4_install.split_quantized(merged)
     rest = _select_model_weights(rest, config)
     _check_shapes(rest, config, skip=set(quantized))
     expected = _expected_shapes(config)
@@ -131,11 +131,11 @@ def _load_int4_cuda(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]
         _check_quantized_shapes(prefix, packed, scales, prequant, group_size)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=dtype)
-    int4_cuda.remove_linears(model, set(quantized))
+    int4_install.remove_linears(model, set(quantized))
     model.to_empty(device=device)
     model.load_state_dict(rest, strict=True)
     model.reset_buffers()
-    counts = int4_cuda.install(model, quantized, group_size, fold_prequant)
+    counts = int4_install.install(model, quantized, group_size, fold_prequant)
     logger.info("int4 CUDA layers: %s", counts)
     return model
 

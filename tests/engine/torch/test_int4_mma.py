@@ -273,7 +273,7 @@ def test_a_qkv_layer_packed_for_the_rope_epilogue_holds_both_halves_of_a_rotatio
 
 
 def test_cuda_weight_bytes_pads_only_shapes_the_mma_layout_cannot_hold():
-    from llmc.engine.torch.int4_cuda import cuda_weight_bytes
+    from llmc.engine.torch.int4_install import cuda_weight_bytes
 
     name = "transformer.layers.0.attention.qkv.weight"
     whole = {name: ("I8", (480, 576), 480 * 576)}  # N = 960, K = 576: whole mma tiles, the packed bytes as they are
