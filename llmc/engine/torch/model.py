@@ -140,8 +140,8 @@ class Attention(nn.Module):
             if attn.all_decode:
                 # an int4 qkv layer rotates q, k and writes the cache in its own epilogue where it can
                 rope = getattr(self.qkv, "rope_write_kv", None)
-                q = rope and rope(x, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping, self.num_heads,
-                                  self.num_kv_heads)
+                q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
+                                                   self.num_heads, self.num_kv_heads)  # None: it does not apply
                 if q is None:
                     q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1],
                                                    attn.slot_mapping, self.num_heads, self.num_kv_heads,
