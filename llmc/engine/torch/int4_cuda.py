@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 
 import torch
 from torch import nn
@@ -48,7 +47,7 @@ ROPE_EPILOGUE_ENV = "LLMC_ROPE_EPILOGUE"  # "0": qkv layers write qkv, then a se
 
 def rope_epilogue_enabled() -> bool:
     """The qkv layers' RoPE + KV-write epilogue is on (``LLMC_ROPE_EPILOGUE`` is not ``0``; for A/B runs)."""
-    return os.environ.get(ROPE_EPILOGUE_ENV, "1").strip().lower() not in ("0", "false", "off")
+    return not triton_support.switched_off(ROPE_EPILOGUE_ENV)
 
 
 def choose_backend(n: int, k: int, group_size: int, dtype: torch.dtype, device: torch.device) -> str:
@@ -214,8 +213,7 @@ class Int4CudaLinear(nn.Module):
         """The CUDA tensor-core kernel with an explicit config (the tuning script calls this); ``stages``: the depth
         of each warp's cp.async ring, 0 for the register kernel (no ring)."""
         assert x.shape[-1] == self.in_features
-        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            x = x.contiguous()
+        x = _rows_aligned(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         if x.shape[0]:
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
@@ -236,8 +234,7 @@ class Int4CudaLinear(nn.Module):
         if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != x.dtype or k_cache.shape[-1] != hd
                 or (num_heads + 2 * num_kv_heads) * hd != self.columns or not rope_epilogue_enabled()):
             return None
-        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-            x = x.contiguous()
+        x = _rows_aligned(x)
         q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
         cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
                                 self.group_size, self.mma_config_for(m), cos.reshape(m, hd), sin.reshape(m, hd),
@@ -292,6 +289,12 @@ class Int4CudaLinear(nn.Module):
         weight = self.dequantize(self._dense_weight)  # [K, N]
         y = torch.mm(x, weight)
         return silu_mul(y, interleaved=self.backend == "triton") if self.silu_output else y
+
+
+def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the CUDA kernels read it (unit stride, rows 16-byte aligned): itself when it already is (a strided
+    view of such rows included), else a contiguous copy."""
+    return x.contiguous() if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 else x
 
 
 def silu_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

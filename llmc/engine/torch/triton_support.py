@@ -80,9 +80,15 @@ def pdl_launch(device) -> bool:
     return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in fields
 
 
+def switched_off(env: str) -> bool:
+    """The environment variable ``env`` says ``0`` (or false / off): a switch of the CUDA step that is on unless
+    said so (``LLMC_TRITON_PDL``, ``LLMC_ROPE_EPILOGUE``)."""
+    return os.environ.get(env, "1").strip().lower() in ("0", "false", "off")
+
+
 def pdl_switched_off() -> bool:
     """``LLMC_TRITON_PDL`` is ``0`` (or false / off): the step's Triton kernels launch plainly."""
-    return os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "off")
+    return switched_off(PDL_ENV)
 
 
 def launch_options(device) -> dict:
