@@ -140,6 +140,8 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       "mixed_step_tokens": engine.scheduler.max_mixed_tokens or 0,
                       "mixed_step_tokens_from": "the build's recipe" if opts.mixed_step_tokens is None
                       else "--mixed-step-tokens",
+                      # token counts whose steps replay CUDA graphs in pieces (llmc.engine.torch.piece_graphs)
+                      "piece_graph_buckets": getattr(getattr(engine.runner, "pieces", None), "buckets", []),
                       "prefix_caching": engine.block_manager.enable_prefix_caching},
            # The weights as the engine holds them on its device (int4 layers packed on CUDA), by dtype.
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),

@@ -120,11 +120,16 @@ class Engine:
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
 
+        budget = recipe.serving.mixed_step_tokens if mixed_step_tokens is None else mixed_step_tokens
+
         def load() -> Any:
             runner = load_runner(build_dir, device, num_blocks)
             runner_warmup = getattr(runner, "warmup", None)
             if warmup and runner_warmup is not None:
                 runner_warmup()  # before the block manager exists: no request's blocks can be touched
+            capture_pieces = getattr(runner, "capture_pieces", None)
+            if capture_pieces is not None and budget:
+                capture_pieces(budget)  # the budget's steps from CUDA graphs in pieces (CUDA only)
             return runner
 
         runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)

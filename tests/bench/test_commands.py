@@ -126,6 +126,7 @@ def test_mixed_step_budget_is_a_bench_option(bench_build_dir, tmp_path):
     assert build_default["engine"]["mixed_step_tokens"] == 0
     assert build_default["engine"]["mixed_step_tokens_from"] == "the build's recipe"
     assert budget["engine"]["mixed_step_tokens"] == 12 and budget["engine"]["mixed_step_tokens_from"] == "--mixed-step-tokens"
+    assert budget["engine"]["piece_graph_buckets"] == []  # CPU: no CUDA graphs in pieces
     assert budget["levels"][0]["generated_tokens"] == build_default["levels"][0]["generated_tokens"] == 24
     assert budget["levels"][0]["steps"]["count"] > build_default["levels"][0]["steps"]["count"]
 

@@ -128,38 +128,49 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
         fused: bool = False,
     ) -> torch.Tensor:
-        """``fused`` (CUDA with Triton, see :attr:`LlamaForCausalLM.cuda_fused`): one kernel rotates q and k and
-        writes k, v to the cache (every step: a prefill's elementwise RoPE ops and cache write cost ~8 % of its
-        step on an H200); in decode-sized steps an int4 qkv layer does it in its own epilogue
-        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`)."""
+        """``fused`` (CUDA with Triton, see :attr:`LlamaForCausalLM.cuda_fused`): :meth:`project`, :meth:`attend`,
+        then the dense layer."""
         t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if fused:
-            from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
-
-            if attn.all_decode:
-                # an int4 qkv layer rotates q, k and writes the cache in its own epilogue where it can
-                rope = getattr(self.qkv, "rope_write_kv", None)
-                q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
-                                                   self.num_heads, self.num_kv_heads)  # None: it does not apply
-                if q is None:
-                    q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1],
-                                                   attn.slot_mapping, self.num_heads, self.num_kv_heads,
-                                                   self.head_size)  # [T, nh, hd]
-                out = decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)  # [T, nh, hd]
-                return self.dense(out.reshape(t, q_size))
-            qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
-            q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], attn.slot_mapping,
-                                              self.num_heads, self.num_kv_heads, self.head_size, return_k=True)
-            v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True)
-            return self.dense(out.reshape(t, q_size))
+            q, k, v = self.project(x, cos, sin, kv_cache, attn.slot_mapping, attn.all_decode)
+            return self.dense(self.attend(q, k, v, attn, kv_cache).reshape(t, -1))
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                slot_mapping: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                   torch.Tensor | None]:
+        """CUDA with Triton: qkv, then one kernel rotates q and k and writes k, v to the cache at ``slot_mapping``
+        (every step: a prefill's elementwise RoPE ops and cache write cost ~8 % of its step on an H200); in
+        ``decode`` steps an int4 qkv layer does it in its own epilogue where it can
+        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`). Returns q ``[T, nh, hd]`` and, for
+        prompt steps, k and v ``[T, nkv, hd]`` (None in decode steps: they are read back from the cache)."""
+        from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
+
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+        if decode:
+            rope = getattr(self.qkv, "rope_write_kv", None)
+            q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
+            if q is None:  # the layer has no epilogue, or it does not apply
+                q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh,
+                                               nkv, hd)
+            return q, None, None
+        qkv = self.qkv(x)  # [T, (nh + 2 nkv) hd]
+        q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv, hd,
+                                          return_k=True)
+        return q, k, qkv[:, (nh + nkv) * hd :].view(x.shape[0], nkv, hd)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,
+               kv_cache: KVCache) -> torch.Tensor:
+        """Attention of :meth:`project`'s outputs (their keys and values already in the cache) -> ``[T, nh, hd]``."""
+        if attn.all_decode:
+            return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True)
 
 
 class MLP(nn.Module):
@@ -320,19 +331,35 @@ class LlamaForCausalLM(nn.Module):
     def _forward_fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
                        kv_caches: list[KVCache]) -> torch.Tensor:
         """The decoder with the residual add of each sub-layer fused into the following norm (``h`` is this
-        step's own residual stream and is updated in place)."""
+        step's own residual stream and is updated in place). Its pieces between attentions are what
+        :mod:`llmc.engine.torch.piece_graphs` captures."""
+        normed = self.fused_first_norm(h)
+        for i, (layer, kv_cache) in enumerate(zip(self.transformer.layers, kv_caches, strict=True)):
+            q, k, v = layer.attention.project(normed, cos, sin, kv_cache, attn.slot_mapping, attn.all_decode)
+            normed = self.fused_after_attention(i, h, layer.attention.attend(q, k, v, attn, kv_cache))
+        return normed
+
+    def fused_first_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The first layer's input norm of the fused decoder (:meth:`_forward_fused`)."""
+        from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by use_cuda_fused's caller)
+
+        first = self.transformer.layers[0].input_layernorm
+        return fused_triton.rms_norm(h, first.weight, first.eps)  # [T, H]
+
+    def fused_after_attention(self, i: int, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Layer ``i`` of the fused decoder after its attention (``attended [T, nh, hd]``): the dense layer, the
+        residual add joined to the post-attention norm, the MLP, its residual add joined to the next layer's input
+        norm (the final norm after the last layer). Updates ``h`` in place; returns the normed input of what
+        follows ``[T, H]``."""
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by use_cuda_fused's caller)
 
         layers = self.transformer.layers
-        first = layers[0].input_layernorm
-        normed = fused_triton.rms_norm(h, first.weight, first.eps)  # [T, H]
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
-            a = layer.attention(normed, cos, sin, attn, kv_cache, fused=True)
-            post = layer.post_layernorm
-            normed = fused_triton.add_rms_norm_(h, a, post.weight, post.eps)
-            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.transformer.ln_f
-            normed = fused_triton.add_rms_norm_(h, layer.mlp(normed), after.weight, after.eps)
-        return normed
+        layer = layers[i]
+        a = layer.attention.dense(attended.reshape(h.shape[0], -1))
+        post = layer.post_layernorm
+        normed = fused_triton.add_rms_norm_(h, a, post.weight, post.eps)
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.transformer.ln_f
+        return fused_triton.add_rms_norm_(h, layer.mlp(normed), after.weight, after.eps)
 
     def logits_weight(self) -> torch.Tensor:
         """``[V, H]``: the lm_head's weight, or the embedding's when they are tied."""

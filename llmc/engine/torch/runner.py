@@ -22,6 +22,7 @@ from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
+from llmc.engine.torch.piece_graphs import PIECES_ENV, PieceGraphs, piece_buckets
 from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -49,7 +50,8 @@ class TorchModelRunner:
     ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
-    decode steps on CUDA, else None).
+    decode steps on CUDA, else None), ``pieces`` (steps with prompt tokens under a mixed-step budget, from graphs in
+    pieces: :meth:`capture_pieces`, else None).
 
     On CUDA with Triton, decode steps of up to ``engine.max_batch_size`` sequences and steps with up to 256 prompt
     tokens (unless ``LLMC_GRAPH_CHUNKS=0``) replay CUDA graphs (:mod:`llmc.engine.torch.cuda_graphs`);
@@ -75,6 +77,7 @@ class TorchModelRunner:
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))
         self.block_size = recipe.kv_cache.tokens_per_block
         self.max_prompt_chunk = min(recipe.engine.max_input_len, recipe.engine.max_num_tokens)
+        self.max_num_tokens = recipe.engine.max_num_tokens
         self.vocab_size = config.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_dtype)
         self.num_blocks = num_blocks or plan_num_blocks(
@@ -91,6 +94,7 @@ class TorchModelRunner:
         fast_argmax = cpu_ext.argmax_rows if self.device.type == "cpu" and cpu_ext.load() is not None else None
         self.sampler = Sampler(self.device, eos_token_ids=manifest.eos_token_ids, argmax=fast_argmax)
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PieceGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                        -(-recipe.engine.max_seq_len // self.block_size), recipe.engine.max_batch_size,
@@ -138,12 +142,29 @@ class TorchModelRunner:
             if fill is not None:  # placeholders at their packed rows of the flat input
                 at = torch.tensor(fill[0], dtype=torch.int64).to(self.device)
                 input_ids.index_copy_(0, at, fill[1].to(input_ids.dtype))
-            hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
+            if self.pieces is not None and self.pieces.can_run(input_ids.shape[0]):
+                hidden = self.pieces.run(input_ids, meta)  # [T, H]
+            else:
+                hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             if not sampled:
                 return PendingStep(())
             logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
             token_ids = self.sampler(logits, list(sampled))  # [S] on device
         return PendingStep(sampled, token_ids)
+
+    def capture_pieces(self, budget: int) -> list[int]:
+        """CUDA with the decode graphs: capture the steps a mixed-step ``budget`` (``serving.mixed_step_tokens``;
+        0: none) makes, in pieces by token count (:mod:`llmc.engine.torch.piece_graphs`). Returns the buckets
+        captured (none on CPU, without the graphs, or with ``LLMC_PIECE_GRAPHS=0``). Call it after
+        :meth:`warmup`: it writes only the scratch block."""
+        buckets = piece_buckets(budget, self.max_num_tokens)
+        if (self.graphs is None or not self.model.cuda_fused or not buckets
+                or os.environ.get(PIECES_ENV, "1") == "0"):
+            return []
+        self.pieces = PieceGraphs(self.model, self.kv_caches, buckets, self.num_blocks * self.block_size,
+                                  self.device)
+        self.pieces.capture()
+        return buckets
 
     def warmup(self, prompt_len: int = 8) -> None:
         """Tiny prefills and a decode (greedy) so the first real request does not pay the first-call costs (Triton

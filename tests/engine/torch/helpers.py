@@ -108,7 +108,8 @@ class PagedSession:
     """A stand-in for the scheduler: hands out KV blocks in a scrambled order and runs packed steps.
 
     ``step({request_id: new_token_ids})`` runs one packed forward and returns each sequence's logits at every
-    new position (``[n_new, V]``), so tests can compare them with a full-sequence reference.
+    new position (``[n_new, V]``), so tests can compare them with a full-sequence reference. ``forward(ids, meta)
+    -> hidden`` (set after construction) replaces the model's own forward, e.g. by CUDA graphs in pieces.
     """
 
     def __init__(self, model: LlamaForCausalLM, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
@@ -119,6 +120,7 @@ class PagedSession:
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.forward = None
 
     def step(self, work: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         seqs = []
@@ -132,7 +134,9 @@ class PagedSession:
         meta = build_attention_metadata(seqs, self.block_size, device)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=device)
         with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(ids, meta.positions, meta, self.kv))
+            run = self.forward or (lambda ids, meta: self.model(ids, meta.positions, meta, self.kv))
+            hidden = run(ids, meta)
+            logits = self.model.compute_logits(hidden)
         return {s.request_id: logits[a:a + len(s.token_ids)] for s, a in zip(seqs, meta.query_starts)}
 
 
