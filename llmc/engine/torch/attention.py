@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
+from llmc.engine.torch.triton_prefill import attend_cached_chunks
 from llmc.engine.types import ScheduledSequence
 
 # With float32 prefill, steps whose longest prefill chunk is at most this many tokens run attention through
@@ -197,20 +198,14 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    bf16_prefill: bool = False,
-    kv_written: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float, bf16_prefill: bool = False, kv_written: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
 
     ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first (``kv_written``: the
-    caller's fused RoPE kernel wrote them already). Returns ``[T, nh, hd]``.
+    caller's fused RoPE kernel wrote them already). Returns ``[T, nh, hd]``. On CUDA, prompt chunks that continue a
+    cached context attend through one Triton kernel (:mod:`llmc.engine.torch.triton_prefill`).
     ``bf16_prefill`` (CPU, a model whose prefill GEMMs run in bfloat16): prefill chunks attend in bfloat16 products
     with float32 sums too, through llmc's kernel where it runs (:func:`cpu_ext.prefill_attention_available`).
     """
@@ -229,7 +224,8 @@ def paged_attention(
     if meta.decode_seqs.numel() > 0:
         q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
         out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale))
-    for i in meta.prefill_seqs:
+    done = attend_cached_chunks(q, k_cache, v_cache, meta, scale, out)  # CUDA: chunks over a cache, one kernel
+    for i in (i for i in meta.prefill_seqs if i not in done):
         start, end = meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i]
         if meta.num_computed[i] == 0:
             # Fresh prefill: the whole context is this step's k/v, no need to read the cache back.
