@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -171,6 +172,19 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
     return f"llmc's Triton W4A16 kernels ({why_not})"
 
 
+def prompt_step_paths() -> str:
+    """How CUDA steps with prompt tokens run besides the decode graphs: chunks that continue a cached context (one
+    Triton kernel, or gather + SDPA) and a mixed-step budget's steps (CUDA graphs in pieces, or eager)."""
+    from llmc.engine.torch.piece_graphs import PIECES_ENV
+    from llmc.engine.torch.triton_prefill import PREFILL_KERNEL_ENV
+
+    chunks = ("gathered from the cache for SDPA" if os.environ.get(PREFILL_KERNEL_ENV, "1") == "0"
+              else "one Triton paged-prefill kernel")
+    budget = "eager" if os.environ.get(PIECES_ENV, "1") == "0" else "CUDA graphs in pieces"
+    return (f"; prompt chunks over a cached context: {chunks} ({PREFILL_KERNEL_ENV}=0 gathers); a mixed-step "
+            f"budget's steps: {budget} ({PIECES_ENV}=0 eager)")
+
+
 def triton_launch(sm: int) -> str:
     """How the CUDA step's Triton kernels launch on a GPU of compute capability ``sm``: programmatically where the
     int4 kernels do (sm_90+, ``LLMC_CUDA_PDL`` not 0) unless ``LLMC_TRITON_PDL=0`` ("" where neither applies).
@@ -207,7 +221,8 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
-                         f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}; AWQ int4 (W4A16), weights kept packed: "
+                         f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}{prompt_step_paths()}; AWQ int4 (W4A16), "
+                         f"weights kept packed: "
                          f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
                          f"{embedding_place()}"

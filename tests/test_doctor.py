@@ -69,10 +69,14 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     monkeypatch.delenv("LLMC_EMBEDDING", raising=False)
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
+    monkeypatch.delenv("LLMC_PREFILL_KERNEL", raising=False)
+    monkeypatch.delenv("LLMC_PIECE_GRAPHS", raising=False)
     host = "; untied input embeddings in page-locked host memory (LLMC_EMBEDDING=device keeps them on the GPU)"
     with_triton, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
     assert "CUDA decode steps: Triton 3.6.0 paged attention and fused norm/RoPE kernels in CUDA graphs" \
         in with_triton.detail
+    assert ("; prompt chunks over a cached context: one Triton paged-prefill kernel (LLMC_PREFILL_KERNEL=0 gathers); "
+            "a mixed-step budget's steps: CUDA graphs in pieces (LLMC_PIECE_GRAPHS=0 eager)") in with_triton.detail
     # The shipped int4 configs were tuned on an H200, not an H100: the H100 gets the heuristic configs.
     assert with_triton.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's Triton W4A16 kernels (not "
                                        "checked) (tuned for no GPU here: heuristic configs)" + host)
@@ -89,6 +93,16 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     assert "Fix: pip install triton" in without.detail
     cpu_only, _ = backend_statuses((), None, "missing", triton_version="3.6.0")
     assert cpu_only.detail == "CPU; no CUDA GPU found"
+
+
+def test_doctor_says_how_cuda_steps_with_prompt_tokens_run(monkeypatch):
+    from llmc.doctor import prompt_step_paths
+
+    monkeypatch.setenv("LLMC_PREFILL_KERNEL", "0")
+    monkeypatch.setenv("LLMC_PIECE_GRAPHS", "0")
+    assert prompt_step_paths() == ("; prompt chunks over a cached context: gathered from the cache for SDPA "
+                                   "(LLMC_PREFILL_KERNEL=0 gathers); a mixed-step budget's steps: eager "
+                                   "(LLMC_PIECE_GRAPHS=0 eager)")
 
 
 def test_doctor_says_where_cuda_engines_keep_the_input_embedding(monkeypatch):
@@ -171,14 +185,14 @@ def test_doctor_says_how_the_steps_triton_kernels_launch(monkeypatch):
     monkeypatch.delenv("LLMC_TRITON_PDL", raising=False)
     status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
     assert ("fused norm/RoPE kernels in CUDA graphs (launched programmatically; LLMC_TRITON_PDL=0 turns it off); "
-            "AWQ int4") in status.detail
+            "prompt chunks") in status.detail
     monkeypatch.setenv("LLMC_TRITON_PDL", "0")
     status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
-    assert "kernels in CUDA graphs (plain launches: LLMC_TRITON_PDL=0); AWQ int4" in status.detail
+    assert "kernels in CUDA graphs (plain launches: LLMC_TRITON_PDL=0); prompt chunks" in status.detail
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")  # the int4 kernels launch plainly: nothing would trigger them
     status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
-    assert "kernels in CUDA graphs; AWQ int4" in status.detail
+    assert "kernels in CUDA graphs; prompt chunks" in status.detail
     monkeypatch.delenv("LLMC_CUDA_PDL")
     a100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2)
     status, _ = backend_statuses((a100,), None, "missing", triton_version="3.6.0")
-    assert "kernels in CUDA graphs; AWQ int4" in status.detail
+    assert "kernels in CUDA graphs; prompt chunks" in status.detail
