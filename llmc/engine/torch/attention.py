@@ -224,7 +224,8 @@ def paged_attention(
     if meta.decode_seqs.numel() > 0:
         q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
         out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale))
-    done = attend_cached_chunks(q, k_cache, v_cache, meta, scale, out)  # CUDA: chunks over a cache, one kernel
+    chunks = [(i, meta.query_starts[i], meta.query_lens[i], meta.num_computed[i]) for i in meta.prefill_seqs]
+    done = attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, scale, out)  # CUDA: those over a cache
     for i in (i for i in meta.prefill_seqs if i not in done):
         start, end = meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i]
         if meta.num_computed[i] == 0:

@@ -19,15 +19,11 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
 from llmc.engine.torch import triton_support
 from llmc.engine.torch.triton_attention import kernel_available
-
-if TYPE_CHECKING:  # the metadata's module imports this one
-    from llmc.engine.torch.attention import AttentionMetadata
 
 PREFILL_KERNEL_ENV = "LLMC_PREFILL_KERNEL"  # "0": chunks over a cached context take the gather + SDPA path
 
@@ -153,15 +149,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def attend_cached_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         scale: float, out: torch.Tensor) -> frozenset[int]:
-    """On CUDA with Triton: the step's prompt chunks that continue a cached context (``meta``'s prefill sequences
-    with tokens cached before this step) through :func:`paged_prefill_attention`, into ``out``; returns those
-    sequences (none elsewhere, or with ``LLMC_PREFILL_KERNEL=0``: the caller's reference path takes them)."""
+def attend_cached_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, chunks: list[tuple[int, int, int, int]], scale: float,
+                         out: torch.Tensor) -> frozenset[int]:
+    """On CUDA with Triton: a step's prompt chunks that continue a cached context (as :func:`paged_prefill_attention`
+    takes them; chunks without cached tokens are left out) through the kernel, into ``out``; returns their table
+    rows (none elsewhere, or with ``LLMC_PREFILL_KERNEL=0``: the caller's reference path takes them)."""
     if (not q.is_cuda or os.environ.get(PREFILL_KERNEL_ENV, "1") == "0"
-            or not kernel_available(q.device, meta.block_size, q.shape[-1])):
+            or not kernel_available(q.device, k_cache.shape[1], q.shape[-1])):
         return frozenset()
-    chunks = [(i, meta.query_starts[i], meta.query_lens[i], meta.num_computed[i]) for i in meta.prefill_seqs
-              if meta.num_computed[i] > 0]
-    paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, chunks, scale, out)
+    chunks = [chunk for chunk in chunks if chunk[3] > 0]
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, scale, out)
     return frozenset(chunk[0] for chunk in chunks)

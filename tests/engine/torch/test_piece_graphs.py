@@ -40,8 +40,9 @@ def _sessions(model, scratch_block: int, buckets: list[int]) -> tuple[PagedSessi
     return sessions[0], sessions[1], pieces
 
 
-@pytest.mark.skipif(not triton_support.interpreting(), reason="needs Triton's CPU interpreter (the gpu tests cover CUDA)")
-def test_pieces_give_the_eager_steps_logits_and_cache_and_padding_writes_only_the_scratch_block(tiny_w4a16_ir):  # noqa: F811
+@pytest.mark.skipif(not triton_support.interpreting(),
+                    reason="needs Triton's CPU interpreter (the gpu tests cover CUDA)")
+def test_pieces_give_the_eager_steps_logits_and_cache_and_padding_writes_only_the_scratch(tiny_w4a16_ir):  # noqa: F811
     """Prompt, mixed and decode steps through the pieces (plain calls, Triton's interpreter) give the eager fused
     model's logits and cache: equal bits where a step fills its bucket, the same up to the kernels' summation
     order where padding rows make it larger. A step smaller than the one before it in the same bucket must not

@@ -67,7 +67,8 @@ def test_kernel_under_the_interpreter_equals_gather_and_sdpa(num_heads, num_kv_h
     covered = torch.zeros(q.shape[0], dtype=torch.bool)
     for i, start, n, _ in chunks:
         want = _reference(q, k_cache, v_cache, meta, scale, i)
-        assert torch.allclose(out[start:start + n], want, atol=2e-5, rtol=1e-4), (i, (out[start:start + n] - want).abs().max())
+        got = out[start:start + n]
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (i, (got - want).abs().max())
         covered[start:start + n] = True
     assert (out[~covered] == 7.0).all()
 
@@ -76,7 +77,9 @@ def test_the_engine_keeps_the_reference_path_off_cuda_and_when_switched_off(monk
     """attend_cached_chunks takes nothing on the CPU (the CPU kernels and SDPA do), nor with LLMC_PREFILL_KERNEL=0."""
     q, k_cache, v_cache, meta = _step(4, 2, 64, 16, [(5, 9)], torch.float32, "cpu")
     out = torch.zeros_like(q)
-    assert attend_cached_chunks(q, k_cache, v_cache, meta, 0.125, out) == frozenset() and not out.any()
+    chunks = [(0, 0, 5, 9)]
+    assert attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, 0.125, out) == frozenset()
+    assert not out.any()
 
 
 @pytest.mark.gpu
@@ -90,11 +93,12 @@ def test_kernel_on_cuda_equals_gather_and_sdpa_and_serves_the_engines_chunks(dty
     q, k_cache, v_cache, meta = _step(32, 8, 128, 32, work, dtype, "cuda")
     scale = 128**-0.5
     out = torch.zeros_like(q)
-    done = attend_cached_chunks(q, k_cache, v_cache, meta, scale, out)
+    chunks = [(i, meta.query_starts[i], meta.query_lens[i], meta.num_computed[i]) for i in meta.prefill_seqs]
+    done = attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, scale, out)
     assert done == {0, 2, 4}
     for i in done:
         start, n = meta.query_starts[i], meta.query_lens[i]
         want = _reference(q, k_cache, v_cache, meta, scale, i).float()
         assert (out[start:start + n].float() - want).abs().max().item() < 2e-2, i
     monkeypatch.setenv("LLMC_PREFILL_KERNEL", "0")
-    assert attend_cached_chunks(q, k_cache, v_cache, meta, scale, out) == frozenset()
+    assert attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, scale, out) == frozenset()
