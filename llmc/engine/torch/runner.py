@@ -10,6 +10,7 @@ tokens taken from this step's ids on the device, and processes this step's token
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from llmc.manifest import read_manifest
 from llmc.request.params import SamplingParams
 
 WARMUP_REQUEST_ID = "__llmc_warmup__"
+logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
 WARMUP_LONG_PROMPT = 512  # CUDA: tokens of the warm-up's second prompt, at least every int4 layer's dense_from_m
 
@@ -155,15 +157,24 @@ class TorchModelRunner:
     def capture_pieces(self, budget: int) -> list[int]:
         """CUDA with the decode graphs: capture the steps a mixed-step ``budget`` (``serving.mixed_step_tokens``;
         0: none) makes, in pieces by token count (:mod:`llmc.engine.torch.piece_graphs`). Returns the buckets
-        captured (none on CPU, without the graphs, or with ``LLMC_PIECE_GRAPHS=0``). Call it after
-        :meth:`warmup`: it writes only the scratch block."""
+        captured (none on CPU, without the graphs, with ``LLMC_PIECE_GRAPHS=0``, or, with a warning, when they do
+        not fit in the GPU memory the KV cache left). Call it after :meth:`warmup`: it writes only the scratch
+        block."""
         buckets = piece_buckets(budget, self.max_num_tokens)
         if (self.graphs is None or not self.model.cuda_fused or not buckets
                 or os.environ.get(PIECES_ENV, "1") == "0"):
             return []
-        self.pieces = PieceGraphs(self.model, self.kv_caches, buckets, self.num_blocks * self.block_size,
-                                  self.device)
-        self.pieces.capture()
+        pieces = PieceGraphs(self.model, self.kv_caches, buckets, self.num_blocks * self.block_size, self.device)
+        try:
+            pieces.capture()
+        except torch.cuda.OutOfMemoryError as exc:  # the KV cache took the memory first: the steps stay eager
+            del pieces
+            torch.cuda.empty_cache()
+            logger.warning("the mixed-step budget's CUDA graphs (%d-%d tokens) did not fit in GPU memory (%s); "
+                           "those steps run eagerly. Fix: lower kv_cache.memory_fraction or "
+                           "serving.mixed_step_tokens", buckets[0], buckets[-1], str(exc).splitlines()[0])
+            return []
+        self.pieces = pieces
         return buckets
 
     def warmup(self, prompt_len: int = 8) -> None:

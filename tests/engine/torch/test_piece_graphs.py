@@ -93,6 +93,30 @@ def test_engine_captures_pieces_for_its_budget_only(tiny_build_dir, monkeypatch)
     assert asked == [256]
 
 
+def test_pieces_that_do_not_fit_leave_the_budgets_steps_eager_with_a_warning(tiny_build_dir, monkeypatch, caplog):
+    """The KV cache takes its share of GPU memory first: pieces that then do not fit are dropped with a warning that
+    names the fix, and the budget's steps run eagerly (CPU stands in for CUDA: the capture is what fails here)."""
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    runner = TorchModelRunner(tiny_build_dir, device="cpu")
+    monkeypatch.setattr(runner, "graphs", object())  # as if the decode graphs had been captured
+    monkeypatch.setattr(runner.model, "cuda_fused", True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def out_of_memory(self, graphs=True):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(PieceGraphs, "capture", out_of_memory)
+    with caplog.at_level("WARNING", logger="llmc.engine.torch.runner"):
+        assert runner.capture_pieces(256) == []
+    assert runner.pieces is None
+    assert "did not fit in GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in caplog.text
+    assert "Fix: lower kv_cache.memory_fraction or serving.mixed_step_tokens" in caplog.text
+    monkeypatch.setattr(PieceGraphs, "capture", lambda self, graphs=True: None)  # fits: kept
+    buckets = runner.capture_pieces(256)
+    assert buckets and runner.pieces is not None and runner.pieces.buckets == buckets
+
+
 @pytest.mark.gpu
 def test_budgeted_steps_replay_pieces_and_give_the_eager_tokens(tmp_path, monkeypatch):
     """On CUDA (float32): steps with prompt chunks beyond the decode graphs replay the captured pieces, with greedy
