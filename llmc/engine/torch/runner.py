@@ -168,14 +168,16 @@ class TorchModelRunner:
         try:
             pieces.capture()
         except torch.cuda.OutOfMemoryError as exc:  # the KV cache took the memory first: the steps stay eager
-            del pieces
-            torch.cuda.empty_cache()
-            logger.warning("the mixed-step budget's CUDA graphs (%d-%d tokens) did not fit in GPU memory (%s); "
-                           "those steps run eagerly. Fix: lower kv_cache.memory_fraction or "
-                           "serving.mixed_step_tokens", buckets[0], buckets[-1], str(exc).splitlines()[0])
-            return []
-        self.pieces = pieces
-        return buckets
+            reason = str(exc).splitlines()[0]
+        else:
+            self.pieces = pieces
+            return buckets
+        pieces = None  # its graphs and buffers are freed (the exception that held them is gone)
+        torch.cuda.empty_cache()
+        logger.warning("the mixed-step budget's CUDA graphs (%d-%d tokens) did not fit in GPU memory (%s); those "
+                       "steps run eagerly. Fix: lower kv_cache.memory_fraction or serving.mixed_step_tokens",
+                       buckets[0], buckets[-1], reason)
+        return []
 
     def warmup(self, prompt_len: int = 8) -> None:
         """Tiny prefills and a decode (greedy) so the first real request does not pay the first-call costs (Triton
