@@ -155,8 +155,8 @@ def attend_cached_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """On CUDA with Triton: a step's prompt chunks that continue a cached context (as :func:`paged_prefill_attention`
     takes them; chunks without cached tokens are left out) through the kernel, into ``out``; returns their table
     rows (none elsewhere, or with ``LLMC_PREFILL_KERNEL=0``: the caller's reference path takes them)."""
-    if (not q.is_cuda or os.environ.get(PREFILL_KERNEL_ENV, "1") == "0"
-            or not kernel_available(q.device, k_cache.shape[1], q.shape[-1])):
+    if os.environ.get(PREFILL_KERNEL_ENV, "1") == "0" or not kernel_available(q.device, k_cache.shape[1],
+                                                                               q.shape[-1]):  # CUDA only
         return frozenset()
     chunks = [chunk for chunk in chunks if chunk[3] > 0]
     paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, scale, out)

@@ -73,13 +73,35 @@ def test_kernel_under_the_interpreter_equals_gather_and_sdpa(num_heads, num_kv_h
     assert (out[~covered] == 7.0).all()
 
 
-def test_the_engine_keeps_the_reference_path_off_cuda_and_when_switched_off(monkeypatch):
-    """attend_cached_chunks takes nothing on the CPU (the CPU kernels and SDPA do), nor with LLMC_PREFILL_KERNEL=0."""
-    q, k_cache, v_cache, meta = _step(4, 2, 64, 16, [(5, 9)], torch.float32, "cpu")
+def _three_chunks():
+    q, k_cache, v_cache, meta = _step(4, 2, 64, 16, [(5, 9), (4, 0), (3, 20)], torch.float32, "cpu")
+    chunks = [(i, meta.query_starts[i], meta.query_lens[i], meta.num_computed[i]) for i in meta.prefill_seqs]
+    return q, k_cache, v_cache, meta, chunks
+
+
+def test_the_engine_keeps_the_reference_path_off_cuda():
+    """attend_cached_chunks takes nothing on the CPU: the CPU kernels and SDPA do."""
+    q, k_cache, v_cache, meta, chunks = _three_chunks()
     out = torch.zeros_like(q)
-    chunks = [(0, 0, 5, 9)]
     assert attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, 0.125, out) == frozenset()
     assert not out.any()
+
+
+def test_where_the_kernel_runs_it_takes_the_chunks_with_a_cache_unless_switched_off(monkeypatch):
+    """Where the kernel is available (stood in for by Triton's interpreter), attend_cached_chunks takes the chunks
+    with cached tokens and leaves fresh prompts' rows to the caller; LLMC_PREFILL_KERNEL=0 leaves all of them."""
+    from llmc.engine.torch import triton_prefill
+
+    if triton_support.modules() is None or not triton_support.interpreting():
+        pytest.skip("needs Triton's CPU interpreter (the gpu test covers CUDA)")
+    q, k_cache, v_cache, meta, chunks = _three_chunks()
+    out = torch.zeros_like(q)
+    monkeypatch.setattr(triton_prefill, "kernel_available", lambda device, block_size, head_size: True)
+    assert attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, 0.125, out) == {0, 2}
+    fresh = slice(meta.query_starts[1], meta.query_starts[1] + 4)
+    assert out[fresh].abs().sum() == 0 and out[:5].abs().sum() > 0 and out[-3:].abs().sum() > 0
+    monkeypatch.setenv("LLMC_PREFILL_KERNEL", "0")
+    assert attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, 0.125, out) == frozenset()
 
 
 @pytest.mark.gpu
