@@ -27,11 +27,12 @@ from llmc.engine.torch.triton_attention import kernel_available
 
 PREFILL_KERNEL_ENV = "LLMC_PREFILL_KERNEL"  # "0": chunks over a cached context take the gather + SDPA path
 
-# H200, 8B attention shape (32 / 8 heads of 128, blocks of 32), bf16, us per layer for (rows, keys per iteration,
-# warps, stages) = (128, 128, 8, 2) vs (64, 64, 4, 2), against the gather + SDPA path (eager, as the engine ran
-# it; 2026-12-03 18:40): a 960-token chunk after 1,024 cached 140.5 vs 168.6 (gather + SDPA 436.4), four
-# 256-token chunks after 1,500 144.8 vs 148.5 (1,574.3), chunks of 512 after 1,536 and 488 after 600 143.5 vs 151.4
-# (718.6), 2,048 after 2,048 506.2 vs 515.3 (522.6); six other configs in between.
+# H200, 8B attention shape (32 / 8 heads of 128, blocks of 32), bf16, eager as the engine runs it, us per layer
+# (scripts/bench_prefill_attention.py's cases, 2026-12-03 18:22): a 960-token chunk after 1,024 cached / four
+# 256-token chunks after 1,500 / 512 after 1,536 and 488 after 600 / 2,048 after 2,048 took 100.1 / 108.4 / 105.4
+# / 350.8 with this config (rows, keys per iteration, warps, stages = 128, 128, 8, 2), against 218.4 / 1,351.2 /
+# 687.8 / 500.7 for the gather + SDPA path. Chosen from eight configs at 18:02 (an earlier form of the kernel); in
+# the 18:22 sweep (128, 128, 8, 3) and (256, 64, 8, 2) were 3-5 % faster in sum, not yet run in the engine.
 ROWS = 128  # query rows of a tile (tokens x padded group)
 BLOCK_N = 128  # keys per loop iteration
 WARPS, STAGES = 8, 2
