@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
-import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -175,12 +174,11 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
 def prompt_step_paths() -> str:
     """How CUDA steps with prompt tokens run besides the decode graphs: chunks that continue a cached context (one
     Triton kernel, or gather + SDPA) and a mixed-step budget's steps (CUDA graphs in pieces, or eager)."""
-    from llmc.engine.torch.piece_graphs import PIECES_ENV
-    from llmc.engine.torch.triton_prefill import PREFILL_KERNEL_ENV
+    from llmc.engine.torch.piece_graphs import PIECES_ENV, pieces_enabled
+    from llmc.engine.torch.triton_prefill import PREFILL_KERNEL_ENV, prefill_kernel_enabled
 
-    chunks = ("gathered from the cache for SDPA" if os.environ.get(PREFILL_KERNEL_ENV, "1") == "0"
-              else "one Triton paged-prefill kernel")
-    budget = "eager" if os.environ.get(PIECES_ENV, "1") == "0" else "CUDA graphs in pieces"
+    chunks = "one Triton paged-prefill kernel" if prefill_kernel_enabled() else "gathered from the cache for SDPA"
+    budget = "CUDA graphs in pieces" if pieces_enabled() else "eager"
     return (f"; prompt chunks over a cached context: {chunks} ({PREFILL_KERNEL_ENV}=0 gathers); a mixed-step "
             f"budget's steps: {budget} ({PIECES_ENV}=0 eager)")
 

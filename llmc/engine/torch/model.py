@@ -125,15 +125,11 @@ class Attention(nn.Module):
         self.bf16_prefill = True
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache,
-        fused: bool = False,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        """``fused`` (CUDA with Triton, see :attr:`LlamaForCausalLM.cuda_fused`): :meth:`project`, :meth:`attend`,
-        then the dense layer."""
+        """The reference path; the fused decoder (CUDA with Triton, :attr:`LlamaForCausalLM.cuda_fused`) calls
+        :meth:`project` and :meth:`attend` instead, then the dense layer."""
         t = x.shape[0]
-        if fused:
-            q, k, v = self.project(x, cos, sin, kv_cache, attn.slot_mapping, attn.all_decode)
-            return self.dense(self.attend(q, k, v, attn, kv_cache).reshape(t, -1))
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once

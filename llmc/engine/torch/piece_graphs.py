@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from llmc.engine.torch import triton_support
 from llmc.engine.torch.attention import AttentionMetadata, planless_sdpa
 from llmc.engine.torch.model import KVCache, LlamaForCausalLM
 from llmc.engine.torch.rope import rope_cos_sin
@@ -32,6 +33,11 @@ from llmc.engine.torch.rope import rope_cos_sin
 PIECES_ENV = "LLMC_PIECE_GRAPHS"  # "0": steps with prompt tokens run eagerly
 MAX_PIECE_TOKENS = 2048  # larger steps are GPU-bound: their launches hide behind their kernels
 FINE_STEP, FINE_UP_TO, COARSE_STEP = 128, 1024, 256  # bucket spacing: every 128 tokens up to 1,024, then 256
+
+
+def pieces_enabled() -> bool:
+    """The budget's steps replay the pieces (``LLMC_PIECE_GRAPHS`` is not ``0``; for A/B runs)."""
+    return not triton_support.switched_off(PIECES_ENV)
 
 
 def piece_buckets(budget: int, max_num_tokens: int) -> list[int]:

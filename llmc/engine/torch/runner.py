@@ -23,7 +23,7 @@ from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
-from llmc.engine.torch.piece_graphs import PIECES_ENV, PieceGraphs, piece_buckets
+from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
 from llmc.engine.torch.sampler import Sampler
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -161,8 +161,7 @@ class TorchModelRunner:
         not fit in the GPU memory the KV cache left). Call it after :meth:`warmup`: it writes only the scratch
         block."""
         buckets = piece_buckets(budget, self.max_num_tokens)
-        if (self.graphs is None or not self.model.cuda_fused or not buckets
-                or os.environ.get(PIECES_ENV, "1") == "0"):
+        if self.graphs is None or not self.model.cuda_fused or not buckets or not pieces_enabled():
             return []
         pieces = PieceGraphs(self.model, self.kv_caches, buckets, self.num_blocks * self.block_size, self.device)
         try:

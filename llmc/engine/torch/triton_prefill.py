@@ -18,7 +18,6 @@ table (chunk row, first packed token, first position, tokens) is built on the ho
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -134,12 +133,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = num_heads // num_kv_heads
     group_p = _next_pow2(group)
     tokens = max(1, rows // group_p)
-    tiles = tiles_of(chunks, tokens)
-    if not tiles:
+    table = _tile_table(tuple(chunks), tokens, q.device)
+    if table is None:
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    table = torch.tensor(tiles, dtype=torch.int32).to(q.device, non_blocking=True)
-    _kernel()[(len(tiles), num_kv_heads)](
+    _kernel()[(table.shape[0], num_kv_heads)](
         q, k_cache, v_cache, block_tables, table, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
@@ -150,14 +148,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _tile_table(chunks: tuple[tuple[int, int, int, int], ...], tokens: int, device: torch.device
+                ) -> torch.Tensor | None:
+    """:func:`tiles_of` as an int32 ``[tiles, 4]`` tensor on ``device`` (None without tiles), built and uploaded
+    once for all the layers of a step (they attend the same chunks); only ever read by the kernel."""
+    tiles = tiles_of(list(chunks), tokens)
+    return torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True) if tiles else None
+
+
+def prefill_kernel_enabled() -> bool:
+    """The kernel takes chunks over a cached context (``LLMC_PREFILL_KERNEL`` is not ``0``; for A/B runs)."""
+    return not triton_support.switched_off(PREFILL_KERNEL_ENV)
+
+
 def attend_cached_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, chunks: list[tuple[int, int, int, int]], scale: float,
                          out: torch.Tensor) -> frozenset[int]:
     """On CUDA with Triton: a step's prompt chunks that continue a cached context (as :func:`paged_prefill_attention`
     takes them; chunks without cached tokens are left out) through the kernel, into ``out``; returns their table
     rows (none elsewhere, or with ``LLMC_PREFILL_KERNEL=0``: the caller's reference path takes them)."""
-    if os.environ.get(PREFILL_KERNEL_ENV, "1") == "0" or not kernel_available(q.device, k_cache.shape[1],
-                                                                               q.shape[-1]):  # CUDA only
+    if not prefill_kernel_enabled() or not kernel_available(q.device, k_cache.shape[1], q.shape[-1]):  # CUDA only
         return frozenset()
     chunks = [chunk for chunk in chunks if chunk[3] > 0]
     paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, scale, out)
