@@ -35,6 +35,7 @@ WARMUP_REQUEST_ID = "__llmc_warmup__"
 logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
 WARMUP_LONG_PROMPT = 512  # CUDA: tokens of the warm-up's second prompt, at least every int4 layer's dense_from_m
+WARMUP_CONTINUATION = 16  # CUDA: its last tokens, a chunk over the cached rest (the paged prefill kernel's path)
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -183,7 +184,9 @@ class TorchModelRunner:
         compiles, cuBLAS workspaces), and on CUDA cuDNN's attention plans for every prompt length bucket up to the
         longest prompt chunk (:func:`attention.warm_prompt_buckets`). The prefills run eagerly, the path of
         prompts longer than the graphs' rows; on CUDA a second one of up to :data:`WARMUP_LONG_PROMPT` tokens
-        takes the int4 layers' prefill path too (dequantize + cuBLAS from their ``dense_from_m`` rows).
+        takes the int4 layers' prefill path too (dequantize + cuBLAS from their ``dense_from_m`` rows), and its
+        last :data:`WARMUP_CONTINUATION` tokens come as a chunk over the cached rest, so the paged prefill kernel
+        (:mod:`llmc.engine.torch.triton_prefill`) is compiled here, not at the first prompt cut while serving.
 
         Writes into the first blocks only; that is harmless: a sequence only ever reads slots it wrote itself.
         """
@@ -196,12 +199,14 @@ class TorchModelRunner:
             lengths.append(min(WARMUP_LONG_PROMPT, self.max_prompt_chunk, self.num_blocks * self.block_size - 1))
         graphs, self.graphs = self.graphs, None  # the eager path first
         try:
-            for length in lengths:
+            for index, length in enumerate(lengths):
                 prompt = tuple(i % config.vocab_size for i in range(length))
                 blocks = tuple(range(-(-(length + 1) // self.block_size)))
-                prefill = ScheduledSequence(WARMUP_REQUEST_ID, prompt, 0, blocks, True, greedy,
-                                            prompt_token_ids=prompt)
-                first = self.execute(SchedulerOutput(step=-2, sequences=(prefill,)))
+                cut = length - WARMUP_CONTINUATION if index > 0 and length > 2 * WARMUP_CONTINUATION else length
+                for start, end in ((0, cut), (cut, length)) if cut < length else ((0, length),):
+                    chunk = ScheduledSequence(WARMUP_REQUEST_ID, prompt[start:end], start, blocks, end == length,
+                                              greedy, prompt_token_ids=prompt)
+                    first = self.execute(SchedulerOutput(step=-2, sequences=(chunk,)))
         finally:
             self.graphs = graphs
         token = first.sampled_token_ids[WARMUP_REQUEST_ID]

@@ -52,6 +52,38 @@ def test_warmup_builds_prompt_attention_plans_up_to_the_longest_prompt_chunk(bui
                      min(engine.max_input_len, engine.max_num_tokens))]
 
 
+def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkeypatch):
+    """On CUDA the warm-up's long prompt ends with a chunk over the cached rest, so the paged prefill kernel is
+    compiled before serving (a bf16 run at concurrency 8 stalled 1.1 s on that compile, 2026-12-03 21:23). The
+    steps are recorded, not run: the device is CUDA in name only."""
+    from types import SimpleNamespace
+
+    from llmc.engine.torch import attention
+    from llmc.engine.torch.runner import WARMUP_CONTINUATION, WARMUP_LONG_PROMPT, WARMUP_REQUEST_ID
+
+    runner = TorchModelRunner(build_dir, device="cpu")
+    monkeypatch.setattr(attention, "warm_prompt_buckets", lambda *args: [])
+    steps = []
+
+    def record(out):
+        steps.append(out.sequences)
+        return SimpleNamespace(sampled_token_ids={WARMUP_REQUEST_ID: 7})
+
+    monkeypatch.setattr(runner, "execute", record)
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    runner.warmup()
+    seqs = [seqs[0] for seqs in steps]
+    long = min(WARMUP_LONG_PROMPT, runner.max_prompt_chunk, runner.num_blocks * runner.block_size - 1)
+    assert [(s.num_computed, len(s.token_ids), s.sample) for s in seqs[1:]] == [
+        (0, long - WARMUP_CONTINUATION, False), (long - WARMUP_CONTINUATION, WARMUP_CONTINUATION, True), (long, 1, True)]
+    assert seqs[0].num_computed == 0 and seqs[0].sample  # the short prompt, whole
+    assert all(s.prompt_token_ids == seqs[-1].prompt_token_ids for s in seqs[1:])
+    monkeypatch.setattr(runner, "device", torch.device("cpu"))  # CPU: no long prompt, no continuation
+    steps.clear()
+    runner.warmup()
+    assert [(s[0].num_computed, s[0].sample) for s in steps] == [(0, True), (len(steps[0][0].token_ids), True)]
+
+
 def test_kv_budget_and_sizes_follow_the_recipe(build_dir, tiny_model):
     runner = TorchModelRunner(build_dir, device="cpu")
     cfg = tiny_model.config
