@@ -93,7 +93,7 @@ def test_runner_on_cuda_sizes_the_cache_from_free_memory_and_decodes_greedily(tm
 
 def test_warmup_compiles_the_paged_prefill_kernel_so_a_cut_prompt_compiles_nothing(tmp_path, monkeypatch):
     """A prompt cut in chunks attends its later chunks through the paged prefill kernel; the warm-up has compiled it
-    already (2026-12-03 21:23: a bf16 run at concurrency 8 stalled 1.1 s compiling it while serving)."""
+    already (before, it compiled while serving: most likely a bf16 run's 1.1 s stall at concurrency 8, 2026-12-03)."""
     import triton
 
     from llmc.engine.torch import triton_prefill

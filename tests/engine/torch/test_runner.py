@@ -54,7 +54,7 @@ def test_warmup_builds_prompt_attention_plans_up_to_the_longest_prompt_chunk(bui
 
 def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkeypatch):
     """On CUDA the warm-up's long prompt ends with a chunk over the cached rest, so the paged prefill kernel is
-    compiled before serving (a bf16 run at concurrency 8 stalled 1.1 s on that compile, 2026-12-03 21:23). The
+    compiled before serving (most likely what stalled a bf16 run at concurrency 8 for 1.1 s, 2026-12-03). The
     steps are recorded, not run: the device is CUDA in name only."""
     from types import SimpleNamespace
 
@@ -72,10 +72,11 @@ def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkey
     monkeypatch.setattr(runner, "execute", record)
     monkeypatch.setattr(runner, "device", torch.device("cuda"))
     runner.warmup()
-    seqs = [seqs[0] for seqs in steps]
+    seqs = [step[0] for step in steps]
     long = min(WARMUP_LONG_PROMPT, runner.max_prompt_chunk, runner.num_blocks * runner.block_size - 1)
+    cut = long - WARMUP_CONTINUATION
     assert [(s.num_computed, len(s.token_ids), s.sample) for s in seqs[1:]] == [
-        (0, long - WARMUP_CONTINUATION, False), (long - WARMUP_CONTINUATION, WARMUP_CONTINUATION, True), (long, 1, True)]
+        (0, cut, False), (cut, WARMUP_CONTINUATION, True), (long, 1, True)]
     assert seqs[0].num_computed == 0 and seqs[0].sample  # the short prompt, whole
     assert all(s.prompt_token_ids == seqs[-1].prompt_token_ids for s in seqs[1:])
     monkeypatch.setattr(runner, "device", torch.device("cpu"))  # CPU: no long prompt, no continuation
