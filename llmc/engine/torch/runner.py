@@ -194,16 +194,19 @@ class TorchModelRunner:
         attention.warm_prompt_buckets(config.num_heads, config.num_kv_heads, config.head_size,
                                       torch_dtype(config.dtype), self.device, self.max_prompt_chunk)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
-        lengths = [min(prompt_len, self.block_size - 1)]
+        short = min(prompt_len, self.block_size - 1)
+        prompts = [(0, short)]  # each prompt's chunk bounds
         if self.device.type == "cuda":
-            lengths.append(min(WARMUP_LONG_PROMPT, self.max_prompt_chunk, self.num_blocks * self.block_size - 1))
+            long = min(WARMUP_LONG_PROMPT, self.max_prompt_chunk, self.num_blocks * self.block_size - 1)
+            cut = long - WARMUP_CONTINUATION
+            prompts.append((0, cut, long) if cut > WARMUP_CONTINUATION else (0, long))
         graphs, self.graphs = self.graphs, None  # the eager path first
         try:
-            for index, length in enumerate(lengths):
+            for bounds in prompts:
+                length = bounds[-1]
                 prompt = tuple(i % config.vocab_size for i in range(length))
                 blocks = tuple(range(-(-(length + 1) // self.block_size)))
-                cut = length - WARMUP_CONTINUATION if index > 0 and length > 2 * WARMUP_CONTINUATION else length
-                for start, end in ((0, cut), (cut, length)) if cut < length else ((0, length),):
+                for start, end in zip(bounds, bounds[1:]):
                     chunk = ScheduledSequence(WARMUP_REQUEST_ID, prompt[start:end], start, blocks, end == length,
                                               greedy, prompt_token_ids=prompt)
                     first = self.execute(SchedulerOutput(step=-2, sequences=(chunk,)))
