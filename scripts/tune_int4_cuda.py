@@ -2,7 +2,8 @@
 """Check and tune llmc's W4A16 CUDA kernels on this GPU; write the shipped config table and a timing report.
 
 ``--kernels mma`` (default): llmc's CUDA tensor-core kernels (``csrc_cuda/w4a16_mma.cu``): every (row tiles,
-column tiles, warps, stages) config of ``int4_configs.mma_configs`` per row bucket (1, 8, 16, 32, 64, 128),
+column tiles, warps, stages) config of ``int4_configs.mma_configs`` per row bucket (1, 8, 16, 32, 64, 128;
+the warpgroup kernel's configs only on sm_90),
 checked and timed as below, and ``dense_from_m`` against dequantize + cuBLAS; stored under the shape's ``"mma"``
 key as ``[m_max, row tiles, column tiles, warps, stages]`` (table version 2). ``--kernels triton``: the Triton
 fallback, as follows.
@@ -42,8 +43,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
-from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, mma_configs, shape_key,  # noqa: E402
-                                            upgrade_table)
+from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmma, mma_configs,  # noqa: E402
+                                            shape_key, upgrade_table)
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
 
@@ -57,6 +58,7 @@ SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True)
 BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
 DENSE_MS = (128, 256, 512, 1024, 2048)
 LAYERS = 32
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9  # the warpgroup kernel's GPUs
 
 
 def candidates(m: int, quick: bool = False) -> list[KernelConfig]:
@@ -201,7 +203,8 @@ TRITON = Family("int4", "", BUCKETS, DENSE_MS, DENSE_MS, candidates,
                 lambda values: KernelConfig(*values),
                 lambda ref: torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2])  # fc, gate interleaved
 MMA = Family("mma int4", "mma_", MMA_BUCKETS, MMA_DENSE_MS, MMA_DENSE_MS + (2048,),
-             lambda m, quick: mma_configs(), lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
+             lambda m, quick: [c for c in mma_configs() if SM90 or not is_wgmma(c)],
+             lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
              lambda ref: torch.nn.functional.silu(ref[:, : ref.shape[1] // 2]) * ref[:, ref.shape[1] // 2:])
 
 
@@ -274,8 +277,8 @@ def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report
               f"({cublas / best_t:.2f}x)  best {family.to_list(best)}", flush=True)
     if old is not None:
         return merge_buckets(old, entry["buckets"])
-    kernel_cfg = family.from_list(entry["buckets"][-1][1:])
-    for m in family.report_ms:
+    for m in family.report_ms:  # each row count against the config the layer would run there (its bucket's)
+        kernel_cfg = family.from_list(next((b for b in entry["buckets"] if m <= b[0]), entry["buckets"][-1])[1:])
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         err = rel_error(layers[0], weight, silu_ref, layers[0]._dense, m)
         if not err < 1e-2:

@@ -84,9 +84,10 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
-    assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels (built "
-                                 "once with nvcc, then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 "
-                                 "turns it off)); qkv layers rotate q, k and write the KV cache in their epilogue "
+    assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels, with the "
+                                 "warpgroup (wgmma) kernel where the tuned table picks it (built once with nvcc, "
+                                 "then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 turns it off)); "
+                                 "qkv layers rotate q, k and write the KV cache in their epilogue "
                                  "(LLMC_ROPE_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
@@ -170,6 +171,7 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
     assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
     assert "cached; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
+    assert "warpgroup (wgmma)" in int4_cuda_path(None, 90) and "wgmma" not in int4_cuda_path(None, 80)
     monkeypatch.setenv("LLMC_CUDA_PDL", "early")
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")

@@ -3,15 +3,16 @@
 - ``llmc_w4a16_mma`` (``csrc_cuda/w4a16_mma.cu``): the W4A16 product of decode-sized steps on the tensor cores,
   one read of the packed weight (layout: :func:`llmc.engine.torch.int4_layout.pack_mma`), each warp streaming its
   weight tiles through a cp.async ring of ``stages`` tiles in shared memory (``stages`` 0: the register kernel,
-  each warp's tiles loaded straight into registers at once); ``llmc_w4a16_mma_rope``: the same product for a qkv
-  layer whose columns are interleaved per head, its epilogue rotating q and k (RoPE) and writing k and v to their
-  KV-cache slots (:meth:`llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`); ``llmc_w4a16_mma_dequant``
+  each warp's tiles loaded straight into registers at once; negative ``stages``, sm_90 only: the warpgroup kernel,
+  Hopper's wgmma over 8-256 rows a block that share their activations); ``llmc_w4a16_mma_rope``: the same product
+  for a qkv layer whose columns are interleaved per head, its epilogue rotating q and k (RoPE) and writing k and v
+  to their KV-cache slots (:meth:`llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`); ``llmc_w4a16_mma_dequant``
   writes the effective 16-bit weight for prefill steps (cuBLAS multiplies it). On sm_90+ the product launches with
   programmatic dependent launch (:func:`pdl`): its first weight tiles are requested while the previous kernel of
   the step finishes, also inside CUDA graphs.
 
-The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about a minute, once per
-machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash,
+The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about 1.5 minutes on two
+cores, once per machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash,
 flags (architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture
 records them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU
 older than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 11
+ABI_VERSION = 12
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 

@@ -58,7 +58,7 @@ def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
     return KernelConfig(block_m, block_n, 1, 4, 3, split)
 
 
-TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages (0: registers)]
+TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages (0: registers; < 0: wgmma)]
 
 
 @functools.cache
@@ -101,6 +101,16 @@ MMA_STAGES = (2, 4, 8)  # depths of each warp's cp.async ring
 MMA_REGISTERS = 0  # "stages" of the register kernel: no ring, each warp's tiles go straight to registers
 MMA_MAX_RING = 200 * 1024  # shared memory a config's ring may take (the CUDA library's kMaxSmem)
 MMA_MAX_BLOCK = 227 * 1024  # shared memory a block may take on the H100/H200: ring + AWQ's input scale
+# The warpgroup kernel (sm_90 only): "stages" -3, -4, -6; (column tiles, warps) = (4 x warpgroups x A tiles of 64
+# columns, 4 x warpgroups); row tiles of 8 up to 256 rows; at most 256 rows x A tiles a warpgroup (accumulators)
+WGMMA_STAGES = (-3, -4, -6)
+WGMMA_BLOCKS = ((4, 4), (8, 4), (8, 8), (16, 8))
+WGMMA_ROW_TILES = (1, 2, 4, 8, 16, 32)
+
+
+def is_wgmma(config: tuple[int, int, int, int]) -> bool:
+    """Whether ``config`` selects the warpgroup kernel (negative stages)."""
+    return config[3] < 0
 
 
 def register_depth(k: int, warps: int, n_tiles: int) -> int:
@@ -119,8 +129,12 @@ def mma_smem_bytes(config: tuple[int, int, int, int], k: int = 0, prequant: bool
     partial sums if larger. The ring kernel: each warp's ring of ``stages`` slots (the slot: column tiles x (32
     weight + 8 scale) uint4, row tiles x 64 uint4 of activations), then AWQ's input scale (2 K bytes) where the
     kernel applies it. The register kernel (stages 0): the block's rows (``rows``, at most 8 per row tile; None:
-    a full block) of one chunk of activations, each row padded by 16 bytes."""
+    a full block) of one chunk of activations, each row padded by 16 bytes. The warpgroup kernel (negative stages):
+    1 KB of alignment, then per stage the block's rows of 64 inputs (128 bytes a row) and each thread's weight words
+    and scale pairs (20 bytes an A tile), then the input scale."""
     mt, nt, warps, stages = config
+    if stages < 0:
+        return 1024 - stages * (8 * mt * 128 + 32 * warps * (nt // warps) * 20) + (2 * k if prequant else 0)
     partial = warps * nt * mt * 4 * 32 * 4
     if stages == MMA_REGISTERS:
         block_rows = 8 * mt if rows is None else min(8 * mt, rows)
@@ -135,18 +149,21 @@ def mma_configs() -> tuple[tuple[int, int, int, int], ...]:
     """Every ``(row tiles, column tiles, warps, stages)`` llmc's CUDA library launches (before the shape's own
     constraints: column tiles dividing N / 16, shared memory). Ring kernel: 16 warps only with at most 2 (row
     tile, column tile) pairs (a thread then has 128 registers), rings of at most 200 KB. Register kernel (stages
-    0): 1 or 2 row tiles."""
+    0): 1 or 2 row tiles. Warpgroup kernel (negative stages, sm_90 only): see ``WGMMA_*``."""
     ring = tuple((mt, nt, warps, stages) for mt in (1, 2, 4) for nt in (1, 2, 4) for warps in (4, 8, 16)
                  for stages in MMA_STAGES if (warps < 16 or mt * nt <= 2)
                  and mma_smem_bytes((mt, nt, warps, stages)) <= MMA_MAX_RING)
     registers = tuple((mt, nt, warps, MMA_REGISTERS) for mt in (1, 2) for nt in (1, 2, 4) for warps in (4, 8, 16))
-    return ring + registers
+    warpgroup = tuple((mt, nt, warps, stages) for mt in WGMMA_ROW_TILES for nt, warps in WGMMA_BLOCKS
+                      for stages in WGMMA_STAGES if 8 * mt * (nt // warps) <= 256 and (mt < 16 or stages == -4))
+    return ring + registers + warpgroup
 
 
-def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool, rows: int | None = None) -> bool:
+def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool, rows: int | None = None,
+             sm90: bool = True) -> bool:
     """Whether the library launches ``config`` for a layer of ``n`` columns and ``k`` inputs (at ``rows`` rows;
-    None: any row count)."""
-    return (config in mma_configs() and (n // 16) % config[1] == 0
+    None: any row count) on a GPU of compute capability 9.x (``sm90``; the warpgroup kernel needs one) or another."""
+    return (config in mma_configs() and (n // 16) % config[1] == 0 and (sm90 or not is_wgmma(config))
             and mma_smem_bytes(config, k, prequant, rows) <= MMA_MAX_BLOCK)
 
 

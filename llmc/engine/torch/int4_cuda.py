@@ -11,7 +11,8 @@ Two kernel families, chosen per layer at load (:func:`choose_backend`):
 
 - ``mma`` (:mod:`llmc.engine.torch.cuda_ext`, CUDA C++): the weight in tensor-core fragment order
   (:func:`llmc.engine.torch.int4_layout.pack_mma`), 1-32 rows per block on the tensor cores with one read of
-  the weight; used where nvcc and an sm_80+ GPU are there and the shape is whole tiles of 16 columns x 64 inputs
+  the weight (and, on sm_90, a warpgroup kernel for 8-256 rows a block that shares the block's activations between
+  its warps); used where nvcc and an sm_80+ GPU are there and the shape is whole tiles of 16 columns x 64 inputs
   (every Llama shape).
 - ``triton`` (:mod:`llmc.engine.torch.int4_triton`): the portable fallback
   (:func:`llmc.engine.torch.int4_layout.pack_for_cuda`), and the path Triton's CPU interpreter tests.
@@ -135,6 +136,7 @@ class Int4CudaLinear(nn.Module):
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
+            self._sm90 = words.is_cuda and torch.cuda.get_device_capability(words.device)[0] == 9  # warpgroup kernel
             scratch.reserve(dense=in_features * self.columns)
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
@@ -182,12 +184,13 @@ class Int4CudaLinear(nn.Module):
 
     def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
         """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket where the
-        library launches it for this layer, else the heuristic (kept per row count: decode steps ask every time)."""
+        library launches it for this layer (a warpgroup config only on sm_90), else the heuristic (kept per row
+        count: decode steps ask every time)."""
         config = self._mma_chosen.get(m)
         if config is None:
             prequant = self.prequant is not None
             tuned = next((c for m_max, c in self._mma_buckets if m <= m_max), None)
-            fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant, m)
+            fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant, m, self._sm90)
             config = tuned if fits else heuristic_mma_config(m, self.columns, self.in_features, prequant)
             self._mma_chosen[m] = config
         return config
@@ -211,7 +214,8 @@ class Int4CudaLinear(nn.Module):
 
     def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, stages: int) -> torch.Tensor:
         """The CUDA tensor-core kernel with an explicit config (the tuning script calls this); ``stages``: the depth
-        of each warp's cp.async ring, 0 for the register kernel (no ring)."""
+        of each warp's cp.async ring, 0 for the register kernel (no ring), negative for the warpgroup kernel
+        (sm_90; :data:`llmc.engine.torch.int4_configs.WGMMA_STAGES`)."""
         assert x.shape[-1] == self.in_features
         x = _rows_aligned(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)

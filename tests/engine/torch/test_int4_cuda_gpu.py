@@ -2,7 +2,8 @@
 dequantized weight at real shapes and row counts, the fused kernels against the reference ops, folded vs unfolded
 pre-quant scales, the qkv layer's RoPE + KV-write epilogue, the int4 engine against llmc's CPU engine on the same
 IR, and CUDA-graph decode of int4 layers;
-the CUDA C++ tensor-core kernels (``mma``) and the Triton fallback both.
+the CUDA C++ tensor-core kernels (``mma``: ring, register and, on sm_90, warpgroup kernels) and the Triton fallback
+both.
 The CPU tests of the same kernels (Triton's interpreter): tests/engine/torch/test_int4_cuda.py."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
 pytestmark = pytest.mark.gpu
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9  # the warpgroup kernel's GPUs
 
 ROWS = (1, 3, 8, 16, 17, 64, 255, 2048)
 SHAPES = [  # n (columns), k, group, silu_output (fc + gate interleaved), prequant in the kernel
@@ -101,8 +104,8 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
 
         assert rel(layer(x)) < 8e-3, (rows, layer.dense_from_m)
         if rows <= 255:
-            for config in mma_configs():  # the ring kernel's and the register kernel's (stages 0)
-                if mma_fits(config, n, k, prequant, rows):
+            for config in mma_configs():  # the ring, register (stages 0) and warpgroup (stages < 0) kernels'
+                if mma_fits(config, n, k, prequant, rows, sm90=SM90):
                     assert rel(layer.mma(x, *config)) < 8e-3, (rows, config)
         if rows in (3, 64):  # the prefill path at any row count
             assert rel(layer._dense(x)) < 8e-3, rows
@@ -142,7 +145,7 @@ def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, 
         static = torch.zeros(rows, 3, dtype=torch.int64)
         static[:, 2] = torch.randperm(blocks * block_size, generator=gen)[:rows]  # a strided column, as in graphs
         slots = static.cuda()[:, 2]
-        configs = [c for c in mma_configs() if mma_fits(c, n, k, True, rows)] if rows in (3, 17) else []
+        configs = [c for c in mma_configs() if mma_fits(c, n, k, True, rows, sm90=SM90)] if rows in (3, 17, 64) else []
         for config in [None, *configs]:
             ref_k = torch.zeros(blocks, block_size, nkv, hd, dtype=dtype, device="cuda")
             ref_v, k_cache, v_cache = torch.zeros_like(ref_k), torch.zeros_like(ref_k), torch.zeros_like(ref_k)

@@ -26,12 +26,15 @@
 // tiles, weights and activations alike, through a ring of STAGES slots in shared memory, filled with cp.async, so
 // its loads stay in flight while it multiplies.
 // Config stages 0 selects the register kernel (w4a16_reg_kernel): no ring, each warp loads all its tiles straight
-// into registers before waiting for the previous kernel.
+// into registers before waiting for the previous kernel. Negative stages select the warpgroup kernel
+// (w4a16_wgmma_kernel, sm_90a only; below).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 namespace {
 
@@ -821,8 +824,338 @@ int launch_cols(int ntile, int warps, int stages, const Call& a) {
   }
 }
 
+// ---- The warpgroup kernel (sm_90a): wgmma with the weight as the A operand in registers ----
+//
+// For 8-256 rows a block, where the ring kernel's warps each stream their own copy of the activations and run out of
+// registers (M = 64: 234 a thread, 2 warps a scheduler). y^T = W x^T as above, with Hopper's warpgroup mma
+// (wgmma.m64nNk16, N = the block's rows, up to 64 per instruction): a warpgroup (4 warps) multiplies 64 weight
+// columns (column tiles 4 a + w, w its warp) by the block's rows of activations, which sit once in shared memory
+// for all its warpgroups. The packed layout is pack_mma's, unchanged: a warp's 16-byte words of a tile are exactly
+// its A fragments of the tile's four k-steps (wgmma's register A fragment is mma.m16n8k16's, per warp), decoded to
+// ``q * s`` rounded to 16 bits, as the prefill's dequantized weight (the accumulator runs over the whole input, so
+// the group scale cannot multiply a group's sum as in the ring kernel). The activations (the B operand, K-major,
+// 128-byte swizzle) go to shared memory 4 bytes at a time, in the k order the layout gives each k-step
+// ({2t, 2t+1, 2t+8, 2t+9} -> 16 t + 4 s + {0..3}): loaded 16 bytes at a time into registers a chunk ahead, stored
+// as four words after the chunk's barrier, then made visible to the tensor cores (the async proxy) by a fence
+// that finds no load of the thread in flight (one that did waited for them: a memory latency per chunk; 4-byte
+// cp.async, one request per pair, was slower still). A stage is a chunk of 64 inputs: the weights of chunk
+// i + STAGES - 2 are requested (cp.async) while chunk i is multiplied, and chunk i's wgmma run while chunk i + 1
+// is decoded (two sets of A registers). One block barrier per chunk; no split-K: each block owns its columns'
+// whole sums (deterministic). AWQ's input scale (o, down) multiplies the decoded weight: round(round(q s) p).
+
+// wgmma_rs(d, a, desc, T()): d += A (the warpgroup's registers a) x B (the shared-memory matrix ``desc``), m64nNk16
+// for N = 2 x the accumulators a thread holds (8-64), f32 accumulators, T (bf16 or fp16) inputs.
+#define LLMC_F4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define LLMC_WGMMA_RS_T(NB, TY, CT, ACC, REST, ...)                                                          \
+  __device__ __forceinline__ void wgmma_rs(float (&d)[NB / 2], const uint32_t (&a)[4], uint64_t desc, CT) {   \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n" #NB "k16.f32." TY "." TY " {" ACC "}, " REST ", 1, 1, 1, 0;\n" \
+                 : __VA_ARGS__                                                                                   \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));                                   \
+  }
+#define LLMC_WGMMA_RS(NB, ACC, REST, ...)                          \
+  LLMC_WGMMA_RS_T(NB, "bf16", __nv_bfloat16, ACC, REST, __VA_ARGS__) \
+  LLMC_WGMMA_RS_T(NB, "f16", __half, ACC, REST, __VA_ARGS__)
+LLMC_WGMMA_RS(8, "%0, %1, %2, %3",
+              "{%4, %5, %6, %7}, %8", LLMC_F4(0))
+LLMC_WGMMA_RS(16, "%0, %1, %2, %3, %4, %5, %6, %7",
+              "{%8, %9, %10, %11}, %12", LLMC_F4(0), LLMC_F4(4))
+LLMC_WGMMA_RS(32, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+              "{%16, %17, %18, %19}, %20", LLMC_F4(0), LLMC_F4(4), LLMC_F4(8), LLMC_F4(12))
+LLMC_WGMMA_RS(64, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+              "{%32, %33, %34, %35}, %36", LLMC_F4(0), LLMC_F4(4), LLMC_F4(8), LLMC_F4(12), LLMC_F4(16), LLMC_F4(20),
+              LLMC_F4(24), LLMC_F4(28))
+#undef LLMC_WGMMA_RS
+#undef LLMC_WGMMA_RS_T
+#undef LLMC_F4
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// cp.async's writes (generic proxy) made visible to wgmma's reads of shared memory (async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The accumulators are written by the tensor cores behind the compiler's back: pin them around the waits.
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle: rows of 128 bytes, 8-row groups
+// 1,024 bytes apart (the stride byte offset); the leading offset is unused in this mode.
+__device__ __forceinline__ uint64_t sw128_desc(unsigned addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ uint32_t dup_low(uint32_t v) { return __byte_perm(v, v, 0x1010); }
+__device__ __forceinline__ uint32_t dup_high(uint32_t v) { return __byte_perm(v, v, 0x3232); }
+
+// T, R rows a block (NB = min(R, 64) per wgmma, R / NB of them per k-step), WG warpgroups of NA A tiles (64 columns)
+// each, STAGES >= 3 chunks of 64 inputs in shared memory.
+template <typename T, int R, int WG, int NA, int STAGES>
+__global__ void __launch_bounds__(WG * 128)
+w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
+                   const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
+                   Epilogue ep, int late_trigger) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Ops = Half2Ops<T>;
+  constexpr int NB = R < 64 ? R : 64, RB = R / NB, THREADS = WG * 128, D = STAGES - 2;
+  constexpr int XSTAGE = R * 128, WSTAGE = THREADS * NA * 16, SSTAGE = THREADS * NA * 4;
+  extern __shared__ __align__(16) unsigned char wg_smem[];
+  if (!late_trigger) allow_next_grid();
+  const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wg_smem));
+  const unsigned xs = (raw + 1023u) & ~1023u;  // the swizzled activations: 1,024-byte aligned
+  const unsigned ws = xs + STAGES * XSTAGE, ss = ws + STAGES * WSTAGE, ps = ss + STAGES * SSTAGE;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wgi = warp >> 2, wq = warp & 3;
+  const int ktiles = k >> 6, groups = ktiles >> group_shift;
+  const int nt0 = blockIdx.y * (4 * WG * NA), row0 = blockIdx.x * R;
+  int ct[NA];  // this warp's column tile of A tile a
+#pragma unroll
+  for (int a = 0; a < NA; ++a) ct[a] = nt0 + (wgi * NA + a) * 4 + wq;
+  // The chunk's pair P of inputs (2P, 2P + 1 = 16 t' + 4 s' + 2 h' + e) goes to k-step s', slot 2 t' + 8 h' + e:
+  // byte 32 s' + 16 h' + 4 t' of the row, before the swizzle.
+
+  // Per-thread addresses, fixed for the whole loop (a chunk only moves them by a constant): the thread's weight
+  // words of chunk 0 (one 16-byte word per A tile, 512 bytes a chunk further each chunk) and scale pairs.
+  const uint4* wsrc[NA];
+  const uint32_t* ssrc[NA];
+#pragma unroll
+  for (int a = 0; a < NA; ++a) {
+    wsrc[a] = w + static_cast<size_t>(ct[a]) * ktiles * 32 + lane;
+    ssrc[a] = scales + static_cast<size_t>(ct[a]) * groups * 8 + g;
+  }
+  const unsigned wdst = ws + tid * NA * 16, sdst = ss + tid * NA * 4;
+  auto request_weights = [&](int i) {  // chunks past the last re-read the last one (never used)
+    const int j = i % STAGES, ic = i < ktiles ? i : ktiles - 1;
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+      cp_async16(wdst + j * WSTAGE + a * 16, wsrc[a] + ic * 32, 16u);
+      cp_async4(sdst + j * SSTAGE + a * 4, ssrc[a] + (ic >> group_shift) * 8, 4u);
+    }
+  };
+  // Activations: 8 inputs (16 bytes) per load, thread f of the chunk's 8 R pieces (row f / 8, inputs 8 (f % 8) ..),
+  // loaded into registers one chunk ahead and stored as four 4-byte words, each to its k-step's slot: pair q of the
+  // piece goes to 16-byte chunk 4 h'' + q of the row (h'' = f % 2), word t' = (f % 8) / 2, then the swizzle. A warp
+  // stores 4 consecutive rows: no bank conflicts. Thread f's pieces are f + THREADS li: rows THREADS / 8 apart (a
+  // multiple of 8, so the swizzle and the four store offsets are the thread's own for every li). Rows past the
+  // last are read from the last row (their sums are never written).
+  constexpr int LOADS = (8 * R + THREADS - 1) / THREADS, RSTEP = THREADS / 8;
+  static_assert(RSTEP % 8 == 0, "the swizzle of a thread's rows must not depend on li");
+  const int rr0 = tid >> 3, piece = tid & 7;
+  const bool stores = (8 * R) % THREADS == 0 || rr0 < R;  // R = 8 with 2 warpgroups: half the threads
+  int xoff[LOADS];  // element offset of piece li in chunk 0
+#pragma unroll
+  for (int li = 0; li < LOADS; ++li) {
+    const int r = min(row0 + rr0 + RSTEP * li, rows - 1);
+    xoff[li] = r * ldx + 8 * piece;
+  }
+  unsigned xdst[4];  // shared offset of pair q of piece 0 in stage 0 (+ RSTEP * 128 per li)
+#pragma unroll
+  for (int q = 0; q < 4; ++q) xdst[q] = xs + rr0 * 128 + 4 * (piece >> 1) + (((4 * (piece & 1) + q) ^ (rr0 & 7)) << 4);
+  uint4 xr[LOADS];
+  auto load_inputs = [&](int i) {
+    const T* src = x + 64 * (i < ktiles ? i : ktiles - 1);
+#pragma unroll
+    for (int li = 0; li < LOADS; ++li)
+      if (stores) xr[li] = *reinterpret_cast<const uint4*>(src + xoff[li]);
+  };
+  auto store_inputs = [&](int i) {
+    const unsigned stage = (i % STAGES) * XSTAGE;
+    if (!stores) return;
+#pragma unroll
+    for (int li = 0; li < LOADS; ++li) {
+      const unsigned at = stage + li * RSTEP * 128;
+      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[0] + at), "r"(xr[li].x) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[1] + at), "r"(xr[li].y) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[2] + at), "r"(xr[li].z) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[3] + at), "r"(xr[li].w) : "memory");
+    }
+  };
+  const bool has_prequant = prequant != nullptr;
+  if (has_prequant) {  // AWQ's input scale, whole, in the first commit group
+    const uint4* src = reinterpret_cast<const uint4*>(prequant);
+    for (int i = tid; i < (k >> 3); i += THREADS) cp_async16_ca(ps + 16 * i, src + i, 16u);
+  }
+  for (int i = 0; i < D; ++i) request_weights(i);  // weights do not depend on the previous kernel
+  wait_prior_grid();
+  for (int i = 0; i < D; ++i) {
+    load_inputs(i);
+    store_inputs(i);
+    cp_async_commit();  // chunk i's weights (the first group: all prologue weights and the input scale)
+  }
+  fence_async_shared();
+  load_inputs(D);
+
+  float acc[NA][RB][NB / 2];
+#pragma unroll
+  for (int a = 0; a < NA; ++a)
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+      for (int e = 0; e < NB / 2; ++e) acc[a][rb][e] = 0.f;
+  uint32_t A[2][NA][4][4];
+  const uint32_t mask = 0x000F000Fu, magic = Ops::kMagic;
+
+  // Chunk i into A set P (P = i & 1): wait for its copies, request chunk i + D, decode, multiply.
+  auto step = [&](int i, auto parity) {
+    constexpr int P = decltype(parity)::value;
+    const int j = i % STAGES;
+    cp_async_wait<D - 1>();  // this thread's copies of chunk i's weights have landed
+    __syncthreads();  // every thread stored (and fenced) chunk i's activations; chunk i - 2's wgmma are done
+    // chunk i + D's activations (loaded during the previous chunk) into the slot chunk i - 2 left, made visible to
+    // the tensor cores' reads (the async proxy) by this thread's fence, then that chunk's weights requested and the
+    // next chunk's activations loaded. The fence waits for this thread's loads in flight: none are, here.
+    store_inputs(i + D);
+    fence_async_shared();
+    request_weights(i + D);
+    cp_async_commit();
+    load_inputs(i + D + 1);
+    uint4 pq0, pq1;
+    if (has_prequant) {
+      pq0 = ld_shared16(ps + 128 * i + 32 * t);
+      pq1 = ld_shared16(ps + 128 * i + 32 * t + 16);
+    }
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+      const uint4 words = ld_shared16(ws + j * WSTAGE + (tid * NA + a) * 16);
+      const uint32_t sc = ld_shared4(ss + j * SSTAGE + (tid * NA + a) * 4);
+      const uint32_t s_lo = dup_low(sc), s_hi = dup_high(sc);  // columns g and g + 8
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t word = word_of(words, s);
+        uint32_t* f = A[P][a][s];
+        f[0] = Ops::mul(Ops::sub(and_or(word, mask, magic), Ops::kOffset), s_lo);
+        f[1] = Ops::mul(Ops::sub(and_or(word >> 4, mask, magic), Ops::kOffset), s_hi);
+        f[2] = Ops::mul(Ops::sub(and_or(word >> 8, mask, magic), Ops::kOffset), s_lo);
+        f[3] = Ops::mul(Ops::sub(and_or(word >> 12, mask, magic), Ops::kOffset), s_hi);
+        if (has_prequant) {  // inputs 16 t + 4 s + {0, 1} and + {2, 3}: words 2 s and 2 s + 1 of the lane's 8
+          const uint4& pq = s < 2 ? pq0 : pq1;
+          const uint32_t p01 = word_of(pq, (2 * s) & 3), p23 = word_of(pq, (2 * s + 1) & 3);
+          f[0] = Ops::mul(f[0], p01);
+          f[1] = Ops::mul(f[1], p01);
+          f[2] = Ops::mul(f[2], p23);
+          f[3] = Ops::mul(f[3], p23);
+        }
+      }
+    }
+    const uint64_t desc = sw128_desc(xs + j * XSTAGE);  // + (byte offset) / 16 moves its start address
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int a = 0; a < NA; ++a)
+#pragma unroll
+        for (int rb = 0; rb < RB; ++rb)
+          wgmma_rs(acc[a][rb], A[P][a][s], desc + ((rb * NB * 128 + 32 * s) >> 4), T());
+    wgmma_commit();
+    wgmma_wait<1>();  // chunk i - 1's wgmma are done: its A set is free for chunk i + 1
+  };
+  for (int i = 0; i < ktiles; i += 2) {
+    step(i, std::integral_constant<int, 0>{});
+    if (i + 1 < ktiles) step(i + 1, std::integral_constant<int, 1>{});
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int a = 0; a < NA; ++a)
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb) pin(acc[a][rb]);
+  cp_async_wait<0>();
+  if (late_trigger) allow_next_grid();
+
+  // acc[a][rb][4 jj + e] (e < 2): column g of tile ct[a], row rb NB + 8 jj + 2 t + e; + 2: column g + 8.
+#pragma unroll
+  for (int a = 0; a < NA; ++a)
+#pragma unroll
+    for (int rb = 0; rb < RB; ++rb)
+#pragma unroll
+      for (int jj = 0; jj < NB / 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = row0 + rb * NB + 8 * jj + 2 * t + e;
+          if (r >= rows) continue;
+          const float lo = acc[a][rb][4 * jj + e], hi = acc[a][rb][4 * jj + 2 + e];
+          if (ep.mode == 1) {
+            y[static_cast<size_t>(r) * ldy + 8 * ct[a] + g] = Ops::from_float(silu(lo) * hi);
+          } else if (ep.mode == 2) {
+            rope_pair<T>(ep, r, ct[a], g, lo, hi);
+          } else {
+            T* row = y + static_cast<size_t>(r) * ldy;
+            row[column_of(ct[a], g, 0, ep.period)] = Ops::from_float(lo);
+            row[column_of(ct[a], g, 1, ep.period)] = Ops::from_float(hi);
+          }
+        }
+#else
+  __trap();  // launched only on sm_90 (the library is built for the GPU's own architecture: sm_90a there)
+#endif
+}
+
+template <int R, int WG, int NA, int STAGES>
+constexpr int wgmma_smem_bytes() { return 1024 + STAGES * (R * 128 + WG * 128 * NA * 20); }
+
+// Configs the library instantiates: R 8-256 rows a block (as row tiles of 8: 1-32), WG x NA A tiles of 64
+// columns (column tiles 4 WG NA), 3, 4 or 6 stages (4 from 128 rows); at most 128 accumulators a thread.
+template <typename T, int R, int WG, int NA, int STAGES>
+int launch_wgmma_t(const Call& a) {
+  if constexpr (NA * R > 256 || (R >= 128 && STAGES != 4)) {
+    return -1;
+  } else {
+    constexpr int smem = wgmma_smem_bytes<R, WG, NA, STAGES>();
+    const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);
+    if ((a.n / 16) % (4 * WG * NA) || total > kMaxBlockSmem) return -1;
+    if (static_cast<long long>(a.rows) * a.ldx >= (1ll << 31)) return -1;  // 32-bit element offsets
+    const dim3 grid((a.rows + R - 1) / R, a.n / (64 * WG * NA));
+    return launch(w4a16_wgmma_kernel<T, R, WG, NA, STAGES>, grid, WG * 128, total, a.stream, a.pdl != 0,
+                  static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
+                  static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
+                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.ep, a.pdl == 2 ? 1 : 0);
+  }
+}
+
+template <typename T, int R, int WG, int NA>
+int launch_wgmma_stages(int stages, const Call& a) {
+  switch (stages) {
+    case 3: return launch_wgmma_t<T, R, WG, NA, 3>(a);
+    case 4: return launch_wgmma_t<T, R, WG, NA, 4>(a);
+    case 6: return launch_wgmma_t<T, R, WG, NA, 6>(a);
+    default: return -1;
+  }
+}
+
+template <typename T, int R>
+int launch_wgmma_cols(int ntile, int warps, int stages, const Call& a) {
+  if (warps == 4 && ntile == 4) return launch_wgmma_stages<T, R, 1, 1>(stages, a);
+  if (warps == 4 && ntile == 8) return launch_wgmma_stages<T, R, 1, 2>(stages, a);
+  if (warps == 8 && ntile == 8) return launch_wgmma_stages<T, R, 2, 1>(stages, a);
+  if (warps == 8 && ntile == 16) return launch_wgmma_stages<T, R, 2, 2>(stages, a);
+  return -1;
+}
+
+// Config (row tiles, column tiles, warps, -stages): the warpgroup kernel (negative stages), sm_90 only.
+template <typename T>
+int launch_wgmma(int mtiles, int ntile, int warps, int stages, const Call& a) {
+  int major = 0, device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
+    return -1;
+  switch (mtiles) {
+    case 1: return launch_wgmma_cols<T, 8>(ntile, warps, stages, a);
+    case 2: return launch_wgmma_cols<T, 16>(ntile, warps, stages, a);
+    case 4: return launch_wgmma_cols<T, 32>(ntile, warps, stages, a);
+    case 8: return launch_wgmma_cols<T, 64>(ntile, warps, stages, a);
+    case 16: return launch_wgmma_cols<T, 128>(ntile, warps, stages, a);
+    case 32: return launch_wgmma_cols<T, 256>(ntile, warps, stages, a);
+    default: return -1;
+  }
+}
+
 template <typename T>
 int launch_dtype(int mtiles, int ntile, int warps, int stages, const Call& a) {
+  if (stages < 0) return launch_wgmma<T>(mtiles, ntile, warps, -stages, a);
   switch (mtiles) {
     case 1: return launch_cols<T, 1>(ntile, warps, stages, a);
     case 2: return launch_cols<T, 2>(ntile, warps, stages, a);
@@ -838,7 +1171,10 @@ extern "C" {
 // y [rows, n] (or [rows, n/2] with silu_out) = x [rows, k] (row stride ldx, 16-byte aligned) times the packed
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
 // per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
-// (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}). period: the
+// (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}); or the
+// warpgroup kernel (sm_90 only), stages -3, -4 or -6 (-4 from 16 row tiles), mtiles in {1, 2, 4, 8, 16, 32},
+// (ntile, warps) in {(4, 4), (8, 4), (8, 8), (16, 8)} (warpgroups = warps / 4, each ntile / warps A tiles of 64
+// columns; at most 256 rows x A tiles a warpgroup), ntile dividing n / 16. period: the
 // weight's columns interleaved in blocks of 8 within segments of that many columns (0: none; see Epilogue). pdl:
 // launch with programmatic stream serialization (sm_90+): the kernel's first weight requests overlap the end of the
 // previous kernel (1: the next kernel may start its blocks at once, 2: once every block of this one has its loads
@@ -896,6 +1232,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, period);
 }
 
-int llmc_w4a16_abi_version() { return 11; }
+int llmc_w4a16_abi_version() { return 12; }
 
 }  // extern "C"
