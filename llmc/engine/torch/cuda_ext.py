@@ -12,10 +12,11 @@
   the step finishes, also inside CUDA graphs.
 
 The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about 1.5 minutes on two
-cores, once per machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``) by source hash,
-flags (architecture included) and nvcc version. Launches go to PyTorch's current stream, so CUDA-graph capture
-records them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is unavailable (no nvcc, a GPU
-older than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and :func:`status` says why.
+cores, once per machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``)
+by source hash, flags (architecture included) and nvcc version. Launches go to PyTorch's current stream, so
+CUDA-graph capture records them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is
+unavailable (no nvcc, a GPU older than sm_80, a failed build), the int4 layers use llmc's Triton kernels instead and
+:func:`status` says why.
 """
 
 from __future__ import annotations

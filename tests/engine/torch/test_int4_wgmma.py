@@ -1,10 +1,10 @@
-"""The warpgroup kernel of llmc/engine/torch/csrc_cuda/w4a16_mma.cu (``w4a16_wgmma_kernel``, sm_90a) checked on CPU:
-an emulation of its lanes over the packed layout (:func:`llmc.engine.torch.int4_layout.pack_mma`): each thread's
-16-byte loads of the activations stored as 4-byte words into the 128-byte-swizzled rows of shared memory, the B operand read back through
-the matrix descriptor's addressing (K-major, 128-byte swizzle, the k-step's start 32 bytes on), the A fragments
-decoded from each word as the kernel does (``q * s`` rounded to 16 bits, times AWQ's input scale), wgmma's
-accumulator layout and the epilogue's row index. It must give the product over the rounded weight. The kernel
-itself runs on the H200 in tests/engine/torch/test_int4_cuda_gpu.py."""
+"""The warpgroup kernel of llmc/engine/torch/csrc_cuda/w4a16_mma.cu (``w4a16_wgmma_kernel``, sm_90a) checked on CPU: an
+emulation of its lanes over the packed layout (:func:`llmc.engine.torch.int4_layout.pack_mma`): each thread's
+16-byte loads of the activations stored as 4-byte words into the 128-byte-swizzled rows of shared memory, the B
+operand read back through the matrix descriptor's addressing (K-major, 128-byte swizzle, the k-step's start 32 bytes
+on), the A fragments decoded from each word as the kernel does (``q * s`` rounded to 16 bits, times AWQ's input
+scale), wgmma's accumulator layout and the epilogue's row index. It must give the product over the rounded weight.
+The kernel itself runs on the H200 in tests/engine/torch/test_int4_cuda_gpu.py."""
 
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ def test_the_warpgroup_configs_are_those_the_library_instantiates():
     the others); its shared memory is 1 KB of alignment plus, per stage, 128 bytes a row and 20 bytes a thread's A
     tile, plus the input scale."""
     configs = {c for c in mma_configs() if is_wgmma(c)}
-    expected = {(mt, nt, w, s) for mt in (1, 2, 4, 8) for nt, w in ((4, 4), (8, 4), (8, 8), (16, 8)) for s in (-3, -4, -6)}
-    expected |= {(16, nt, w, -4) for nt, w in ((4, 4), (8, 4), (8, 8), (16, 8))} | {(32, 4, 4, -4), (32, 8, 8, -4)}
+    blocks = ((4, 4), (8, 4), (8, 8), (16, 8))
+    expected = {(mt, nt, w, s) for mt in (1, 2, 4, 8) for nt, w in blocks for s in (-3, -4, -6)}
+    expected |= {(16, nt, w, -4) for nt, w in blocks} | {(32, 4, 4, -4), (32, 8, 8, -4)}
     assert configs == expected
     assert mma_smem_bytes((8, 16, 8, -6)) == 1024 + 6 * (64 * 128 + 256 * 2 * 20)
     assert mma_smem_bytes((32, 8, 8, -4), k=14336, prequant=True) == 1024 + 4 * (256 * 128 + 256 * 20) + 2 * 14336

@@ -917,9 +917,6 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
   int ct[NA];  // this warp's column tile of A tile a
 #pragma unroll
   for (int a = 0; a < NA; ++a) ct[a] = nt0 + (wgi * NA + a) * 4 + wq;
-  // The chunk's pair P of inputs (2P, 2P + 1 = 16 t' + 4 s' + 2 h' + e) goes to k-step s', slot 2 t' + 8 h' + e:
-  // byte 32 s' + 16 h' + 4 t' of the row, before the swizzle.
-
   // Per-thread addresses, fixed for the whole loop (a chunk only moves them by a constant): the thread's weight
   // words of chunk 0 (one 16-byte word per A tile, 512 bytes a chunk further each chunk) and scale pairs.
   const uint4* wsrc[NA];
@@ -938,9 +935,11 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
       cp_async4(sdst + j * SSTAGE + a * 4, ssrc[a] + (ic >> group_shift) * 8, 4u);
     }
   };
-  // Activations: 8 inputs (16 bytes) per load, thread f of the chunk's 8 R pieces (row f / 8, inputs 8 (f % 8) ..),
-  // loaded into registers one chunk ahead and stored as four 4-byte words, each to its k-step's slot: pair q of the
-  // piece goes to 16-byte chunk 4 h'' + q of the row (h'' = f % 2), word t' = (f % 8) / 2, then the swizzle. A warp
+  // Activations: the chunk's pair P of inputs (2P, 2P + 1 = 16 t' + 4 s' + 2 h' + e) goes to k-step s', slot
+  // 2 t' + 8 h' + e: byte 32 s' + 16 h' + 4 t' of the row, before the swizzle. 8 inputs (16 bytes) per load,
+  // thread f of the chunk's 8 R pieces (row f / 8, inputs 8 (f % 8) ..), loaded into registers one chunk ahead and
+  // stored as four 4-byte words, each to its k-step's slot: pair q of the piece goes to 16-byte chunk 4 h'' + q of
+  // the row (h'' = f % 2), word t' = (f % 8) / 2, then the swizzle. A warp
   // stores 4 consecutive rows: no bank conflicts. Thread f's pieces are f + THREADS li: rows THREADS / 8 apart (a
   // multiple of 8, so the swizzle and the four store offsets are the thread's own for every li). Rows past the
   // last are read from the last row (their sums are never written).
@@ -1009,7 +1008,8 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     __syncthreads();  // every thread stored (and fenced) chunk i's activations; chunk i - 2's wgmma are done
     // chunk i + D's activations (loaded during the previous chunk) into the slot chunk i - 2 left, made visible to
     // the tensor cores' reads (the async proxy) by this thread's fence, then that chunk's weights requested and the
-    // next chunk's activations loaded. The fence waits for this thread's loads in flight: none are, here.
+    // next chunk's activations loaded. The fence waits for this thread's loads into registers still in flight:
+    // there are none here (placed after those loads, it cost a memory latency per chunk).
     store_inputs(i + D);
     fence_async_shared();
     request_weights(i + D);
