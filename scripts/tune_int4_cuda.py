@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
 from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmma, mma_configs,  # noqa: E402
                                             shape_key, upgrade_table)
+from llmc.engine.torch import cuda_ext  # noqa: E402
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
 
@@ -58,7 +59,7 @@ SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True)
 BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
 DENSE_MS = (128, 256, 512, 1024, 2048)
 LAYERS = 32
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9  # the warpgroup kernel's GPUs
+SM90 = cuda_ext.warpgroup_kernels()  # the warpgroup kernel's GPUs
 
 
 def candidates(m: int, quick: bool = False) -> list[KernelConfig]:

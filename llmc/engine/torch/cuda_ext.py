@@ -160,6 +160,12 @@ def pdl_mode(major: int) -> int:
 PDL_MODES = {0: "off", 1: "early", 2: "late"}
 
 
+def warpgroup_kernels(device: torch.device | int | None = None) -> bool:
+    """Whether the library's warpgroup (wgmma) kernel runs on ``device``: compute capability 9.x, for which the
+    library is built as sm_90a (negative-stages configs, :data:`llmc.engine.torch.int4_configs.WGMMA_STAGES`)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+
+
 @functools.cache
 def pdl(device: torch.device | int | None = None) -> int:
     """:func:`pdl_mode` of ``device`` (read once per process)."""

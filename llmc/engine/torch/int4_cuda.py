@@ -136,7 +136,7 @@ class Int4CudaLinear(nn.Module):
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
-            self._sm90 = words.is_cuda and torch.cuda.get_device_capability(words.device)[0] == 9  # warpgroup kernel
+            self._sm90 = words.is_cuda and cuda_ext.warpgroup_kernels(words.device)
             scratch.reserve(dense=in_features * self.columns)
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
+from llmc.engine.torch import cuda_ext
 from llmc.engine.torch.int4_configs import heuristic_config, mma_configs, mma_fits
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
 pytestmark = pytest.mark.gpu
 
-SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9  # the warpgroup kernel's GPUs
+SM90 = cuda_ext.warpgroup_kernels()  # the warpgroup kernel's GPUs
 
 ROWS = (1, 3, 8, 16, 17, 64, 255, 2048)
 SHAPES = [  # n (columns), k, group, silu_output (fc + gate interleaved), prequant in the kernel

@@ -143,6 +143,10 @@ __device__ __forceinline__ void st_shared16(unsigned addr, const uint4& v) {
                : "memory");
 }
 
+__device__ __forceinline__ void st_shared4(unsigned addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ uint32_t ld_shared4(unsigned addr) {
   uint32_t r;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr) : "memory");
@@ -969,10 +973,10 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
 #pragma unroll
     for (int li = 0; li < LOADS; ++li) {
       const unsigned at = stage + li * RSTEP * 128;
-      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[0] + at), "r"(xr[li].x) : "memory");
-      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[1] + at), "r"(xr[li].y) : "memory");
-      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[2] + at), "r"(xr[li].z) : "memory");
-      asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(xdst[3] + at), "r"(xr[li].w) : "memory");
+      st_shared4(xdst[0] + at, xr[li].x);
+      st_shared4(xdst[1] + at, xr[li].y);
+      st_shared4(xdst[2] + at, xr[li].z);
+      st_shared4(xdst[3] + at, xr[li].w);
     }
   };
   const bool has_prequant = prequant != nullptr;
