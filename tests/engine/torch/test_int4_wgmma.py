@@ -50,6 +50,29 @@ def test_a_warps_stores_of_four_rows_hit_32_distinct_banks():
             assert len(banks) == 32, (first_row, q)
 
 
+def kernel_store_address(tid: int, li: int, q: int, threads: int, xs: int, stage: int) -> int:
+    """The kernel's shared address of pair q of thread tid's piece li: one base a thread (``xdst0``: pair 0, stage 0),
+    bits 4-5 xor q, then the stage and li x RSTEP rows (RSTEP = threads / 8)."""
+    rr0, piece = tid >> 3, tid & 7
+    xdst0 = xs + rr0 * 128 + 4 * (piece >> 1) + (((4 * (piece & 1)) ^ (rr0 & 7)) << 4)
+    return (xdst0 ^ (q << 4)) + stage + li * (threads // 8) * 128
+
+
+def test_the_kernels_store_addresses_are_the_swizzled_layout():
+    """The xor form of the kernel's store addresses (one base register a thread) lands every pair where the layout
+    above puts it, for both block sizes, any 1,024-byte-aligned ring and any stage (a multiple of 128 bytes)."""
+    for threads in (128, 256):
+        for xs in (0, 1024, 7 * 1024):
+            for stage in (0, 8 * 128, 3 * 64 * 128):
+                for tid in range(threads):
+                    piece = tid & 7
+                    for li in range(2):
+                        rr = (tid >> 3) + li * (threads // 8)
+                        for q in range(4):
+                            layout = rr * 128 + (((4 * (piece & 1) + q) ^ (rr & 7)) << 4) + 4 * (piece >> 1)
+                            assert kernel_store_address(tid, li, q, threads, xs, stage) == xs + stage + layout
+
+
 def b_operand(smem: dict[int, float], s: int, rows: int) -> torch.Tensor:
     """B [16 k, rows] of k-step s as the tensor cores read it through the descriptor: element (kk, n) at
     ``start + n * 128 + 2 kk`` (8-row groups 1,024 bytes apart), start = the stage + 32 s, then swizzled."""

@@ -898,6 +898,13 @@ __device__ __forceinline__ uint64_t sw128_desc(unsigned addr) {
 __device__ __forceinline__ uint32_t dup_low(uint32_t v) { return __byte_perm(v, v, 0x1010); }
 __device__ __forceinline__ uint32_t dup_high(uint32_t v) { return __byte_perm(v, v, 0x3232); }
 
+// Makes v opaque to the compiler from here on (an empty asm that may change it): v stays in a register instead of
+// being recomputed from what it was computed from.
+__device__ __forceinline__ void opaque(unsigned& v) { asm volatile("" : "+r"(v)); }
+__device__ __forceinline__ void opaque(int& v) { asm volatile("" : "+r"(v)); }
+template <typename P>
+__device__ __forceinline__ void opaque(const P*& p) { asm volatile("" : "+l"(p)); }
+
 // T, R rows a block (NB = min(R, 64) per wgmma, R / NB of them per k-step), WG warpgroups of NA A tiles (64 columns)
 // each, STAGES >= 3 chunks of 64 inputs in shared memory.
 template <typename T, int R, int WG, int NA, int STAGES>
@@ -930,13 +937,14 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     wsrc[a] = w + static_cast<size_t>(ct[a]) * ktiles * 32 + lane;
     ssrc[a] = scales + static_cast<size_t>(ct[a]) * groups * 8 + g;
   }
-  const unsigned wdst = ws + tid * NA * 16, sdst = ss + tid * NA * 4;
-  auto request_weights = [&](int i) {  // chunks past the last re-read the last one (never used)
-    const int j = i % STAGES, ic = i < ktiles ? i : ktiles - 1;
+  unsigned wdst = ws + tid * NA * 16, sdst = ss + tid * NA * 4;
+  auto request_weights = [&](int i) {  // chunks past the last read nothing (their slots are never used)
+    const int j = i % STAGES;
+    const unsigned w16 = i < ktiles ? 16u : 0u, s4 = i < ktiles ? 4u : 0u;
 #pragma unroll
     for (int a = 0; a < NA; ++a) {
-      cp_async16(wdst + j * WSTAGE + a * 16, wsrc[a] + ic * 32, 16u);
-      cp_async4(sdst + j * SSTAGE + a * 4, ssrc[a] + (ic >> group_shift) * 8, 4u);
+      cp_async16(wdst + j * WSTAGE + a * 16, wsrc[a] + i * 32, w16);
+      cp_async4(sdst + j * SSTAGE + a * 4, ssrc[a] + (i >> group_shift) * 8, s4);
     }
   };
   // Activations: the chunk's pair P of inputs (2P, 2P + 1 = 16 t' + 4 s' + 2 h' + e) goes to k-step s', slot
@@ -957,15 +965,15 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     const int r = min(row0 + rr0 + RSTEP * li, rows - 1);
     xoff[li] = r * ldx + 8 * piece;
   }
-  unsigned xdst[4];  // shared offset of pair q of piece 0 in stage 0 (+ RSTEP * 128 per li)
-#pragma unroll
-  for (int q = 0; q < 4; ++q) xdst[q] = xs + rr0 * 128 + 4 * (piece >> 1) + (((4 * (piece & 1) + q) ^ (rr0 & 7)) << 4);
+  // Shared offset of pair 0 of piece 0 in stage 0 (+ RSTEP * 128 per li); pair q's is this one with bits 4-5 xor q
+  // (the swizzle only flips bits 4-6 of an offset whose other parts are multiples of 128 or below 16).
+  unsigned xdst0 = xs + rr0 * 128 + 4 * (piece >> 1) + (((4 * (piece & 1)) ^ (rr0 & 7)) << 4);
   uint4 xr[LOADS];
-  auto load_inputs = [&](int i) {
-    const T* src = x + 64 * (i < ktiles ? i : ktiles - 1);
+  auto load_inputs = [&](int i) {  // chunks past the last load nothing (their slots are never used)
+    const T* src = x + 64 * i;
 #pragma unroll
     for (int li = 0; li < LOADS; ++li)
-      if (stores) xr[li] = *reinterpret_cast<const uint4*>(src + xoff[li]);
+      if (stores && i < ktiles) xr[li] = *reinterpret_cast<const uint4*>(src + xoff[li]);
   };
   auto store_inputs = [&](int i) {
     const unsigned stage = (i % STAGES) * XSTAGE;
@@ -973,13 +981,14 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
 #pragma unroll
     for (int li = 0; li < LOADS; ++li) {
       const unsigned at = stage + li * RSTEP * 128;
-      st_shared4(xdst[0] + at, xr[li].x);
-      st_shared4(xdst[1] + at, xr[li].y);
-      st_shared4(xdst[2] + at, xr[li].z);
-      st_shared4(xdst[3] + at, xr[li].w);
+      st_shared4(xdst0 + at, xr[li].x);
+      st_shared4((xdst0 ^ 16u) + at, xr[li].y);
+      st_shared4((xdst0 ^ 32u) + at, xr[li].z);
+      st_shared4((xdst0 ^ 48u) + at, xr[li].w);
     }
   };
   const bool has_prequant = prequant != nullptr;
+  unsigned pqa = ps + 32 * t;  // the thread's pairs of the input scale in chunk 0
   if (has_prequant) {  // AWQ's input scale, whole, in the first commit group
     const uint4* src = reinterpret_cast<const uint4*>(prequant);
     for (int i = tid; i < (k >> 3); i += THREADS) cp_async16_ca(ps + 16 * i, src + i, 16u);
@@ -1008,6 +1017,19 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
   auto step = [&](int i, auto parity) {
     constexpr int P = decltype(parity)::value;
     const int j = i % STAGES;
+    // The thread's addresses as opaque values: ptxas would otherwise recompute them from the thread index in every
+    // other chunk (registers are tight): about 27 instructions a chunk of the loop's ~243 at 64 rows (cuobjdump).
+    opaque(xdst0);
+    opaque(wdst);
+    opaque(sdst);
+#pragma unroll
+    for (int li = 0; li < LOADS; ++li) opaque(xoff[li]);
+#pragma unroll
+    for (int a = 0; a < NA; ++a) {
+      opaque(wsrc[a]);
+      opaque(ssrc[a]);
+    }
+    opaque(pqa);
     cp_async_wait<D - 1>();  // this thread's copies of chunk i's weights have landed
     __syncthreads();  // every thread stored (and fenced) chunk i's activations; chunk i - 2's wgmma are done
     // chunk i + D's activations (loaded during the previous chunk) into the slot chunk i - 2 left, made visible to
@@ -1021,8 +1043,8 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     load_inputs(i + D + 1);
     uint4 pq0, pq1;
     if (has_prequant) {
-      pq0 = ld_shared16(ps + 128 * i + 32 * t);
-      pq1 = ld_shared16(ps + 128 * i + 32 * t + 16);
+      pq0 = ld_shared16(pqa + 128 * i);
+      pq1 = ld_shared16(pqa + 128 * i + 16);
     }
 #pragma unroll
     for (int a = 0; a < NA; ++a) {
