@@ -22,15 +22,20 @@ def swizzle(addr: int) -> int:
     return addr ^ (((addr >> 7) & 7) << 4)
 
 
+def layout_address(rr: int, piece: int, q: int) -> int:
+    """Where the layout puts pair q (inputs 8 piece + 2q, + 1) of row rr in a stage: ``rr * 128 + ((4 h'' + q) ^
+    (rr & 7)) * 16 + 4 t'`` with ``(t', h'') = (piece / 2, piece % 2)``."""
+    return rr * 128 + (((4 * (piece & 1) + q) ^ (rr & 7)) << 4) + 4 * (piece >> 1)
+
+
 def stage_activations(x_chunk: torch.Tensor) -> dict[int, float]:
     """Shared memory of one stage as the kernel fills it: piece f (row f / 8, inputs 8 (f % 8) .. + 7, one 16-byte
-    load) is stored as four 4-byte words, pair q (inputs 8 (f % 8) + 2q, + 1) at ``rr * 128 + ((4 h'' + q) ^ (rr & 7))
-    * 16 + 4 t'`` with ``(t', h'') = ((f % 8) / 2, f % 2)``. Bytes to values (2 bytes each)."""
+    load) is stored as four 4-byte words, pair q at :func:`layout_address`. Bytes to values (2 bytes each)."""
     smem = {}
     for f in range(8 * x_chunk.shape[0]):
         rr, piece = f >> 3, f & 7
         for q in range(4):
-            at = rr * 128 + (((4 * (piece & 1) + q) ^ (rr & 7)) << 4) + 4 * (piece >> 1)
+            at = layout_address(rr, piece, q)
             assert at not in smem and at + 2 not in smem
             first = 8 * piece + 2 * q
             smem[at], smem[at + 2] = float(x_chunk[rr, first]), float(x_chunk[rr, first + 1])
@@ -45,8 +50,7 @@ def test_a_warps_stores_of_four_rows_hit_32_distinct_banks():
             banks = set()
             for lane in range(32):
                 rr, piece = first_row + (lane >> 3), lane & 7
-                at = rr * 128 + (((4 * (piece & 1) + q) ^ (rr & 7)) << 4) + 4 * (piece >> 1)
-                banks.add((at // 4) % 32)
+                banks.add((layout_address(rr, piece, q) // 4) % 32)
             assert len(banks) == 32, (first_row, q)
 
 
@@ -69,7 +73,7 @@ def test_the_kernels_store_addresses_are_the_swizzled_layout():
                     for li in range(2):
                         rr = (tid >> 3) + li * (threads // 8)
                         for q in range(4):
-                            layout = rr * 128 + (((4 * (piece & 1) + q) ^ (rr & 7)) << 4) + 4 * (piece >> 1)
+                            layout = layout_address(rr, piece, q)
                             assert kernel_store_address(tid, li, q, threads, xs, stage) == xs + stage + layout
 
 
