@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
 from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmma, mma_configs,  # noqa: E402
-                                            shape_key, upgrade_table)
+                                            shape_key, split_buffers, upgrade_table)
 from llmc.engine.torch import cuda_ext  # noqa: E402
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
@@ -239,10 +239,13 @@ def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed:
 
 
 def mma_layers(spec) -> tuple[list, torch.Tensor]:
-    """32 random layers of the CUDA mma kernels and the float32 reference weight ``[N, K]`` of the first."""
+    """32 random layers of the CUDA mma kernels (their split-K buffers sized for any config at any row count tried)
+    and the float32 reference weight ``[N, K]`` of the first."""
     _, n, k, group, silu, prequant = spec
     scratch = Scratch(torch.bfloat16, torch.device("cuda"))
     made = [make_mma_layer(n, k, group, silu, prequant, seed, scratch) for seed in range(LAYERS)]
+    needs = [split_buffers(c, max(MMA_DENSE_MS + (2048,)), n) for c in mma_configs()]
+    scratch.reserve(partials=max(p for p, _ in needs), counters=max(c for _, c in needs))
     scratch.allocate()
     packed, scales, pq = made[0][1]
     return [lay for lay, _ in made], dequantize_w4a16(packed, scales, pq if pq is not None else
@@ -264,8 +267,12 @@ def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report
     for m_max, m in family.buckets:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
+        configs = list(family.candidates(m, quick))
+        current = next((b[1:] for b in (old or {}).get("buckets", []) if b[0] == m_max), None)
+        if current is not None and family.from_list(current) not in configs:  # a narrowed list: the table's competes
+            configs.append(family.from_list(current))
         best, best_t, tried = fastest(
-            family.candidates(m, quick),
+            configs,
             lambda cfg: rel_error(layers[0], weight, silu_ref, lambda inp: family.run(layers[0], inp, cfg), m),
             lambda cfg: time_graph(lambda: [family.run(layer, x, cfg) for layer in layers]),
             lambda cfg: str(family.to_list(cfg)))
@@ -339,12 +346,24 @@ def main() -> None:
     ap.add_argument("--only-rows", default="",
                     help="mma only: re-tune just the buckets tuned at these row counts (e.g. 1,8,16) of shapes "
                          "already in the table, keeping their other buckets and dense_from_m")
+    ap.add_argument("--only-wgmma", action="store_true",
+                    help="mma with --only-rows: try only the warpgroup kernel's configs (split-K included) against "
+                         "each bucket's config in the table")
+    ap.add_argument("--only-shapes", default="",
+                    help="tune just these shapes of the model (names: qkv, o, fc_gate, down)")
     args = ap.parse_args()
     only = {int(v) for v in args.only_rows.split(",") if v}
     if only and args.kernels != "mma":
         raise SystemExit("--only-rows re-tunes mma buckets: use it with --kernels mma")
+    if args.only_wgmma and not (only and SM90):
+        raise SystemExit("--only-wgmma narrows an --only-rows re-tune on an sm_90 GPU (the warpgroup kernel's)")
     device_name = torch.cuda.get_device_name()
     shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
+    names = {v for v in args.only_shapes.split(",") if v}
+    if names - {spec[0] for spec in shapes}:
+        raise SystemExit(f"--only-shapes {sorted(names - {spec[0] for spec in shapes})}: the shapes are "
+                         f"{sorted({spec[0] for spec in shapes})}")
+    shapes = [spec for spec in shapes if not names or spec[0] in names]
     report = {"device": device_name, "torch": torch.__version__, "shapes": {}, "kernels": args.kernels}
     table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": TABLE_VERSION,
                                                                                 "devices": {}}
@@ -358,6 +377,9 @@ def main() -> None:
                 raise SystemExit(f"--only-rows {sorted(unknown)}: the mma buckets are tuned at "
                                  f"{[m for _, m in MMA_BUCKETS]}")
             family = dataclasses.replace(MMA, buckets=[b for b in MMA_BUCKETS if b[1] in only])
+            if args.only_wgmma:
+                family = dataclasses.replace(family, candidates=lambda m, quick: [c for c in mma_configs()
+                                                                                  if is_wgmma(c)])
             missing = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes
                        if "mma" not in tuned.get(shape_key(n, k, g), {})]
             if missing:  # checked before any tuning: nothing is spent on a run that cannot be written

@@ -11,7 +11,7 @@
   programmatic dependent launch (:func:`pdl`): its first weight tiles are requested while the previous kernel of
   the step finishes, also inside CUDA graphs.
 
-The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about 1.5 minutes on two
+The library has a plain C interface (no PyTorch headers), so the build is one nvcc call (about 4 minutes on two
 cores, once per machine) for the GPU's own architecture, cached under ``LLMC_CACHE_DIR`` (default ``~/.cache/llmc``)
 by source hash, flags (architecture included) and nvcc version. Launches go to PyTorch's current stream, so
 CUDA-graph capture records them like any other kernel. ``LLMC_CUDA_INT4=triton`` skips it; whenever it is
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 12
+ABI_VERSION = 13
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -120,11 +120,12 @@ def load() -> ctypes.CDLL | None:
         logger.warning("llmc's CUDA int4 kernels are unavailable, using the Triton kernels: %s. Fix: install the "
                        "CUDA toolkit (nvcc) matching the driver, or set %s=triton", _why_not, ENV)
         return None
-    i, p = ctypes.c_int, ctypes.c_void_p
-    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, i, p]
+    i, p, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
+    split = [p, ll, p, i]  # split-K's partial sums and counters, each with its capacity
+    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, *split, i, p]
     lib.llmc_w4a16_mma.restype = i
     lib.llmc_w4a16_mma_rope.argtypes = [i, i, i, i, i, p, i, p, p, p, i, i, i, i, i, p, p, i, p, i, p, i, p, p, i, i,
-                                        i, p]
+                                        *split, i, p]
     lib.llmc_w4a16_mma_rope.restype = i
     lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, i, p]
     lib.llmc_w4a16_mma_dequant.restype = i
@@ -185,30 +186,42 @@ def _check_x(x: torch.Tensor) -> ctypes.CDLL:
     return lib
 
 
+def _split_args(partials: torch.Tensor | None, counters: torch.Tensor | None) -> tuple:
+    """Split-K's buffers as the library takes them: pointer and capacity of the float32 partial sums and of the
+    int32 counters (zero between launches); null and 0 where a config does not split."""
+    if partials is None or counters is None:
+        return None, 0, None, 0
+    assert partials.dtype == torch.float32 and counters.dtype == torch.int32
+    return partials.data_ptr(), partials.numel(), counters.data_ptr(), counters.numel()
+
+
 def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
               y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
-              warps: int, stages: int, period: int = 0) -> None:
+              warps: int, stages: int, period: int = 0, partials: torch.Tensor | None = None,
+              counters: torch.Tensor | None = None) -> None:
     """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream; ``period``: the
     weight's columns interleaved in blocks of 8 within segments of that many columns
-    (:func:`llmc.engine.torch.int4_layout.interleave_halves`), written back in their own order."""
+    (:func:`llmc.engine.torch.int4_layout.interleave_halves`), written back in their own order. ``partials``,
+    ``counters``: split-K's buffers (:func:`llmc.engine.torch.int4_configs.split_buffers`), for split configs."""
     lib = _check_x(x)
     assert y.stride(-1) == 1
     _check(lib.llmc_w4a16_mma(
         DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
-        group_size, int(silu_out), period, pdl(x.device), _stream(x.device)),
+        group_size, int(silu_out), period, *_split_args(partials, counters), pdl(x.device), _stream(x.device)),
         "llmc_w4a16_mma")
 
 
 def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
                    n: int, k: int, group_size: int, config: tuple[int, int, int, int], cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+                   v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, partials: torch.Tensor | None = None,
+                   counters: torch.Tensor | None = None) -> None:
     """A qkv layer's product with RoPE and the KV-cache write in its epilogue: the weight's columns interleaved per
     head (period = head size), ``cos, sin [T, hd]`` (the tables of :func:`llmc.engine.torch.rope.rope_cos_sin`),
     ``slots [T]`` int64, rotated queries into ``q [T, nh * hd]``, keys and values into the caches
-    ``[blocks, block_size, nkv, hd]`` (x's dtype)."""
+    ``[blocks, block_size, nkv, hd]`` (x's dtype); ``partials``, ``counters``: as in :func:`w4a16_mma`."""
     lib = _check_x(x)
     head = k_cache.shape[-1]
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0) and q.stride(-1) == 1
@@ -218,7 +231,8 @@ def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tens
         DTYPES[x.dtype], *config, x.data_ptr(), x.stride(0), words.data_ptr(), scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, x.shape[0], n, k, group_size, head, cos.data_ptr(),
         sin.data_ptr(), cos.stride(0), slots.data_ptr(), slots.stride(0), q.data_ptr(), q.stride(0),
-        k_cache.data_ptr(), v_cache.data_ptr(), num_heads, num_kv_heads, pdl(x.device), _stream(x.device)),
+        k_cache.data_ptr(), v_cache.data_ptr(), num_heads, num_kv_heads, *_split_args(partials, counters),
+        pdl(x.device), _stream(x.device)),
         "llmc_w4a16_mma_rope")
 
 

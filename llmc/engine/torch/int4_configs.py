@@ -102,8 +102,11 @@ MMA_REGISTERS = 0  # "stages" of the register kernel: no ring, each warp's tiles
 MMA_MAX_RING = 200 * 1024  # shared memory a config's ring may take (the CUDA library's kMaxSmem)
 MMA_MAX_BLOCK = 227 * 1024  # shared memory a block may take on the H100/H200: ring + AWQ's input scale
 # The warpgroup kernel (sm_90 only): "stages" -3, -4, -6; (column tiles, warps) = (4 x warpgroups x A tiles of 64
-# columns, 4 x warpgroups); row tiles of 8 up to 256 rows; at most 256 rows x A tiles a warpgroup (accumulators)
+# columns, 4 x warpgroups); row tiles of 8 up to 256 rows; at most 256 rows x A tiles a warpgroup (accumulators).
+# Split-K: "stages" -(10 s + 4), s in WGMMA_SPLITS splits of the input, 4 stages, 64 rows a block (8 row tiles: the
+# only blocks that won on the H200, for 33-128 rows; the others were dropped to keep the build short).
 WGMMA_STAGES = (-3, -4, -6)
+WGMMA_SPLITS = (2, 4, 8)
 WGMMA_BLOCKS = ((4, 4), (8, 4), (8, 8), (16, 8))
 WGMMA_ROW_TILES = (1, 2, 4, 8, 16, 32)
 
@@ -111,6 +114,22 @@ WGMMA_ROW_TILES = (1, 2, 4, 8, 16, 32)
 def is_wgmma(config: tuple[int, int, int, int]) -> bool:
     """Whether ``config`` selects the warpgroup kernel (negative stages)."""
     return config[3] < 0
+
+
+def wgmma_splits(config: tuple[int, int, int, int]) -> tuple[int, int]:
+    """``(splits of the input, stages)`` of a warpgroup config (1 split: no split-K)."""
+    code = -config[3]
+    return max(1, code // 10), code % 10
+
+
+def split_buffers(config: tuple[int, int, int, int], rows: int, n: int) -> tuple[int, int]:
+    """``(float32 partial sums, arrival counters)`` a launch of ``config`` over ``rows`` rows and ``n`` columns
+    needs (0, 0 without split-K): every block's sums, one counter per output tile."""
+    if not is_wgmma(config) or wgmma_splits(config)[0] == 1:
+        return 0, 0
+    mt, nt = config[0], config[1]
+    row_blocks, col_blocks = -(-rows // (8 * mt)), n // (16 * nt)
+    return wgmma_splits(config)[0] * row_blocks * 8 * mt * n, row_blocks * col_blocks
 
 
 def register_depth(k: int, warps: int, n_tiles: int) -> int:
@@ -134,7 +153,8 @@ def mma_smem_bytes(config: tuple[int, int, int, int], k: int = 0, prequant: bool
     and scale pairs (20 bytes an A tile), then the input scale."""
     mt, nt, warps, stages = config
     if stages < 0:
-        return 1024 - stages * (8 * mt * 128 + 32 * warps * (nt // warps) * 20) + (2 * k if prequant else 0)
+        depth = wgmma_splits(config)[1]
+        return 1024 + depth * (8 * mt * 128 + 32 * warps * (nt // warps) * 20) + (2 * k if prequant else 0)
     partial = warps * nt * mt * 4 * 32 * 4
     if stages == MMA_REGISTERS:
         block_rows = 8 * mt if rows is None else min(8 * mt, rows)
@@ -156,7 +176,8 @@ def mma_configs() -> tuple[tuple[int, int, int, int], ...]:
     registers = tuple((mt, nt, warps, MMA_REGISTERS) for mt in (1, 2) for nt in (1, 2, 4) for warps in (4, 8, 16))
     warpgroup = tuple((mt, nt, warps, stages) for mt in WGMMA_ROW_TILES for nt, warps in WGMMA_BLOCKS
                       for stages in WGMMA_STAGES if 8 * mt * (nt // warps) <= 256 and (mt < 16 or stages == -4))
-    return ring + registers + warpgroup
+    split = tuple((8, nt, warps, -(10 * s + 4)) for nt, warps in WGMMA_BLOCKS for s in WGMMA_SPLITS)
+    return ring + registers + warpgroup + split
 
 
 def mma_fits(config: tuple[int, int, int, int], n: int, k: int, prequant: bool, rows: int | None = None,

@@ -32,7 +32,7 @@ from torch import nn
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.engine.torch import cuda_ext, triton_support
 from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
-                                            heuristic_mma_config, mma_fits, tuned_entry)
+                                            heuristic_mma_config, mma_fits, split_buffers, tuned_entry)
 from llmc.engine.torch.int4_layout import (MMA_COLS, TILE, interleave_halves, interleave_tiles, mma_supported,
                                            pack_for_cuda, pack_mma)
 
@@ -137,7 +137,10 @@ class Int4CudaLinear(nn.Module):
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
             self._sm90 = words.is_cuda and cuda_ext.warpgroup_kernels(words.device)
-            scratch.reserve(dense=in_features * self.columns)
+            # split-K's buffers for the tuned configs that split (rows past the last bucket get the heuristic's)
+            needs = [split_buffers(c, min(m, self.dense_from_m - 1), self.columns) for m, c in self._mma_buckets]
+            scratch.reserve(dense=in_features * self.columns, partials=max((p for p, _ in needs), default=0),
+                            counters=max((c for _, c in needs), default=0))
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
@@ -222,8 +225,17 @@ class Int4CudaLinear(nn.Module):
         if x.shape[0]:
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
                                self.group_size, self.silu_output, m_tiles, n_tiles, warps, stages,
-                               period=0 if self.silu_output else self.period)
+                               period=0 if self.silu_output else self.period,
+                               **self._split_buffers((m_tiles, n_tiles, warps, stages), x.shape[0]))
         return y
+
+    def _split_buffers(self, config: tuple[int, int, int, int], m: int) -> dict:
+        """The shared scratch's split-K buffers for ``config`` at ``m`` rows (none where it does not split)."""
+        partials, counters = split_buffers(config, m, self.columns)
+        if not partials:
+            return {}
+        return {"partials": self.scratch.buffer("partials", partials),
+                "counters": self.scratch.buffer("counters", counters)}
 
     def rope_write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int
@@ -240,9 +252,11 @@ class Int4CudaLinear(nn.Module):
             return None
         x = _rows_aligned(x)
         q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
+        config = self.mma_config_for(m)
         cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
-                                self.group_size, self.mma_config_for(m), cos.reshape(m, hd), sin.reshape(m, hd),
-                                slot_mapping, q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads)
+                                self.group_size, config, cos.reshape(m, hd), sin.reshape(m, hd),
+                                slot_mapping, q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads,
+                                **self._split_buffers(config, m))
         return q
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
 from llmc.engine.torch import cuda_ext
-from llmc.engine.torch.int4_configs import heuristic_config, mma_configs, mma_fits
+from llmc.engine.torch.int4_configs import (heuristic_config, is_wgmma, mma_configs, mma_fits, split_buffers,
+                                            wgmma_splits)
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
@@ -31,6 +32,12 @@ SHAPES = [  # n (columns), k, group, silu_output (fc + gate interleaved), prequa
     (6144, 4096, 128, False, False),  # Llama-3.1-8B qkv
     (4096, 14336, 128, False, True),  # Llama-3.1-8B down projection
 ]
+
+
+def reserve_every_split(scratch: Scratch, n: int, rows: int = 255) -> None:
+    """Room in ``scratch`` for every split-K config at up to ``rows`` rows (a layer reserves only its tuned ones)."""
+    needs = [split_buffers(c, rows, n) for c in mma_configs()]
+    scratch.reserve(partials=max(p for p, _ in needs), counters=max(c for _, c in needs))
 
 
 def layer_and_weight(n, k, group, silu, prequant, seed=0):
@@ -88,6 +95,7 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
     scratch = Scratch(dtype, torch.device("cuda"))
     layer = Int4CudaLinear.from_ir([(a.cuda(), b.cuda()) for a, b in parts], None if pq is None else pq.cuda(),
                                    group, scratch, silu_output=silu)
+    reserve_every_split(scratch, n)
     assert layer.backend == "mma"
     weight = dequantize_w4a16(packed, scales, pq if pq is not None else torch.ones(k), group).cuda()  # fp32 [N, K]
     # The prefill path's weight: q * scale * prequant in float32, rounded once: the same bits as the reference's
@@ -105,7 +113,7 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
 
         assert rel(layer(x)) < 8e-3, (rows, layer.dense_from_m)
         if rows <= 255:
-            for config in mma_configs():  # the ring, register (stages 0) and warpgroup (stages < 0) kernels'
+            for config in mma_configs():  # the ring, register (stages 0) and warpgroup (stages < 0; split-K too)
                 if mma_fits(config, n, k, prequant, rows, sm90=SM90):
                     assert rel(layer.mma(x, *config)) < 8e-3, (rows, config)
         if rows in (3, 64):  # the prefill path at any row count
@@ -134,6 +142,7 @@ def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, 
     scratch = Scratch(dtype, torch.device("cuda"))
     plain = Int4CudaLinear.from_ir(parts, pq, group, scratch)
     rope = Int4CudaLinear.from_ir(parts, pq, group, scratch, rope_head=hd)
+    reserve_every_split(scratch, n, rows=64)
     assert rope.rope_head == hd and rope.period == hd and plain.rope_head == 0
     assert torch.equal(rope.dequantize(torch.empty(k, n, dtype=dtype, device="cuda")),
                        plain.dequantize(torch.empty(k, n, dtype=dtype, device="cuda")))
@@ -158,10 +167,45 @@ def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, 
                 got_q = torch.empty(rows, nh, hd, dtype=dtype, device="cuda")
                 cuda_ext.w4a16_mma_rope(x, rope.words, rope.scales, rope.prequant, n, k, group, config,
                                         cos.reshape(rows, hd), sin.reshape(rows, hd), slots,
-                                        got_q.view(rows, -1), k_cache, v_cache, nh, nkv)
+                                        got_q.view(rows, -1), k_cache, v_cache, nh, nkv,
+                                        **rope._split_buffers(config, rows))
             assert torch.equal(got_q, ref_q), (rows, config)
             assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), (rows, config)
             assert k_cache.view(-1, nkv, hd)[slots].abs().sum() > 0
+
+
+@pytest.mark.skipif(not SM90, reason="the warpgroup kernel (split-K included) runs on sm_90 only")
+@pytest.mark.parametrize("n,k,prequant", [(4096, 14336, True), (576, 576, True), (6144, 4096, False)])
+def test_split_k_is_bitwise_repeatable_and_leaves_its_counters_at_zero(n, k, prequant):
+    """Split-K's last block adds the splits' sums in split order whatever order they arrive in, so two launches give
+    the same bits; it resets each tile's counter, so the next launch (here: the next config, other tiles) starts
+    from zero; and more splits than chunks (SmolLM2's o: 9 chunks, 8 splits of 2) leave empty splits that still
+    count."""
+    group = 128 if k % 128 == 0 else 64
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.002).bfloat16()
+    pq = (torch.rand(k, generator=gen) + 0.5).bfloat16() if prequant else None
+    scratch = Scratch(torch.bfloat16, torch.device("cuda"))
+    layer = Int4CudaLinear.from_ir([(pack_int4(q).cuda(), scales.cuda())], None if pq is None else pq.cuda(), group,
+                                   scratch)
+    reserve_every_split(scratch, n)
+    weight = dequantize_w4a16(pack_int4(q), scales, pq if pq is not None else torch.ones(k), group).cuda()
+    splits = [c for c in mma_configs() if is_wgmma(c) and wgmma_splits(c)[0] > 1]
+    assert {wgmma_splits(c)[0] for c in splits} == {2, 4, 8}
+    tried = set()
+    for rows in (1, 17, 64, 128):
+        x = torch.randn(rows, k, generator=gen).bfloat16().cuda()
+        ref = x.float() @ weight.T
+        for config in splits:
+            if not mma_fits(config, n, k, prequant, rows):
+                continue
+            first, second = layer.mma(x, *config), layer.mma(x, *config)
+            assert torch.equal(first, second), (rows, config)
+            assert ((first.float() - ref).norm() / ref.norm()).item() < 8e-3, (rows, config)
+            assert scratch.buffer("counters", 0).count_nonzero().item() == 0, (rows, config)
+            tried.add(config)
+    assert {wgmma_splits(c)[0] for c in tried} == {2, 4, 8}  # every split count ran on this shape
 
 
 def test_fused_kernels_on_cuda_round_like_the_reference():

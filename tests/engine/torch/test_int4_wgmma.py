@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmc.engine.torch.int4_configs import (MMA_MAX_BLOCK, heuristic_mma_config, is_wgmma, mma_configs, mma_fits,
-                                            mma_smem_bytes)
+                                            mma_smem_bytes, split_buffers, wgmma_splits)
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
 from llmc.engine.torch.int4_layout import pack_mma
 
@@ -148,15 +148,60 @@ def test_the_warpgroup_configs_are_those_the_library_instantiates():
     """Negative stages select the warpgroup kernel: 3, 4 or 6 stages (4 only from 128 rows a block), (column tiles,
     warps) in {(4, 4), (8, 4), (8, 8), (16, 8)}, at most 256 rows x A tiles a warpgroup (the library returns -1 for
     the others); its shared memory is 1 KB of alignment plus, per stage, 128 bytes a row and 20 bytes a thread's A
-    tile, plus the input scale."""
+    tile, plus the input scale. Split-K: -24, -44, -84 for 2, 4, 8 splits of 4 stages, 64 rows a block."""
     configs = {c for c in mma_configs() if is_wgmma(c)}
     blocks = ((4, 4), (8, 4), (8, 8), (16, 8))
     expected = {(mt, nt, w, s) for mt in (1, 2, 4, 8) for nt, w in blocks for s in (-3, -4, -6)}
     expected |= {(16, nt, w, -4) for nt, w in blocks} | {(32, 4, 4, -4), (32, 8, 8, -4)}
-    assert configs == expected
+    split = {(8, nt, w, s) for nt, w in blocks for s in (-24, -44, -84)}
+    assert configs == expected | split
+    assert {wgmma_splits(c) for c in split} == {(2, 4), (4, 4), (8, 4)}
+    assert {wgmma_splits(c) for c in expected} == {(1, 3), (1, 4), (1, 6)}
+    assert mma_smem_bytes((8, 8, 8, -84)) == mma_smem_bytes((8, 8, 8, -4))
     assert mma_smem_bytes((8, 16, 8, -6)) == 1024 + 6 * (64 * 128 + 256 * 2 * 20)
     assert mma_smem_bytes((32, 8, 8, -4), k=14336, prequant=True) == 1024 + 4 * (256 * 128 + 256 * 20) + 2 * 14336
     assert all(mma_smem_bytes(c, 14336, True) <= MMA_MAX_BLOCK for c in configs)
+
+
+def test_split_k_buffers_hold_every_blocks_sums_and_one_counter_per_tile():
+    """What the library checks before a split-K launch (``launch_wgmma_t``): ``tiles x splits x R x 64 x WG x NA``
+    floats (every block's accumulators) and ``tiles`` counters, tiles = row blocks x column blocks; nothing for
+    configs that do not split. A layer reserves them for its tuned split configs in the shared scratch."""
+    assert split_buffers((8, 8, 8, -4), 64, 4096) == (0, 0) and split_buffers((1, 4, 4, 2), 64, 4096) == (0, 0)
+    # 64 rows, 128 columns a block (2 warpgroups of one A tile), 4 splits: 1 x 32 tiles
+    assert split_buffers((8, 8, 8, -44), 64, 4096) == (4 * 64 * 4096, 32)
+    # 65 rows: two row blocks of 64, their sums padded to whole blocks
+    assert split_buffers((8, 8, 8, -84), 65, 4096) == (8 * 128 * 4096, 64)
+    for mt, nt, w, s in [c for c in mma_configs() if is_wgmma(c) and wgmma_splits(c)[0] > 1]:
+        splits, r, wg, na = wgmma_splits((mt, nt, w, s))[0], 8 * mt, w // 4, nt // w
+        tiles = -(-100 // r) * (4096 // (64 * wg * na))
+        assert split_buffers((mt, nt, w, s), 100, 4096) == (tiles * splits * r * 64 * wg * na, tiles)
+    words = torch.zeros(4096 // 16, 14336 // 64, 32, 4, dtype=torch.int32)
+    scales = torch.zeros(4096 // 16, 14336 // 128, 8, dtype=torch.int32)
+    scratch = Scratch(torch.bfloat16, torch.device("cpu"))
+    table = {"mma": {"buckets": [[16, 2, 2, 8, 4], [64, 8, 8, 8, -84], [128, 8, 4, 4, -24]], "dense_from_m": 96}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("llmc.engine.torch.int4_cuda.tuned_entry", lambda *args: table)
+        Int4CudaLinear(words, scales, None, 14336, 128, scratch, backend="mma")
+    # the 128 bucket runs up to dense_from_m - 1 = 95 rows: 2 row blocks of 64, 64 columns a block, 2 splits
+    assert scratch.sizes["partials"] == max(8 * 64 * 4096, 2 * 128 * 4096)
+    assert scratch.sizes["counters"] == max(4096 // 128, 2 * 4096 // 64)
+
+
+def split_shares(chunks: int, splits: int) -> list[range]:
+    """The kernel's chunks of each split (blockIdx.z): ``share = ceil(chunks / splits)``, ``[min(chunks, z share),
+    min(chunks, begin + share))``."""
+    share = -(-chunks // splits)
+    return [range(min(chunks, z * share), min(chunks, min(chunks, z * share) + share)) for z in range(splits)]
+
+
+@pytest.mark.parametrize("chunks", [9, 24, 64, 224])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_shares_cover_every_chunk_once_in_order(chunks, splits):
+    shares = split_shares(chunks, splits)
+    assert [i for share in shares for i in share] == list(range(chunks))
+    if chunks == 9 and splits == 8:  # SmolLM2's o and qkv: splits with no chunk (they still count themselves)
+        assert [len(s) for s in shares] == [2, 2, 2, 2, 1, 0, 0, 0]
 
 
 def test_a_tuned_warpgroup_config_is_taken_only_on_sm90():

@@ -737,6 +737,8 @@ struct Call {
   Epilogue ep;
   int pdl;  // 0: plain launch; 1: programmatic, dependents may start at once; 2: once each block's loads are done
   cudaStream_t stream;
+  float* partials; long long partials_size;  // split-K: float32 sums, and their capacity (elements)
+  int* counters; int counters_size;  // split-K: one arrival counter per output tile (zero between launches)
 };
 
 // A product kernel (the ring or the register kernel: one signature) on the call's grid, 8 MT rows x NT column tiles
@@ -844,8 +846,13 @@ int launch_cols(int ntile, int warps, int stages, const Call& a) {
 // that finds no load of the thread in flight (one that did waited for them: a memory latency per chunk; 4-byte
 // cp.async, one request per pair, was slower still). A stage is a chunk of 64 inputs: the weights of chunk
 // i + STAGES - 2 are requested (cp.async) while chunk i is multiplied, and chunk i's wgmma run while chunk i + 1
-// is decoded (two sets of A registers). One block barrier per chunk; no split-K: each block owns its columns'
-// whole sums (deterministic). AWQ's input scale (o, down) multiplies the decoded weight: round(round(q s) p).
+// is decoded (two sets of A registers). One block barrier per chunk. AWQ's input scale (o, down) multiplies the
+// decoded weight: round(round(q s) p).
+// Split-K (SPLITS > 1; narrow layers with many inputs, such as down, whose SPLITS x fewer blocks would leave
+// multiprocessors idle and run every chunk of a column serially): blockIdx.z takes every SPLITS-th share of the
+// chunks (contiguous, ceil(chunks / SPLITS) each), writes its float32 sums to ``partials`` and counts itself in
+// ``counters`` (one per output tile); the tile's last block to arrive adds the SPLITS sums in split order (the bits
+// do not depend on the order of arrival), resets the counter for the next launch and runs the epilogue.
 
 // wgmma_rs(d, a, desc, T()): d += A (the warpgroup's registers a) x B (the shared-memory matrix ``desc``), m64nNk16
 // for N = 2 x the accumulators a thread holds (8-64), f32 accumulators, T (bf16 or fp16) inputs.
@@ -905,13 +912,48 @@ __device__ __forceinline__ void opaque(int& v) { asm volatile("" : "+r"(v)); }
 template <typename P>
 __device__ __forceinline__ void opaque(const P*& p) { asm volatile("" : "+l"(p)); }
 
+// Split-K's end for a block of THREADS threads holding COUNT float32 sums each (``acc``): its sums go to
+// ``partials`` ([tile][split][COUNT][THREADS], so a warp's stores are contiguous), then the block counts itself in
+// ``counters[tile]`` (tile: the block's (x, y)). True for the tile's last block, whose ``acc`` then holds the sum
+// of the SPLITS shares added in split order (its own from registers), after it reset the counter to 0 for the next
+// launch; the other blocks are done. Every wgmma of the block must be waited for: the flag goes through shared
+// memory at ``flag``.
+template <int SPLITS, int THREADS, int COUNT>
+__device__ __forceinline__ bool add_splits(float (&acc)[COUNT], float* __restrict__ partials,
+                                           int* __restrict__ counters, unsigned flag) {
+  constexpr int count = COUNT;
+  const int tid = threadIdx.x, tile = blockIdx.y * gridDim.x + blockIdx.x, split = blockIdx.z;
+  float* base = partials + static_cast<size_t>(tile) * SPLITS * count * THREADS + tid;
+#pragma unroll
+  for (int e = 0; e < count; ++e) base[(static_cast<size_t>(split) * count + e) * THREADS] = acc[e];
+  __threadfence();  // the sums are visible device-wide before the count says so
+  __syncthreads();
+  if (tid == 0) {
+    const int last = atomicAdd(counters + tile, 1) == SPLITS - 1;
+    if (last) counters[tile] = 0;  // every split has arrived: nothing else touches it in this launch
+    st_shared4(flag, last);
+  }
+  __syncthreads();
+  if (!ld_shared4(flag)) return false;
+  __threadfence();
+#pragma unroll
+  for (int e = 0; e < count; ++e) {
+    float sum = 0.f;
+#pragma unroll
+    for (int z = 0; z < SPLITS; ++z)
+      sum += z == split ? acc[e] : __ldcg(base + (static_cast<size_t>(z) * count + e) * THREADS);
+    acc[e] = sum;
+  }
+  return true;
+}
+
 // T, R rows a block (NB = min(R, 64) per wgmma, R / NB of them per k-step), WG warpgroups of NA A tiles (64 columns)
 // each, STAGES >= 3 chunks of 64 inputs in shared memory.
-template <typename T, int R, int WG, int NA, int STAGES>
+template <typename T, int R, int WG, int NA, int STAGES, int SPLITS>
 __global__ void __launch_bounds__(WG * 128)
 w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
                    const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
-                   Epilogue ep, int late_trigger) {
+                   Epilogue ep, int late_trigger, float* __restrict__ partials, int* __restrict__ counters) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Ops = Half2Ops<T>;
   constexpr int NB = R < 64 ? R : 64, RB = R / NB, THREADS = WG * 128, D = STAGES - 2;
@@ -925,6 +967,9 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
   const int wgi = warp >> 2, wq = warp & 3;
   const int ktiles = k >> 6, groups = ktiles >> group_shift;
   const int nt0 = blockIdx.y * (4 * WG * NA), row0 = blockIdx.x * R;
+  // this block's chunks [kbeg, kend): all of them, or its split's share (possibly none)
+  const int share = (ktiles + SPLITS - 1) / SPLITS;
+  const int kbeg = min(ktiles, static_cast<int>(blockIdx.z) * share), kend = min(ktiles, kbeg + share);
   int ct[NA];  // this warp's column tile of A tile a
 #pragma unroll
   for (int a = 0; a < NA; ++a) ct[a] = nt0 + (wgi * NA + a) * 4 + wq;
@@ -940,7 +985,7 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
   unsigned wdst = ws + tid * NA * 16, sdst = ss + tid * NA * 4;
   auto request_weights = [&](int i) {  // chunks past the last read nothing (their slots are never used)
     const int j = i % STAGES;
-    const unsigned w16 = i < ktiles ? 16u : 0u, s4 = i < ktiles ? 4u : 0u;
+    const unsigned w16 = i < kend ? 16u : 0u, s4 = i < kend ? 4u : 0u;
 #pragma unroll
     for (int a = 0; a < NA; ++a) {
       cp_async16(wdst + j * WSTAGE + a * 16, wsrc[a] + i * 32, w16);
@@ -973,7 +1018,7 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     const T* src = x + 64 * i;
 #pragma unroll
     for (int li = 0; li < LOADS; ++li)
-      if (stores && i < ktiles) xr[li] = *reinterpret_cast<const uint4*>(src + xoff[li]);
+      if (stores && i < kend) xr[li] = *reinterpret_cast<const uint4*>(src + xoff[li]);
   };
   auto store_inputs = [&](int i) {
     const unsigned stage = (i % STAGES) * XSTAGE;
@@ -989,19 +1034,19 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
   };
   const bool has_prequant = prequant != nullptr;
   unsigned pqa = ps + 32 * t;  // the thread's pairs of the input scale in chunk 0
-  if (has_prequant) {  // AWQ's input scale, whole, in the first commit group
+  if (has_prequant) {  // AWQ's input scale of the block's chunks (8 uint4 a chunk), in the first commit group
     const uint4* src = reinterpret_cast<const uint4*>(prequant);
-    for (int i = tid; i < (k >> 3); i += THREADS) cp_async16_ca(ps + 16 * i, src + i, 16u);
+    for (int i = 8 * kbeg + tid; i < 8 * kend; i += THREADS) cp_async16_ca(ps + 16 * i, src + i, 16u);
   }
-  for (int i = 0; i < D; ++i) request_weights(i);  // weights do not depend on the previous kernel
+  for (int i = 0; i < D; ++i) request_weights(kbeg + i);  // weights do not depend on the previous kernel
   wait_prior_grid();
   for (int i = 0; i < D; ++i) {
-    load_inputs(i);
-    store_inputs(i);
-    cp_async_commit();  // chunk i's weights (the first group: all prologue weights and the input scale)
+    load_inputs(kbeg + i);
+    store_inputs(kbeg + i);
+    cp_async_commit();  // chunk kbeg + i's weights (the first group: all prologue weights and the input scale)
   }
   fence_async_shared();
-  load_inputs(D);
+  load_inputs(kbeg + D);
 
   float acc[NA][RB][NB / 2];
 #pragma unroll
@@ -1081,9 +1126,9 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     wgmma_commit();
     wgmma_wait<1>();  // chunk i - 1's wgmma are done: its A set is free for chunk i + 1
   };
-  for (int i = 0; i < ktiles; i += 2) {
+  for (int i = kbeg; i < kend; i += 2) {
     step(i, std::integral_constant<int, 0>{});
-    if (i + 1 < ktiles) step(i + 1, std::integral_constant<int, 1>{});
+    if (i + 1 < kend) step(i + 1, std::integral_constant<int, 1>{});
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -1092,6 +1137,10 @@ w4a16_wgmma_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w
     for (int rb = 0; rb < RB; ++rb) pin(acc[a][rb]);
   cp_async_wait<0>();
   if (late_trigger) allow_next_grid();
+  if constexpr (SPLITS > 1) {
+    if (!add_splits<SPLITS, THREADS>(reinterpret_cast<float(&)[NA * RB * NB / 2]>(acc), partials, counters, xs))
+      return;
+  }
 
   // acc[a][rb][4 jj + e] (e < 2): column g of tile ct[a], row rb NB + 8 jj + 2 t + e; + 2: column g + 8.
 #pragma unroll
@@ -1125,29 +1174,39 @@ constexpr int wgmma_smem_bytes() { return 1024 + STAGES * (R * 128 + WG * 128 * 
 
 // Configs the library instantiates: R 8-256 rows a block (as row tiles of 8: 1-32), WG x NA A tiles of 64
 // columns (column tiles 4 WG NA), 3, 4 or 6 stages (4 from 128 rows); at most 128 accumulators a thread.
-template <typename T, int R, int WG, int NA, int STAGES>
+template <typename T, int R, int WG, int NA, int STAGES, int SPLITS>
 int launch_wgmma_t(const Call& a) {
-  if constexpr (NA * R > 256 || (R >= 128 && STAGES != 4)) {
+  if constexpr (NA * R > 256 || (R >= 128 && STAGES != 4) || (SPLITS > 1 && (R != 64 || STAGES != 4))) {
     return -1;
   } else {
     constexpr int smem = wgmma_smem_bytes<R, WG, NA, STAGES>();
     const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);
     if ((a.n / 16) % (4 * WG * NA) || total > kMaxBlockSmem) return -1;
     if (static_cast<long long>(a.rows) * a.ldx >= (1ll << 31)) return -1;  // 32-bit element offsets
-    const dim3 grid((a.rows + R - 1) / R, a.n / (64 * WG * NA));
-    return launch(w4a16_wgmma_kernel<T, R, WG, NA, STAGES>, grid, WG * 128, total, a.stream, a.pdl != 0,
+    const dim3 grid((a.rows + R - 1) / R, a.n / (64 * WG * NA), SPLITS);
+    if (SPLITS > 1) {  // the caller's buffers must hold every block's sums and every tile's counter
+      const long long tiles = static_cast<long long>(grid.x) * grid.y;
+      if (!a.partials || !a.counters || tiles > a.counters_size ||
+          tiles * SPLITS * R * 64 * WG * NA > a.partials_size)
+        return -1;
+    }
+    return launch(w4a16_wgmma_kernel<T, R, WG, NA, STAGES, SPLITS>, grid, WG * 128, total, a.stream, a.pdl != 0,
                   static_cast<const T*>(a.x), a.ldx, static_cast<const uint4*>(a.w),
                   static_cast<const uint32_t*>(a.scales), static_cast<const T*>(a.prequant), static_cast<T*>(a.y),
-                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.ep, a.pdl == 2 ? 1 : 0);
+                  a.ldy, a.rows, a.n, a.k, a.group_shift, a.ep, a.pdl == 2 ? 1 : 0, a.partials, a.counters);
   }
 }
 
+// "stages" 3, 4, 6: one block per output tile; 10 s + 4 (24, 44, 84): s splits of the input (4 stages each).
 template <typename T, int R, int WG, int NA>
 int launch_wgmma_stages(int stages, const Call& a) {
   switch (stages) {
-    case 3: return launch_wgmma_t<T, R, WG, NA, 3>(a);
-    case 4: return launch_wgmma_t<T, R, WG, NA, 4>(a);
-    case 6: return launch_wgmma_t<T, R, WG, NA, 6>(a);
+    case 3: return launch_wgmma_t<T, R, WG, NA, 3, 1>(a);
+    case 4: return launch_wgmma_t<T, R, WG, NA, 4, 1>(a);
+    case 6: return launch_wgmma_t<T, R, WG, NA, 6, 1>(a);
+    case 24: return launch_wgmma_t<T, R, WG, NA, 4, 2>(a);
+    case 44: return launch_wgmma_t<T, R, WG, NA, 4, 4>(a);
+    case 84: return launch_wgmma_t<T, R, WG, NA, 4, 8>(a);
     default: return -1;
   }
 }
@@ -1164,10 +1223,17 @@ int launch_wgmma_cols(int ntile, int warps, int stages, const Call& a) {
 // Config (row tiles, column tiles, warps, -stages): the warpgroup kernel (negative stages), sm_90 only.
 template <typename T>
 int launch_wgmma(int mtiles, int ntile, int warps, int stages, const Call& a) {
-  int major = 0, device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9)
-    return -1;
+  // Asked once per process (the library is built for one architecture: sm_90a where this kernel exists), not at
+  // every launch; a failed query is not kept, and concurrent first calls store the same answer.
+  static int sm90 = -1;
+  if (sm90 < 0) {
+    int major = 0, device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      return -1;
+    sm90 = major == 9;
+  }
+  if (!sm90) return -1;
   switch (mtiles) {
     case 1: return launch_wgmma_cols<T, 8>(ntile, warps, stages, a);
     case 2: return launch_wgmma_cols<T, 16>(ntile, warps, stages, a);
@@ -1198,7 +1264,10 @@ extern "C" {
 // weight. dtype 0: bfloat16, 1: float16. mtiles in {1, 2, 4} (rows per block / 8), ntile in {1, 2, 4} (column tiles
 // per block, dividing n / 16), warps in {4, 8, 16} (16: at most 2 row x column tile pairs), stages in {2, 4, 8}
 // (the depth of each warp's cp.async ring) or 0 (no ring: the register kernel, row tiles in {1, 2}); or the
-// warpgroup kernel (sm_90 only), stages -3, -4 or -6 (-4 from 16 row tiles), mtiles in {1, 2, 4, 8, 16, 32},
+// warpgroup kernel (sm_90 only), stages -3, -4 or -6 (-4 from 16 row tiles), or -24, -44, -84 for 2, 4 or 8
+// splits of the input (split-K, 8 row tiles only; ``partials``: float32 scratch of at least splits x the rows
+// rounded up to the block's x n elements, ``counters``: zeroed int32, one per output block; both given as pointer
+// and capacity, null and 0 without split-K; one launch at a time per buffer), mtiles in {1, 2, 4, 8, 16, 32},
 // (ntile, warps) in {(4, 4), (8, 4), (8, 8), (16, 8)} (warpgroups = warps / 4, each ntile / warps A tiles of 64
 // columns; at most 256 rows x A tiles a warpgroup), ntile dividing n / 16. period: the
 // weight's columns interleaved in blocks of 8 within segments of that many columns (0: none; see Epilogue). pdl:
@@ -1207,14 +1276,16 @@ extern "C" {
 // done; 0: a plain launch). Returns 0 or a CUDA error code (-1: an unsupported config).
 int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                    const void* w, const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k,
-                   int group_size, int silu_out, int period, int pdl, void* stream) {
+                   int group_size, int silu_out, int period, void* partials, long long partials_size,
+                   void* counters, int counters_size, int pdl, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
   if (period < 0 || period % 16 || (period && n % period) || (silu_out && period)) return -1;
   Epilogue ep{};
   ep.mode = silu_out ? 1 : 0;
   ep.period = period;
   const Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-                  static_cast<cudaStream_t>(stream)};
+                  static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
+                  static_cast<int*>(counters), counters_size};
   return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
                     : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
@@ -1222,18 +1293,20 @@ int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, cons
 // The product of a qkv layer whose columns are interleaved per head (period = head), written as rotated q (to q,
 // row stride ldq) and k, v in the rows' cache slots (Epilogue mode 2): RoPE and the KV-cache write in the product's
 // epilogue. n = (nh + 2 nkv) * head; cos, sin: [rows, head] tables of x's dtype, row stride ld_cs; slots: int64, row
-// stride ld_slot; k_cache, v_cache: [slots, nkv, head] of x's dtype.
+// stride ld_slot; k_cache, v_cache: [slots, nkv, head] of x's dtype; split-K buffers as in llmc_w4a16_mma.
 int llmc_w4a16_mma_rope(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                         const void* w, const void* scales, const void* prequant, int rows, int n, int k,
                         int group_size, int head, const void* cos, const void* sin, int ld_cs, const void* slots,
-                        int ld_slot, void* q, int ldq, void* k_cache, void* v_cache, int nh, int nkv, int pdl,
+                        int ld_slot, void* q, int ldq, void* k_cache, void* v_cache, int nh, int nkv,
+                        void* partials, long long partials_size, void* counters, int counters_size, int pdl,
                         void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
   if (head <= 0 || head % 16 || nh <= 0 || nkv <= 0 || n != (nh + 2 * nkv) * head) return -1;
   Epilogue ep{2, head, cos, sin, ld_cs, static_cast<const long long*>(slots), ld_slot, q, ldq, k_cache, v_cache,
               nh, nkv};
   const Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-                  static_cast<cudaStream_t>(stream)};
+                  static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
+                  static_cast<int*>(counters), counters_size};
   return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
                     : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
@@ -1258,6 +1331,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, period);
 }
 
-int llmc_w4a16_abi_version() { return 12; }
+int llmc_w4a16_abi_version() { return 13; }
 
 }  // extern "C"
