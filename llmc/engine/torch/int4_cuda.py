@@ -137,8 +137,10 @@ class Int4CudaLinear(nn.Module):
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
             self._sm90 = words.is_cuda and cuda_ext.warpgroup_kernels(words.device)
-            # split-K's buffers for the tuned configs that split (rows past the last bucket get the heuristic's)
-            needs = [split_buffers(c, min(m, self.dense_from_m - 1), self.columns) for m, c in self._mma_buckets]
+            # split-K's buffers for the tuned configs that split (the last bucket's runs up to dense_from_m - 1 rows)
+            tops = [m for m, _ in self._mma_buckets[:-1]] + [max(self.dense_from_m - 1, 1)]
+            needs = [split_buffers(c, min(m, self.dense_from_m - 1), self.columns)
+                     for m, (_, c) in zip(tops, self._mma_buckets)]
             scratch.reserve(dense=in_features * self.columns, partials=max((p for p, _ in needs), default=0),
                             counters=max((c for _, c in needs), default=0))
             return
@@ -187,12 +189,14 @@ class Int4CudaLinear(nn.Module):
 
     def mma_config_for(self, m: int) -> tuple[int, int, int, int]:
         """The mma kernel's ``(row tiles, column tiles, warps, stages)`` for ``m`` rows: the tuned bucket where the
-        library launches it for this layer (a warpgroup config only on sm_90), else the heuristic (kept per row
-        count: decode steps ask every time)."""
+        library launches it for this layer (a warpgroup config only on sm_90; rows past the last bucket, up to
+        ``dense_from_m``, take the last bucket's: what the tuner timed against dequantize + cuBLAS there), else the
+        heuristic (kept per row count: decode steps ask every time)."""
         config = self._mma_chosen.get(m)
         if config is None:
             prequant = self.prequant is not None
-            tuned = next((c for m_max, c in self._mma_buckets if m <= m_max), None)
+            last = self._mma_buckets[-1][1] if self._mma_buckets else None
+            tuned = next((c for m_max, c in self._mma_buckets if m <= m_max), last)
             fits = tuned is not None and mma_fits(tuned, self.columns, self.in_features, prequant, m, self._sm90)
             config = tuned if fits else heuristic_mma_config(m, self.columns, self.in_features, prequant)
             self._mma_chosen[m] = config

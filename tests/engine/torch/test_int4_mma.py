@@ -122,6 +122,28 @@ def test_a_register_config_is_taken_at_the_row_counts_it_fits():
     assert layer.mma_config_for(16) == heuristic_mma_config(16, n, k, prequant=True)
 
 
+def test_rows_past_the_last_bucket_take_its_config_as_the_tuner_timed_them():
+    """The tuner picks ``dense_from_m`` by timing each row count against the config of the bucket that holds it, the
+    last bucket's past the table (``tune_family``); the layer runs the same config there, not the heuristic."""
+    layer = zero_mma_layer(4096, 14336)
+    layer._mma_buckets = [(8, (1, 2, 16, 4)), (64, (4, 4, 8, 2)), (128, (4, 2, 8, 4))]
+    layer.dense_from_m = 192
+    assert [layer.mma_config_for(m) for m in (8, 9, 65, 128, 129, 191)] == [
+        (1, 2, 16, 4), (4, 4, 8, 2), (4, 2, 8, 4), (4, 2, 8, 4), (4, 2, 8, 4), (4, 2, 8, 4)]
+    layer._mma_buckets, layer._mma_chosen = [], {}  # no tuned entry: the heuristic everywhere
+    assert layer.mma_config_for(150) == heuristic_mma_config(150, 4096, 14336, prequant=True)
+
+
+def test_a_split_k_config_in_the_last_bucket_reserves_its_buffers_up_to_dense_from_m(monkeypatch):
+    table = {"mma": {"buckets": [[64, 4, 4, 8, 2], [128, 8, 8, 8, -44]], "dense_from_m": 192}}
+    monkeypatch.setattr("llmc.engine.torch.int4_cuda.tuned_entry", lambda *args: table)
+    layer = zero_mma_layer(4096, 14336)
+    layer._sm90 = True  # as on an H200 (on this CPU the warpgroup configs give way to the heuristic)
+    assert layer.mma_config_for(191) == (8, 8, 8, -44)
+    # 191 rows: 3 row blocks of 64, 4 splits, 4096 columns; 3 x 32 tiles of 128 columns
+    assert layer.scratch.sizes["partials"] == 4 * 192 * 4096 and layer.scratch.sizes["counters"] == 96
+
+
 def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
     layer = zero_mma_layer(8192, 32768)
     layer._mma_buckets = [(64, (4, 2, 8, 4))]  # fits without the input scale, not with this one
