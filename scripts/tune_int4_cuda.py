@@ -197,7 +197,7 @@ class Family:
 
 
 MMA_BUCKETS = [(1, 1), (8, 8), (16, 16), (32, 32), (64, 64), (128, 128)]
-MMA_DENSE_MS = (32, 64, 96, 128, 192, 256, 512)
+MMA_DENSE_MS = (32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 512)
 
 TRITON = Family("int4", "", BUCKETS, DENSE_MS, DENSE_MS, candidates,
                 lambda layer, x, cfg: layer.matmul(x, cfg), lambda cfg: cfg.to_list(),
@@ -253,18 +253,21 @@ def mma_layers(spec) -> tuple[list, torch.Tensor]:
 
 
 def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report: dict, quick: bool = False,
-                old: dict | None = None) -> dict:
+                old: dict | None = None, dense_only: bool = False) -> dict:
     """One shape's table entry ``{"buckets": [[m_max, *config]], "dense_from_m": m}``: the fastest correct config
     per row bucket, and the smallest row count of ``family.dense_ms`` from which dequantize + cuBLAS (checked
     too) beats the largest bucket's config. Every timing goes into ``report``. With ``old`` (the shape's entry
     in the table), only the buckets that hold ``family.buckets``' row counts are tuned: the others and
-    ``dense_from_m`` stay as they were."""
+    ``dense_from_m`` stay as they were; with ``dense_only`` too, no bucket is tuned and only ``dense_from_m`` is
+    chosen again, against ``old``'s buckets."""
     name, n, k, group, silu, _ = spec
     silu_ref = family.silu_ref if silu else None
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
     entry = {"buckets": [], "dense_from_m": None}
     rows_report = report.setdefault(shape_key(n, k, group), {"name": name})
-    for m_max, m in family.buckets:
+    if dense_only:
+        entry["buckets"] = [list(bucket) for bucket in old["buckets"]]
+    for m_max, m in [] if dense_only else family.buckets:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_graph(lambda: [torch.nn.functional.linear(x, w) for w in dense])
         configs = list(family.candidates(m, quick))
@@ -283,7 +286,7 @@ def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report
                                               "cublas_bf16_us_32_layers": round(cublas * 1e6, 1), "tried_us": tried}
         print(f"{name:8s} M={m:4d}: {family.title} {best_t * 1e3:7.3f} ms  bf16 cuBLAS {cublas * 1e3:7.3f} ms  "
               f"({cublas / best_t:.2f}x)  best {family.to_list(best)}", flush=True)
-    if old is not None:
+    if old is not None and not dense_only:
         return merge_buckets(old, entry["buckets"])
     for m in family.report_ms:  # each row count against the config the layer would run there (its bucket's)
         kernel_cfg = family.from_list(next((b for b in entry["buckets"] if m <= b[0]), entry["buckets"][-1])[1:])
@@ -320,6 +323,8 @@ def step_table(report: dict, shapes, family: Family) -> list[dict]:
     keys = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes]
     rows = []
     for _, m in family.buckets:
+        if any(f"{family.prefix}{m}" not in report[key] for key in keys):  # not tuned (--only-dense)
+            continue
         int4 = sum(report[key][f"{family.prefix}{m}"]["us_32_layers"] for key in keys)
         bf16 = sum(report[key][f"{family.prefix}{m}"]["cublas_bf16_us_32_layers"] for key in keys)
         rows.append({"M": m, "int4_ms": round(int4 / 1e3, 3), "bf16_ms": round(bf16 / 1e3, 3),
@@ -349,12 +354,17 @@ def main() -> None:
     ap.add_argument("--only-wgmma", action="store_true",
                     help="mma with --only-rows: try only the warpgroup kernel's configs (split-K included) against "
                          "each bucket's config in the table")
+    ap.add_argument("--only-dense", action="store_true",
+                    help="mma: keep every tuned bucket of the shapes in the table, choose only dense_from_m again "
+                         "(each row count against the config the layer runs there)")
     ap.add_argument("--only-shapes", default="",
                     help="tune just these shapes of the model (names: qkv, o, fc_gate, down)")
     args = ap.parse_args()
     only = {int(v) for v in args.only_rows.split(",") if v}
     if only and args.kernels != "mma":
         raise SystemExit("--only-rows re-tunes mma buckets: use it with --kernels mma")
+    if args.only_dense and (only or args.kernels != "mma"):
+        raise SystemExit("--only-dense re-chooses the mma dense_from_m alone: not with --only-rows or --kernels triton")
     if args.only_wgmma and not (only and SM90):
         raise SystemExit("--only-wgmma narrows an --only-rows re-tune on an sm_90 GPU (the warpgroup kernel's)")
     device_name = torch.cuda.get_device_name()
@@ -380,15 +390,16 @@ def main() -> None:
             if args.only_wgmma:
                 family = dataclasses.replace(family, candidates=lambda m, quick: [c for c in mma_configs()
                                                                                   if is_wgmma(c)])
-            missing = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes
-                       if "mma" not in tuned.get(shape_key(n, k, g), {})]
-            if missing:  # checked before any tuning: nothing is spent on a run that cannot be written
-                raise SystemExit(f"--only-rows: {', '.join(missing)} have no mma entry in {args.configs} yet; tune "
-                                 f"them whole first (without --only-rows)")
+        missing = [shape_key(n, k, g) for _, n, k, g, _, _ in shapes
+                   if "mma" not in tuned.get(shape_key(n, k, g), {})]
+        if (only or args.only_dense) and missing:  # checked before any tuning: nothing is spent in vain
+            raise SystemExit(f"--only-rows / --only-dense: {', '.join(missing)} have no mma entry in {args.configs} "
+                             f"yet; tune them whole first")
         for spec in shapes:
             entry = tuned.setdefault(shape_key(spec[1], spec[2], spec[3]), {})
             entry["mma"] = tune_family(spec, family, *mma_layers(spec), report["shapes"],
-                                       old=entry["mma"] if only else None)
+                                       old=entry["mma"] if only or args.only_dense else None,
+                                       dense_only=args.only_dense)
             torch.cuda.empty_cache()  # the shape's 32 weight copies are garbage now
     else:
         family, title = TRITON, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"

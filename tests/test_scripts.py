@@ -237,6 +237,25 @@ def test_tuning_some_row_buckets_keeps_the_others_and_the_dense_threshold():
         merge_buckets(old, [[32, 4, 4, 8, 2]])
 
 
+def test_the_step_table_sums_only_what_was_timed():
+    """``--only-dense`` times no bucket: the decode-step table then holds the dense row counts alone (each the faster
+    of the kernel and dequantize + cuBLAS, summed over the shapes)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.tune_int4_cuda import MMA, step_table
+    finally:
+        sys.path.remove(str(ROOT))
+    shapes = [("a", 64, 64, 64, False, False), ("b", 128, 64, 64, False, False)]
+    cell = {"dequant_cublas_us": 900.0, "kernel_us": 1200.0, "cublas_bf16_us": 600.0}
+    report = {"64x64g64": {f"mma_dense_{m}": cell for m in MMA.report_ms},
+              "128x64g64": {f"mma_dense_{m}": {**cell, "kernel_us": 800.0} for m in MMA.report_ms}}
+    rows = step_table(report, shapes, MMA)
+    assert [row["M"] for row in rows] == list(MMA.report_ms)
+    assert rows[0] == {"M": MMA.report_ms[0], "int4_ms": 1.7, "bf16_ms": 1.2, "bf16_over_int4": 0.71}
+    report["64x64g64"]["mma_16"] = {"us_32_layers": 100.0, "cublas_bf16_us_32_layers": 300.0}  # one shape only
+    assert [row["M"] for row in step_table(report, shapes, MMA)] == list(MMA.report_ms)
+
+
 def test_gpu_busy_time_counts_overlapping_kernels_once():
     """decode_steps' busy time is the union of kernel intervals: kernels launched programmatically overlap their
     predecessors, so the sum of their durations (2.7 ms here) overstates the time the GPU ran (2.1 ms)."""

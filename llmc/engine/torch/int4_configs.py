@@ -104,7 +104,7 @@ MMA_MAX_BLOCK = 227 * 1024  # shared memory a block may take on the H100/H200: r
 # The warpgroup kernel (sm_90 only): "stages" -3, -4, -6; (column tiles, warps) = (4 x warpgroups x A tiles of 64
 # columns, 4 x warpgroups); row tiles of 8 up to 256 rows; at most 256 rows x A tiles a warpgroup (accumulators).
 # Split-K: "stages" -(10 s + 4), s in WGMMA_SPLITS splits of the input, 4 stages, 64 rows a block (8 row tiles: the
-# only blocks that won on the H200, for 33-128 rows; the others were dropped to keep the build short).
+# only blocks that won on the H200, at 65-128 rows; the others were dropped to keep the build short).
 WGMMA_STAGES = (-3, -4, -6)
 WGMMA_SPLITS = (2, 4, 8)
 WGMMA_BLOCKS = ((4, 4), (8, 4), (8, 8), (16, 8))

@@ -848,11 +848,11 @@ int launch_cols(int ntile, int warps, int stages, const Call& a) {
 // i + STAGES - 2 are requested (cp.async) while chunk i is multiplied, and chunk i's wgmma run while chunk i + 1
 // is decoded (two sets of A registers). One block barrier per chunk. AWQ's input scale (o, down) multiplies the
 // decoded weight: round(round(q s) p).
-// Split-K (SPLITS > 1; narrow layers with many inputs, such as down, whose SPLITS x fewer blocks would leave
-// multiprocessors idle and run every chunk of a column serially): blockIdx.z takes every SPLITS-th share of the
-// chunks (contiguous, ceil(chunks / SPLITS) each), writes its float32 sums to ``partials`` and counts itself in
-// ``counters`` (one per output tile); the tile's last block to arrive adds the SPLITS sums in split order (the bits
-// do not depend on the order of arrival), resets the counter for the next launch and runs the epilogue.
+// Split-K (SPLITS > 1; layers whose blocks would be too few for the multiprocessors, each running all its chunks
+// serially): block z of a tile takes the z-th of SPLITS contiguous shares of the chunks (ceil(chunks / SPLITS)
+// each; the last ones may be empty), writes its float32 sums to ``partials`` and counts itself in ``counters``
+// (one per output tile); the tile's last block to arrive adds the SPLITS sums in split order (the bits do not
+// depend on the order of arrival), resets the counter for the next launch and runs the epilogue.
 
 // wgmma_rs(d, a, desc, T()): d += A (the warpgroup's registers a) x B (the shared-memory matrix ``desc``), m64nNk16
 // for N = 2 x the accumulators a thread holds (8-64), f32 accumulators, T (bf16 or fp16) inputs.
@@ -1173,7 +1173,8 @@ template <int R, int WG, int NA, int STAGES>
 constexpr int wgmma_smem_bytes() { return 1024 + STAGES * (R * 128 + WG * 128 * NA * 20); }
 
 // Configs the library instantiates: R 8-256 rows a block (as row tiles of 8: 1-32), WG x NA A tiles of 64
-// columns (column tiles 4 WG NA), 3, 4 or 6 stages (4 from 128 rows); at most 128 accumulators a thread.
+// columns (column tiles 4 WG NA), 3, 4 or 6 stages (4 from 128 rows); at most 128 accumulators a thread; split-K
+// (2, 4 or 8 splits) with 4 stages and 64 rows a block only (the only split blocks that won on the H200).
 template <typename T, int R, int WG, int NA, int STAGES, int SPLITS>
 int launch_wgmma_t(const Call& a) {
   if constexpr (NA * R > 256 || (R >= 128 && STAGES != 4) || (SPLITS > 1 && (R != 64 || STAGES != 4))) {
