@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,8 @@ from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmm
                                             shape_key, split_buffers, upgrade_table)
 from llmc.engine.torch import cuda_ext  # noqa: E402
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
-from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
+from scripts.tune_int4_triton import (BUCKETS, DENSE_MS, LAYERS, candidates, precompile,  # noqa: E402
+                                      triton_layers)
 
 # (name, N columns, K, group, silu_output, prequant in kernel): how the loader builds each layer (qkv and fc + gate
 # have their prequant folded into the norms; o and down apply it in the input load; fc + gate, with interleaved
@@ -56,74 +55,7 @@ LLAMA8B = [("qkv", 6144, 4096, 128, False, False), ("o", 4096, 4096, 128, False,
            ("fc_gate", 28672, 4096, 128, True, False), ("down", 4096, 14336, 128, False, True)]
 SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True),
            ("fc_gate", 3072, 576, 64, True, False), ("down", 576, 1536, 64, False, True)]
-BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
-DENSE_MS = (128, 256, 512, 1024, 2048)
-LAYERS = 32
 SM90 = cuda_ext.warpgroup_kernels()  # the warpgroup kernel's GPUs
-
-
-def candidates(m: int, quick: bool = False) -> list[KernelConfig]:
-    """The configs tried for row count ``m`` (``quick``: a few, for shapes that are only checked)."""
-    out = []
-    if m <= 16:
-        for bn, warps in ((32, 2), (64, 2), (64, 4), (128, 4)):
-            for unroll in (1, 2):
-                for split in (1, 2, 4, 8, 16):
-                    out.append(KernelConfig(16, bn, unroll, warps, 3, split))
-    elif m <= 64:
-        bm = 32 if m <= 32 else 64
-        for bn in (64, 128):
-            for split in (1, 2, 4, 8):
-                out.append(KernelConfig(bm, bn, 1, 4, 3, split))
-    else:
-        for bm, bn, warps in ((64, 128, 4), (128, 128, 8), (64, 256, 8)):
-            for split in (1, 2, 4):
-                out.append(KernelConfig(bm, bn, 1, warps, 3, split))
-    return out[::5] if quick else out
-
-
-def make_layer(n: int, k: int, group: int, silu: bool, prequant: bool, device: str, seed: int,
-               scratch: Scratch | None = None):
-    """A random int4 layer and its IR tensors (packed, scales, prequant), made on ``device``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device=device)
-    scales = (torch.rand(n, k // group, generator=gen, device=device) * 0.01 + 0.002).to(torch.bfloat16)
-    pq = (torch.rand(k, generator=gen, device=device) + 0.5).to(torch.bfloat16) if prequant else None
-    packed = pack_int4(q)
-    words, scales_t = pack_for_cuda(packed, scales, group)
-    scratch = scratch or Scratch(torch.bfloat16, torch.device(device))
-    layer = Int4CudaLinear(words, scales_t, pq, k, group, scratch, silu_output=silu)
-    return layer, packed, scales, pq
-
-
-def _compile_worker(args) -> str:
-    """Fill Triton's on-disk cache with one config (a worker process: compiles do not share the parent's GIL)."""
-    (n, k, group, silu, prequant), config, rows = args
-    try:
-        scratch = Scratch(torch.bfloat16, torch.device("cuda"))
-        scratch.reserve(partials=config.workspace(rows, n), counters=config.grid(rows, n)[0] * config.grid(rows, n)[1])
-        layer, *_ = make_layer(n, k, group, silu, prequant, "cuda", 0, scratch)
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        layer.matmul(x, config)
-        torch.cuda.synchronize()
-        return ""
-    except Exception as exc:  # noqa: BLE001 - reported by the parent, which skips the config
-        return f"{type(exc).__name__}: {exc}"
-
-
-def precompile(shapes, workers: int, quick: set[str]) -> dict:
-    """Compile every (shape, config) once in worker processes (the row count is not specialized)."""
-    jobs = []
-    for name, n, k, group, silu, prequant in shapes:
-        configs = {c: m for _, m in BUCKETS for c in candidates(m, shape_key(n, k, group) in quick)}
-        jobs += [((n, k, group, silu, prequant), config, m) for config, m in configs.items()]
-    start = time.perf_counter()
-    with mp.get_context("spawn").Pool(workers) as pool:
-        errors = pool.map(_compile_worker, jobs, chunksize=1)
-    failed = {f"{j[0]}/{j[1]}": e for j, e in zip(jobs, errors) if e}
-    print(f"compiled {len(jobs)} (shape, config) pairs in {time.perf_counter() - start:.1f} s with {workers} "
-          f"workers; {len(failed)} failed", flush=True)
-    return failed
 
 
 def time_graph(fn, replays: int = 20) -> float:
@@ -207,21 +139,6 @@ MMA = Family("mma int4", "mma_", MMA_BUCKETS, MMA_DENSE_MS, MMA_DENSE_MS + (2048
              lambda m, quick: [c for c in mma_configs() if SM90 or not is_wgmma(c)],
              lambda layer, x, cfg: layer.mma(x, *cfg), list, tuple,
              lambda ref: torch.nn.functional.silu(ref[:, : ref.shape[1] // 2]) * ref[:, ref.shape[1] // 2:])
-
-
-def triton_layers(spec, quick: bool) -> tuple[list, torch.Tensor]:
-    """32 random layers of the Triton kernels (their scratch sized for every config tried) and the float32
-    reference weight ``[N, K]`` of the first."""
-    _, n, k, group, silu, prequant = spec
-    scratch = Scratch(torch.bfloat16, torch.device("cuda"))
-    tried = [(m, c) for _, m in BUCKETS for c in candidates(m, quick)] + [
-        (m, c) for m in DENSE_MS for c in candidates(BUCKETS[-1][1], quick)]  # the dense comparison's kernel
-    scratch.reserve(partials=max(c.workspace(m, n) for m, c in tried),
-                    counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in tried))
-    copies = [make_layer(n, k, group, silu, prequant, "cuda", seed, scratch) for seed in range(LAYERS)]
-    _, packed, scales, pq = copies[0]
-    return [c[0] for c in copies], dequantize_w4a16(packed, scales, pq if pq is not None else
-                                                    torch.ones(k, device="cuda"), group)
 
 
 def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed: int, scratch: Scratch,
