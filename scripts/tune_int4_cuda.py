@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
 from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmma, mma_configs,  # noqa: E402
-                                            shape_key, split_buffers, upgrade_table)
+                                            shape_key, upgrade_table)
 from llmc.engine.torch import cuda_ext  # noqa: E402
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear  # noqa: E402
 from scripts.tune_int4_triton import (BUCKETS, DENSE_MS, LAYERS, candidates, precompile,  # noqa: E402
@@ -161,8 +161,7 @@ def mma_layers(spec) -> tuple[list, torch.Tensor]:
     _, n, k, group, silu, prequant = spec
     scratch = Scratch(torch.bfloat16, torch.device("cuda"))
     made = [make_mma_layer(n, k, group, silu, prequant, seed, scratch) for seed in range(LAYERS)]
-    needs = [split_buffers(c, max(MMA_DENSE_MS + (2048,)), n) for c in mma_configs()]
-    scratch.reserve(partials=max(p for p, _ in needs), counters=max(c for _, c in needs))
+    scratch.reserve_splits(((c, max(MMA_DENSE_MS + (2048,))) for c in mma_configs()), n)
     scratch.allocate()
     packed, scales, pq = made[0][1]
     return [lay for lay, _ in made], dequantize_w4a16(packed, scales, pq if pq is not None else

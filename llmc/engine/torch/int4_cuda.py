@@ -77,6 +77,12 @@ class Scratch:
         for key, numel in (("dense", dense), ("partials", partials), ("counters", counters)):
             self.sizes[key] = max(self.sizes[key], numel)
 
+    def reserve_splits(self, launches, n: int) -> None:
+        """Room for split-K launches ``(config, rows)`` over ``n`` columns
+        (:func:`llmc.engine.torch.int4_configs.split_buffers`; configs that do not split need none)."""
+        needs = [split_buffers(config, rows, n) for config, rows in launches]
+        self.reserve(partials=max((p for p, _ in needs), default=0), counters=max((c for _, c in needs), default=0))
+
     def allocate(self) -> None:
         if self._buffers is None:
             self._buffers = {
@@ -139,10 +145,9 @@ class Int4CudaLinear(nn.Module):
             self._sm90 = words.is_cuda and cuda_ext.warpgroup_kernels(words.device)
             # split-K's buffers for the tuned configs that split (the last bucket's runs up to dense_from_m - 1 rows)
             tops = [m for m, _ in self._mma_buckets[:-1]] + [max(self.dense_from_m - 1, 1)]
-            needs = [split_buffers(c, min(m, self.dense_from_m - 1), self.columns)
-                     for m, (_, c) in zip(tops, self._mma_buckets)]
-            scratch.reserve(dense=in_features * self.columns, partials=max((p for p, _ in needs), default=0),
-                            counters=max((c for _, c in needs), default=0))
+            scratch.reserve(dense=in_features * self.columns)
+            scratch.reserve_splits(((c, min(m, self.dense_from_m - 1)) for m, (_, c) in zip(tops, self._mma_buckets)),
+                                   self.columns)
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
 from llmc.engine.torch import cuda_ext
-from llmc.engine.torch.int4_configs import (heuristic_config, is_wgmma, mma_configs, mma_fits, split_buffers,
-                                            wgmma_splits)
+from llmc.engine.torch.int4_configs import heuristic_config, is_wgmma, mma_configs, mma_fits, wgmma_splits
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear
 from llmc.engine.torch.int4_layout import pack_for_cuda
 
@@ -36,8 +35,7 @@ SHAPES = [  # n (columns), k, group, silu_output (fc + gate interleaved), prequa
 
 def reserve_every_split(scratch: Scratch, n: int, rows: int = 255) -> None:
     """Room in ``scratch`` for every split-K config at up to ``rows`` rows (a layer reserves only its tuned ones)."""
-    needs = [split_buffers(c, rows, n) for c in mma_configs()]
-    scratch.reserve(partials=max(p for p, _ in needs), counters=max(c for _, c in needs))
+    scratch.reserve_splits(((c, rows) for c in mma_configs()), n)
 
 
 def layer_and_weight(n, k, group, silu, prequant, seed=0):
