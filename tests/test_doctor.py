@@ -86,7 +86,8 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
     assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels, with the "
                                  "warpgroup (wgmma) kernel where the tuned table picks it (built once with nvcc, "
-                                 "then cached; programmatic dependent launch (late; LLMC_CUDA_PDL=0 turns it off)); "
+                                 "then cached; programmatic dependent launch (early up to 16 rows, late above; "
+                                 "LLMC_CUDA_PDL=0 turns it off)); "
                                  "qkv layers rotate q, k and write the KV cache in their epilogue "
                                  "(LLMC_ROPE_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
@@ -169,11 +170,13 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
 
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
-    assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
+    assert "programmatic dependent launch (early up to 16 rows, late above;" in int4_cuda_path(None, 90)
     assert "cached; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
     assert "warpgroup (wgmma)" in int4_cuda_path(None, 90) and "wgmma" not in int4_cuda_path(None, 80)
     monkeypatch.setenv("LLMC_CUDA_PDL", "early")
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
+    monkeypatch.setenv("LLMC_CUDA_PDL", "late")
+    assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
     assert "cached; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
     assert int4_cuda_path(None, 90).endswith("KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off)")

@@ -31,14 +31,15 @@ from llmc.recipe.checks import DTYPE_BYTES
 
 @dataclass(frozen=True)
 class Peaks:
-    bandwidth: float  # bytes/s a device-to-device copy reaches
+    bandwidth: float  # bytes/s the GPU's memory is read at (a read-only stream: what a decode step mostly does)
     flops: float  # dense 16-bit matmul FLOP/s
     source: str
 
 
 PEAKS = {
-    "NVIDIA H200": Peaks(4.29e12, 790e12, "H200 as measured through llmc's device tool: 4.29 TB/s device copy "
-                         "(torch, 4 GiB), ~790 TFLOP/s dense bf16 matmul"),
+    "NVIDIA H200": Peaks(4.54e12, 790e12, "H200 as measured through llmc's device tool: 4.54 TB/s read-only "
+                         "stream (scripts/stream_floor.cu, 3.6 GB in one kernel, the faster of two machines: "
+                         "4.41-4.54; a torch device copy of 4 GiB reaches 4.29), ~790 TFLOP/s dense bf16 matmul"),
 }
 
 

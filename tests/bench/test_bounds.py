@@ -34,17 +34,17 @@ def test_an_embedding_in_host_memory_is_not_subtracted_from_the_device_weights_a
     host = {"bfloat16": embedding}
     assert step_weight_bytes(LLAMA8B, on_device, host) == step_weight_bytes(LLAMA8B, INT4_WEIGHTS)
     moved = level_bound([(2048, 128)], 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, H200, host)
-    assert moved["tgs_max_prefill_then_decode"] == pytest.approx(697, rel=0.01)  # the same bound as on the device
+    assert moved["tgs_max_prefill_then_decode"] == pytest.approx(730, rel=0.01)  # the same bound as on the device
 
 
 def test_a_round_of_64_fresh_prompts_is_prefill_bound():
     bound = level_bound([(2048, 128)] * 64, 64, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
     assert bound["decode_steps"] == 127
     assert bound["tgs_max"] == pytest.approx(64 * 128 / (64 * 0.0376), rel=0.01)  # the prefill alone: ~3,400
-    assert bound["tgs_max_prefill_then_decode"] == pytest.approx(2668, rel=0.01)  # + 127 steps of >= 5.2 ms
+    assert bound["tgs_max_prefill_then_decode"] == pytest.approx(2703, rel=0.01)  # + 127 steps of >= 4.9 ms
     assert bound["ttft_p50_min_s"] == pytest.approx(0.0376, rel=0.01)
     one = level_bound([(2048, 128)], 1, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
-    assert one["tgs_max_prefill_then_decode"] == pytest.approx(697, rel=0.01)
+    assert one["tgs_max_prefill_then_decode"] == pytest.approx(730, rel=0.01)
     cached = level_bound([(2048, 128)], 1, 2016, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)
     assert cached["ttft_p50_min_s"] is None and cached["prefill_tflop"] < 1.0  # hits: only 32 tokens' linears
 

@@ -145,20 +145,34 @@ def _check(code: int, what: str) -> None:
                                                    f"CUDA error {code}"))
 
 
+PDL_EARLY_MAX_ROWS = 16  # the default mode's early trigger: products of at most this many rows (see pdl_mode)
+
+
 def pdl_mode(major: int) -> int:
     """How int4 kernels launch on a GPU of compute capability ``major``.x (``LLMC_CUDA_PDL``): 0 plainly (``0``, and
     before sm_90); otherwise with programmatic dependent launch, each kernel requesting its first weight tiles while
     the previous kernel of the step finishes and waiting for that kernel before it reads the activations or writes
-    anything (``csrc_cuda/w4a16_mma.cu``). 2 (the default, ``late``): a kernel lets the next one start once each of
-    its blocks has its loads done; 1 (``early``): at once. The 8B shape's M = 1 linears on the H200: 1.474 ms
-    plain, 1.546 early, 1.391 late."""
-    mode = os.environ.get(PDL_ENV, "late").strip().lower()
+    anything (``csrc_cuda/w4a16_mma.cu``). 2 (``late``): a kernel lets the next one start once each of its blocks
+    has its loads done; 1 (``early``): at once; 3 (the default, ``auto``): early for products of at most
+    :data:`PDL_EARLY_MAX_ROWS` rows, late above (:func:`launch_mode`). The 8B shape's decode-step linears on the
+    H200 in step order (``bench_linears.py --step-order``, 2026-12-04 14:50): late / early 1.350 / 1.286-1.294 ms
+    at 1 row, 1.410 / 1.362-1.372 at 8, 1.736 / 1.675-1.688 at 16, 2.465 / 2.465-2.489 at 32, 3.401 / 3.416-3.429
+    at 64, 6.132 / 6.321-6.330 at 128."""
+    mode = os.environ.get(PDL_ENV, "auto").strip().lower()
     if mode in ("0", "false", "off") or major < 9:
         return 0
-    return 1 if mode == "early" else 2
+    return {"early": 1, "late": 2}.get(mode, 3)
 
 
-PDL_MODES = {0: "off", 1: "early", 2: "late"}
+PDL_MODES = {0: "off", 1: "early", 2: "late", 3: f"early up to {PDL_EARLY_MAX_ROWS} rows, late above"}
+
+
+def launch_mode(mode: int, rows: int) -> int:
+    """What the library takes for a product of ``rows`` rows under :func:`pdl_mode` ``mode`` (0 plain, 1 early,
+    2 late): ``auto`` (3) resolved by the row count."""
+    if mode != 3:
+        return mode
+    return 1 if rows <= PDL_EARLY_MAX_ROWS else 2
 
 
 def warpgroup_kernels(device: torch.device | int | None = None) -> bool:
@@ -209,8 +223,8 @@ def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, p
         DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
-        group_size, int(silu_out), period, *_split_args(partials, counters), pdl(x.device), _stream(x.device)),
-        "llmc_w4a16_mma")
+        group_size, int(silu_out), period, *_split_args(partials, counters),
+        launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)), "llmc_w4a16_mma")
 
 
 def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
@@ -232,7 +246,7 @@ def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tens
         prequant.data_ptr() if prequant is not None else None, x.shape[0], n, k, group_size, head, cos.data_ptr(),
         sin.data_ptr(), cos.stride(0), slots.data_ptr(), slots.stride(0), q.data_ptr(), q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), num_heads, num_kv_heads, *_split_args(partials, counters),
-        pdl(x.device), _stream(x.device)),
+        launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)),
         "llmc_w4a16_mma_rope")
 
 

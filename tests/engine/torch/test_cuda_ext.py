@@ -74,6 +74,9 @@ def test_programmatic_dependent_launch_is_on_for_hopper_unless_turned_off(monkey
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
     cuda_ext.pdl.cache_clear()
     try:
+        assert cuda_ext.pdl(0) == 3  # auto: early or late by the product's rows (launch_mode)
+        monkeypatch.setenv(cuda_ext.PDL_ENV, "late")
+        cuda_ext.pdl.cache_clear()
         assert cuda_ext.pdl(0) == 2  # the next kernel may start once each block's loads are done
         monkeypatch.setenv(cuda_ext.PDL_ENV, "early")
         cuda_ext.pdl.cache_clear()
@@ -89,6 +92,16 @@ def test_programmatic_dependent_launch_is_on_for_hopper_unless_turned_off(monkey
         cuda_ext.pdl.cache_clear()
 
 
+def test_the_default_launch_lets_the_next_kernel_start_early_only_for_decode_sized_products():
+    """auto (3) hands the library early (1) up to PDL_EARLY_MAX_ROWS rows and late (2) above; the other modes pass
+    through whatever the rows."""
+    edge = cuda_ext.PDL_EARLY_MAX_ROWS
+    assert [cuda_ext.launch_mode(3, rows) for rows in (1, 8, edge, edge + 1, 64, 2048)] == [1, 1, 1, 2, 2, 2]
+    for mode in (0, 1, 2):
+        assert {cuda_ext.launch_mode(mode, rows) for rows in (1, edge, edge + 1, 2048)} == {mode}
+    assert cuda_ext.PDL_MODES[3] == f"early up to {edge} rows, late above"
+
+
 def test_triton_kernels_before_an_int4_kernel_let_it_start_early_only_where_it_launches_so(monkeypatch):
     import torch
 
@@ -99,7 +112,7 @@ def test_triton_kernels_before_an_int4_kernel_let_it_start_early_only_where_it_l
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cuda = torch.device("cuda")
     try:
-        for env, expected in (("late", True), ("early", True), ("0", False)):
+        for env, expected in (("auto", True), ("late", True), ("early", True), ("0", False)):
             monkeypatch.setenv(cuda_ext.PDL_ENV, env)
             cuda_ext.pdl.cache_clear()
             triton_support.early_launch.cache_clear()

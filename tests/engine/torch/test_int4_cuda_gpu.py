@@ -326,7 +326,7 @@ def test_int4_decode_steps_replayed_from_cuda_graphs_equal_eager(smollm2_w4a16_i
     assert outs[True] == outs[False]
 
 
-@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
 def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_without_early_launch(rows, monkeypatch):
     """Each int4 kernel's blocks start while the previous kernel finishes (programmatic dependent launch) and wait
     for it before reading its output: a chain of layers, each reading the last one's output, replayed from a CUDA
@@ -360,7 +360,7 @@ def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_withou
 
     inputs = [torch.randn(rows, k, generator=gen).bfloat16().cuda() for _ in range(4)]
     results = {}
-    for pdl in ("0", "early", "late"):
+    for pdl in ("0", "early", "late", "auto"):
         monkeypatch.setenv(cuda_ext.PDL_ENV, pdl)
         for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
             cached.cache_clear()
@@ -379,6 +379,7 @@ def test_int4_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_and_withou
     for cached in (cuda_ext.pdl, triton_support.early_launch, triton_support.pdl_launch):
         cached.cache_clear()
     eager = [chain(x) for x in inputs]
-    for plain, early, late, ref in zip(results["0"], results["early"], results["late"], eager):
+    for plain, early, late, auto, ref in zip(results["0"], results["early"], results["late"], results["auto"], eager):
         assert torch.isfinite(plain).all()
-        assert torch.equal(plain, early) and torch.equal(plain, late) and torch.equal(plain, ref)
+        assert torch.equal(plain, early) and torch.equal(plain, late) and torch.equal(plain, auto)
+        assert torch.equal(plain, ref)
