@@ -18,6 +18,10 @@ SmolLM2-135M's at group 64 for correctness) and each row bucket (1, 2-16, 17-32,
 3. the fastest config is kept; from the larger row counts on, dequantize + cuBLAS is timed too and
    ``dense_from_m`` is the smallest measured row count where it wins.
 
+Shape by shape, each kernel follows one of its own shape; ``tune_step_order.py`` then chooses the decode buckets
+again from this report's timings, by the linears of a whole step in step order (the shipped 1-16-row buckets went
+through it on the H200).
+
 The same launches with the 16-bit weight through cuBLAS (``F.linear``) are the baseline. Writes
 ``--configs`` (merged into an existing table, the file ``llmc/engine/torch/int4_cuda_configs.json`` ships) and
 ``--report`` (every timing). Prints the decode-step table: the 32-layer sum over the four shapes per row count.

@@ -309,3 +309,36 @@ def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
                           "cuBLAS GEMM -> SiLU x gate"]  # largest first
     assert idle == pytest.approx({"cuBLAS GEMM -> int4 dequantize": 0.05, "int4 dequantize -> cuBLAS GEMM": 0.03,
                                   "cuBLAS GEMM -> SiLU x gate": 0.005})
+
+
+def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real_gains():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.tune_step_order import bucket_configs, descend, set_bucket, top_candidates
+    finally:
+        sys.path.remove(str(ROOT))
+    tried = {"[1, 1, 8, 2]": 206.4, "[1, 2, 8, 2]": 218.0, "[1, 4, 4, 2]": 296.4, "[2, 1, 4, 8]": "wrong: rel err 1",
+             "[1, 1, 8, 4]": 220.3}
+    assert top_candidates(tried, [1, 1, 8, 2], 2) == [(1, 1, 8, 2), (1, 2, 8, 2)]
+    assert top_candidates(tried, [1, 4, 4, 2], 2) == [(1, 1, 8, 2), (1, 2, 8, 2), (1, 4, 4, 2)]  # the table's own
+    # a step whose time is each shape's cost, plus a penalty when o follows a qkv config of 8 warps
+    cost = {"qkv": {(1, 1, 8, 2): 1.0, (1, 2, 4, 2): 1.1}, "o": {(1, 2, 16, 2): 1.0, (1, 1, 8, 0): 1.2},
+            "down": {(1, 2, 16, 2): 2.0, (1, 2, 16, 4): 1.999}}
+    calls = []
+
+    def seconds_of(configs):
+        calls.append(dict(configs))
+        step = sum(cost[shape][config] for shape, config in configs.items())
+        return step + (0.5 if configs["qkv"][2] == 8 and configs["o"] == (1, 2, 16, 2) else 0.0)
+
+    start = {"qkv": (1, 1, 8, 2), "o": (1, 2, 16, 2), "down": (1, 2, 16, 2)}  # each shape's own fastest
+    chosen, log = descend(start, {shape: list(cost[shape]) for shape in cost}, seconds_of)
+    # qkv's fastest config alone costs more before o's: the step takes the other; down's 0.02 % is below min_gain
+    assert chosen == {"qkv": (1, 2, 4, 2), "o": (1, 2, 16, 2), "down": (1, 2, 16, 2)}
+    assert seconds_of(chosen) < seconds_of(start)
+    assert [r["shape"] for r in log] == ["qkv", "o", "down"] * 2  # the second pass changed nothing: stop
+    assert all(len(r["us"]) == 2 for r in log)  # the incumbent timed again next to each candidate
+    table = {"devices": {"GPU": {"k1": {"mma": {"buckets": [[1, 1, 1, 8, 2], [8, 1, 2, 8, 2]]}}}}}
+    assert bucket_configs(table, "GPU", {"qkv": "k1"}, 8) == {"qkv": (1, 2, 8, 2)}
+    set_bucket(table, "GPU", {"qkv": "k1"}, 8, {"qkv": (1, 4, 4, 2)})
+    assert table["devices"]["GPU"]["k1"]["mma"]["buckets"] == [[1, 1, 1, 8, 2], [8, 1, 4, 4, 2]]

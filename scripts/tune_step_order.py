@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Choose the decode buckets' int4 configs by a whole step's linears in step order, not shape by shape.
+
+``tune_int4_cuda.py`` times each shape's configs on 32 layers of that shape, so every kernel follows a kernel of its
+own shape. In a decode step each follows one of another shape (qkv, o, fc + gate, down, then the next layer's qkv),
+and how far a kernel overlaps its neighbour depends on both: on the H200 tables that won shape by shape lost in
+step order (docs/GPU_INT4.md, 2026-12-04 14:44 and 14:50). This script takes a tuner report (``--report``: its
+``tried_us`` per shape and row count), keeps the ``--top`` fastest correct configs of each shape plus the table's
+own, and for each row count of ``--rows`` runs a coordinate descent over the shapes: every candidate of one shape
+with the others fixed, timed as the 128 int4 linears of a step in one CUDA graph (``bench_linears.py
+--step-order``'s measure); a change is kept only when it beats the incumbent, timed again in the same round, by
+``--min-gain``. The chosen configs go into ``--configs``' buckets of those row counts; ``--out`` keeps every timing.
+
+    python scripts/tune_int4_cuda.py --model llama3.1-8b --only-rows 1,8,16 --configs /tmp/t.json --report r.json
+    python scripts/tune_step_order.py --report r.json --configs llmc/engine/torch/int4_cuda_configs.json \\
+        --rows 1,8,16 --out step_order.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+SHAPES = ("qkv", "o", "fc_gate", "down")
+
+
+def top_candidates(tried: dict, current: list[int], top: int) -> list[tuple[int, ...]]:
+    """The ``top`` fastest timed configs of a report bucket (``tried_us``: ``"[mt, nt, warps, stages]"`` -> us, or
+    why a config was not timed), then the table's ``current`` config if it is not among them; fastest first."""
+    timed = sorted((us, tuple(ast.literal_eval(label))) for label, us in tried.items() if isinstance(us, (int, float)))
+    chosen = [config for _, config in timed[:top]]
+    if tuple(current) not in chosen:
+        chosen.append(tuple(current))
+    return chosen
+
+
+def descend(start: dict[str, tuple], candidates: dict[str, list[tuple]], seconds_of: Callable[[dict], float],
+            passes: int = 2, min_gain: float = 0.003) -> tuple[dict[str, tuple], list[dict]]:
+    """Coordinate descent from ``start`` (shape -> config): per pass and shape, every candidate with the other shapes'
+    configs fixed; the fastest replaces the incumbent when faster than it by more than ``min_gain`` (relative; the
+    incumbent is timed again in each round, so a slow first timing is not kept by luck). Stops after a pass without
+    a change. Returns the configs and every round's timings."""
+    configs, log = dict(start), []
+    for _ in range(passes):
+        changed = False
+        for shape in candidates:
+            times = {}
+            for config in dict.fromkeys([configs[shape], *candidates[shape]]):
+                times[config] = seconds_of({**configs, shape: config})
+            best = min(times, key=times.get)
+            keep = best != configs[shape] and times[best] < times[configs[shape]] * (1 - min_gain)
+            log.append({"shape": shape, "incumbent": list(configs[shape]), "chosen": list(best if keep else
+                                                                                            configs[shape]),
+                        "us": {str(list(c)): round(t * 1e6, 1) for c, t in times.items()}})
+            if keep:
+                configs[shape], changed = best, True
+        if not changed:
+            break
+    return configs, log
+
+
+def bucket_configs(table: dict, device: str, keys: dict[str, str], m_max: int) -> dict[str, tuple]:
+    """Each shape's mma config of the bucket ending at ``m_max`` in the tuned table (``keys``: shape -> table key)."""
+    entries = table["devices"][device]
+    return {name: tuple(next(b[1:] for b in entries[key]["mma"]["buckets"] if b[0] == m_max))
+            for name, key in keys.items()}
+
+
+def set_bucket(table: dict, device: str, keys: dict[str, str], m_max: int, configs: dict[str, tuple]) -> None:
+    """Write ``configs`` (shape -> config) into the bucket ending at ``m_max`` of each shape's mma entry."""
+    for name, key in keys.items():
+        buckets = table["devices"][device][key]["mma"]["buckets"]
+        index = next(i for i, b in enumerate(buckets) if b[0] == m_max)
+        buckets[index] = [m_max, *configs[name]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--report", type=Path, required=True, help="a tune_int4_cuda.py report of these row counts")
+    ap.add_argument("--configs", type=Path, required=True, help="the config table to start from and write")
+    ap.add_argument("--rows", default="1,8,16", help="the mma buckets' tuned row counts to choose again")
+    ap.add_argument("--top", type=int, default=4, help="candidates per shape: the report's fastest")
+    ap.add_argument("--min-gain", type=float, default=0.003, help="relative gain a change must bring")
+    ap.add_argument("--out", type=Path, help="write every timing here")
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_step_order.py times CUDA kernels: run it on a machine with an NVIDIA GPU")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tune_int4_cuda import LAYERS, LLAMA8B, MMA, MMA_BUCKETS, mma_layers, time_graph
+
+    from llmc.engine.torch.int4_configs import shape_key
+
+    device = torch.cuda.get_device_name()
+    report = json.loads(args.report.read_text())
+    table = json.loads(args.configs.read_text())
+    keys = {spec[0]: shape_key(spec[1], spec[2], spec[3]) for spec in LLAMA8B}
+    made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
+    chain = [(name, made[name][i]) for i in range(LAYERS) for name in SHAPES]
+    result = {"device": device, "rows": {}}
+    for m in [int(v) for v in args.rows.split(",") if v]:
+        m_max = next(b for b, tuned_at in MMA_BUCKETS if tuned_at == m)
+        start = bucket_configs(table, device, keys, m_max)
+        candidates = {name: top_candidates(report["shapes"][keys[name]][f"mma_{m}"]["tried_us"], list(start[name]),
+                                           args.top) for name in SHAPES}
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {spec[2] for spec in LLAMA8B}}
+
+        def seconds_of(configs: dict[str, tuple]) -> float:
+            return time_graph(lambda: [MMA.run(layer, xs[layer.in_features], configs[name]) for name, layer in chain])
+
+        before = seconds_of(start)
+        chosen, log = descend(start, candidates, seconds_of, min_gain=args.min_gain)
+        after = seconds_of(chosen)
+        set_bucket(table, device, keys, m_max, chosen)
+        result["rows"][m] = {"before_ms": round(before * 1e3, 3), "after_ms": round(after * 1e3, 3),
+                             "start": {k: list(v) for k, v in start.items()},
+                             "chosen": {k: list(v) for k, v in chosen.items()}, "rounds": log}
+        print(f"M={m:3d}: step order {before * 1e3:.3f} -> {after * 1e3:.3f} ms  "
+              f"{ {k: list(v) for k, v in chosen.items()} }", flush=True)
+    args.configs.write_text(json.dumps(table, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
