@@ -17,7 +17,9 @@ median of the replays, at every row count of ``--rows`` (decode steps: 1-64 rows
 Prints the 32-layer sums per row count and the int4 / bf16 ratios; ``--json`` keeps every shape's timing.
 ``--step-order`` also times all 128 int4 linears in one graph in the order a decode step runs them (qkv, o, fc +
 gate, down of layer 0, then of layer 1, ...): each kernel then follows one of another shape, as in the engine,
-where the per-shape sums put each layer after a layer of its own shape.
+where the per-shape sums put each layer after a layer of its own shape. ``--timeline`` (with ``--step-order``) also
+profiles one replay of that graph and prints, per shape, the mean time a kernel adds to the step (its end minus the
+previous kernel's end, us a layer): what each linear costs in place, overlaps with its neighbours included.
 """
 
 from __future__ import annotations
@@ -61,14 +63,55 @@ def time_int4(spec: tuple, rows: list[int], replays: int) -> dict[int, float]:
     return out
 
 
-def time_step_order(rows: list[int], replays: int) -> dict[int, float]:
-    """ms of the 128 int4 linears in decode-step order (one graph) per row count."""
+STEP = ("qkv", "o", "fc_gate", "down")  # a layer's linears in the order a decode step runs them
+
+
+def added_us(ends_us: list[float], names: tuple[str, ...] = STEP) -> dict[str, float]:
+    """Per name, the mean time each kernel adds to a chain (its end minus the previous kernel's end, us) from the
+    chain's kernel end times in launch order, names repeating in ``names``' order (the first kernel is left out)."""
+    added: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(1, len(ends_us)):
+        added[names[i % len(names)]].append(ends_us[i] - ends_us[i - 1])
+    return {name: round(sum(v) / len(v), 2) for name, v in added.items() if v}
+
+
+def profile_ends(fn, count: int) -> list[float] | None:
+    """End times (us) of the ``count`` int4 kernels of one replay of a CUDA graph of ``fn``, in launch order; None
+    where the replay ran another number of them (rows at which the layers dequantize for cuBLAS)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    fn()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "w4a16_mma_dequant" not in e.name and "w4a16" in e.name), key=lambda e: e.time_range.start)
+    return [e.time_range.end for e in kernels] if len(kernels) == count else None
+
+
+def time_step_order(rows: list[int], replays: int, timeline: bool = False) -> tuple[dict[int, float], dict]:
+    """ms of the 128 int4 linears in decode-step order (one graph) per row count, and with ``timeline`` what each
+    shape's kernel adds to that step per row count (:func:`added_us`; absent where the layers dequantize)."""
     made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
-    chain = [made[name][i] for i in range(LAYERS) for name in ("qkv", "o", "fc_gate", "down")]
+    chain = [made[name][i] for i in range(LAYERS) for name in STEP]
     inputs = {m: {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {s[2] for s in LLAMA8B}}
               for m in rows}
-    return {m: time_graph(lambda: [layer(inputs[m][layer.in_features]) for layer in chain], replays) * 1e3
-            for m in rows}
+    times, added = {}, {}
+    for m in rows:
+        def step():
+            return [layer(inputs[m][layer.in_features]) for layer in chain]
+
+        times[m] = time_graph(step, replays) * 1e3
+        ends = profile_ends(step, len(chain)) if timeline else None
+        if ends is not None:
+            added[m] = added_us(ends)
+    return times, added
 
 
 def time_bf16(spec: tuple, rows: list[int], replays: int) -> dict[str, dict[int, float]]:
@@ -91,9 +134,13 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20, help="graph replays per timing (median)")
     ap.add_argument("--json", type=Path, help="write every shape's timing here")
     ap.add_argument("--step-order", action="store_true", help="also time the int4 linears in decode-step order")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --step-order: what each shape's kernel adds to the step, from a profiled replay")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_linears.py times CUDA kernels: run it on a machine with an NVIDIA GPU")
+    if args.timeline and not args.step_order:
+        raise SystemExit("--timeline profiles the step-order graph: add --step-order")
     rows = [int(v) for v in args.rows.split(",") if v]
     per_shape: dict[str, dict[str, dict[int, float]]] = {}
     for spec in LLAMA8B:
@@ -108,10 +155,14 @@ def main() -> None:
               f"{row['bf16_gemm_only']:8.3f})  int4/bf16 {row['int4_over_bf16']:.3f} "
               f"({row['int4_over_bf16_gemm_only']:.3f})", flush=True)
     if args.step_order:
-        result["int4_step_order_ms"] = time_step_order(rows, args.replays)
+        result["int4_step_order_ms"], added = time_step_order(rows, args.replays, args.timeline)
         torch.cuda.empty_cache()
         for m, ms in result["int4_step_order_ms"].items():
             print(f"M={m:5d}: int4 in step order {ms:8.3f} ms", flush=True)
+            if m in added:
+                print(f"         each kernel adds, us a layer: {added[m]}", flush=True)
+        if args.timeline:
+            result["int4_step_order_added_us"] = added
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -222,6 +222,18 @@ def test_bench_linears_sums_the_shapes_per_row_count():
     assert out[2048]["int4_over_bf16_gemm_only"] == round(30.0 / 26.0, 3)
 
 
+def test_bench_linears_timeline_gives_each_shape_what_its_kernels_add_to_the_step():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.bench_linears import added_us
+    finally:
+        sys.path.remove(str(ROOT))
+    # two layers of qkv, o, fc + gate, down: kernels overlap, so a kernel adds its end minus the previous one's
+    ends = [10.0, 15.0, 34.0, 46.0, 53.5, 58.7, 77.2, 89.0]
+    assert added_us(ends) == {"qkv": 7.5, "o": 5.1, "fc_gate": 18.75, "down": 11.9}  # the first kernel left out
+    assert added_us([3.0]) == {}
+
+
 def test_tuning_some_row_buckets_keeps_the_others_and_the_dense_threshold():
     sys.path.insert(0, str(ROOT))
     try:
