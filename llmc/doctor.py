@@ -163,9 +163,13 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
         from llmc.engine.torch.cuda_ext import PDL_ENV, PDL_MODES, pdl_mode
         from llmc.engine.torch.int4_cuda import ROPE_EPILOGUE_ENV, rope_epilogue_enabled
 
-        mode = pdl_mode(sm // 10)
-        launch = (f"; programmatic dependent launch ({PDL_MODES[mode]}; {PDL_ENV}=0 turns it off)" if mode else
-                  "; plain launches" + ("" if sm < 90 else f" ({PDL_ENV}=0)"))
+        try:
+            mode = pdl_mode(sm // 10)
+        except ValueError as exc:  # a mistyped LLMC_CUDA_PDL: the engine would stop at its first int4 launch
+            launch = f"; {exc}"
+        else:
+            launch = (f"; programmatic dependent launch ({PDL_MODES[mode]}; {PDL_ENV}=0 turns it off)" if mode else
+                      "; plain launches" + ("" if sm < 90 else f" ({PDL_ENV}=0)"))
         rope = (f"qkv layers rotate q, k and write the KV cache in their epilogue ({ROPE_EPILOGUE_ENV}=0 turns it "
                 f"off)" if rope_epilogue_enabled() else f"RoPE + KV write in a Triton kernel ({ROPE_EPILOGUE_ENV}=0)")
         wgmma = ", with the warpgroup (wgmma) kernel where the tuned table picks it" if sm // 10 == 9 else ""
@@ -192,7 +196,10 @@ def triton_launch(sm: int) -> str:
     from llmc.engine.torch.cuda_ext import pdl_mode
     from llmc.engine.torch.triton_support import PDL_ENV, pdl_switched_off
 
-    if not pdl_mode(sm // 10):
+    try:
+        if not pdl_mode(sm // 10):
+            return ""
+    except ValueError:  # said once, in the int4 path's line
         return ""
     if pdl_switched_off():
         return f" (plain launches: {PDL_ENV}=0)"

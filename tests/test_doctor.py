@@ -177,6 +177,9 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "late")
     assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
+    monkeypatch.setenv("LLMC_CUDA_PDL", "lates")  # a typo is named with the fix, not taken for a mode
+    assert ("cached; LLMC_CUDA_PDL='lates' is not a launch mode: set it to auto (the default), early, late or 0 "
+            "(plain launches), or unset it); ") in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
     assert "cached; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
     assert int4_cuda_path(None, 90).endswith("KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off)")

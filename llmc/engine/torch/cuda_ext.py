@@ -158,10 +158,12 @@ def pdl_mode(major: int) -> int:
     H200 in step order (``bench_linears.py --step-order``, 2026-12-04 14:50): late / early 1.350 / 1.286-1.294 ms
     at 1 row, 1.410 / 1.362-1.372 at 8, 1.736 / 1.675-1.688 at 16, 2.465 / 2.465-2.489 at 32, 3.401 / 3.416-3.429
     at 64, 6.132 / 6.321-6.330 at 128."""
-    mode = os.environ.get(PDL_ENV, "auto").strip().lower()
-    if mode in ("0", "false", "off") or major < 9:
-        return 0
-    return {"early": 1, "late": 2}.get(mode, 3)
+    value = os.environ.get(PDL_ENV, "auto")
+    mode = {"0": 0, "false": 0, "off": 0, "early": 1, "late": 2, "auto": 3}.get(value.strip().lower())
+    if mode is None:
+        raise ValueError(f"{PDL_ENV}={value!r} is not a launch mode: set it to auto (the default), early, late or 0 "
+                         f"(plain launches), or unset it")
+    return 0 if major < 9 else mode
 
 
 PDL_MODES = {0: "off", 1: "early", 2: "late", 3: f"early up to {PDL_EARLY_MAX_ROWS} rows, late above"}

@@ -88,6 +88,10 @@ def test_programmatic_dependent_launch_is_on_for_hopper_unless_turned_off(monkey
         monkeypatch.setenv(cuda_ext.PDL_ENV, "0")
         cuda_ext.pdl.cache_clear()
         assert cuda_ext.pdl(0) == 0
+        monkeypatch.setenv(cuda_ext.PDL_ENV, "erly")
+        cuda_ext.pdl.cache_clear()
+        with pytest.raises(ValueError, match="LLMC_CUDA_PDL='erly' is not a launch mode: set it to auto"):
+            cuda_ext.pdl(0)
     finally:
         cuda_ext.pdl.cache_clear()
 
