@@ -78,6 +78,23 @@ def set_bucket(table: dict, device: str, keys: dict[str, str], m_max: int, confi
         buckets[index] = [m_max, *configs[name]]
 
 
+def missing_inputs(report: dict, table: dict, device: str, keys: dict[str, str], rows: list[int],
+                   buckets: list[tuple[int, int]]) -> list[str]:
+    """What the report (timings per shape and row count) or the table (each shape's mma bucket of those rows on
+    ``device``) lacks for ``rows``; ``buckets``: the mma buckets as ``(m_max, tuned at)``."""
+    tuned_at = {m for _, m in buckets}
+    missing = [f"row count {m} is not a tuned mma bucket ({sorted(tuned_at)})" for m in rows if m not in tuned_at]
+    for m in (m for m in rows if m in tuned_at):
+        m_max = next(b for b, at in buckets if at == m)
+        for name, key in keys.items():
+            if "tried_us" not in report.get("shapes", {}).get(key, {}).get(f"mma_{m}", {}):
+                missing.append(f"the report has no timings of {name} ({key}) at {m} rows")
+            entry = table.get("devices", {}).get(device, {}).get(key, {}).get("mma", {})
+            if not any(b[0] == m_max for b in entry.get("buckets", [])):
+                missing.append(f"the table has no {device} mma bucket of {name} ({key}) up to {m_max} rows")
+    return missing
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--report", type=Path, required=True, help="a tune_int4_cuda.py report of these row counts")
@@ -101,10 +118,15 @@ def main() -> None:
     report = json.loads(args.report.read_text())
     table = json.loads(args.configs.read_text())
     keys = {spec[0]: shape_key(spec[1], spec[2], spec[3]) for spec in LLAMA8B}
+    rows = [int(v) for v in args.rows.split(",") if v]
+    missing = missing_inputs(report, table, device, keys, rows, MMA_BUCKETS)
+    if missing:  # checked before any layer is made
+        raise SystemExit("; ".join(missing) + f": run tune_int4_cuda.py --only-rows {args.rows} on this GPU first "
+                         f"(its --report is this script's --report)")
     made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
     chain = [(name, made[name][i]) for i in range(LAYERS) for name in SHAPES]
     result = {"device": device, "rows": {}}
-    for m in [int(v) for v in args.rows.split(",") if v]:
+    for m in rows:
         m_max = next(b for b, tuned_at in MMA_BUCKETS if tuned_at == m)
         start = bucket_configs(table, device, keys, m_max)
         candidates = {name: top_candidates(report["shapes"][keys[name]][f"mma_{m}"]["tried_us"], list(start[name]),

@@ -326,7 +326,7 @@ def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
 def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real_gains():
     sys.path.insert(0, str(ROOT))
     try:
-        from scripts.tune_step_order import bucket_configs, descend, set_bucket, top_candidates
+        from scripts.tune_step_order import bucket_configs, descend, missing_inputs, set_bucket, top_candidates
     finally:
         sys.path.remove(str(ROOT))
     tried = {"[1, 1, 8, 2]": 206.4, "[1, 2, 8, 2]": 218.0, "[1, 4, 4, 2]": 296.4, "[2, 1, 4, 8]": "wrong: rel err 1",
@@ -354,3 +354,9 @@ def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real
     assert bucket_configs(table, "GPU", {"qkv": "k1"}, 8) == {"qkv": (1, 2, 8, 2)}
     set_bucket(table, "GPU", {"qkv": "k1"}, 8, {"qkv": (1, 4, 4, 2)})
     assert table["devices"]["GPU"]["k1"]["mma"]["buckets"] == [[1, 1, 1, 8, 2], [8, 1, 4, 4, 2]]
+    report = {"shapes": {"k1": {"mma_8": {"tried_us": tried}}}}
+    buckets = [(1, 1), (8, 8), (16, 16)]
+    assert missing_inputs(report, table, "GPU", {"qkv": "k1"}, [8], buckets) == []
+    assert missing_inputs(report, table, "GPU", {"qkv": "k1"}, [1, 16, 5], buckets) == [
+        "row count 5 is not a tuned mma bucket ([1, 8, 16])", "the report has no timings of qkv (k1) at 1 rows",
+        "the report has no timings of qkv (k1) at 16 rows", "the table has no GPU mma bucket of qkv (k1) up to 16 rows"]
