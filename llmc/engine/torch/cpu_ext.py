@@ -33,8 +33,9 @@
   (as a decode step does), prefetching the rows 16 tokens ahead took 16 sequences from 114-121 to 97-100 us.
 
 Availability: an x86-64 CPU with AVX-512 (PyTorch's CPU capability ``AVX512``), a C++ compiler and ninja.
-The build takes ~13 s on 2 cores, once per machine and torch version (cached under ``TORCH_EXTENSIONS_DIR``, by
-default ``~/.cache/torch_extensions``); ``llmc build`` starts it in the background when it begins
+The build takes ~13 s on 2 cores, once per checkout, Python environment and source version (cached under
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, in a folder of its own for each: see
+:func:`build_directory`); ``llmc build`` starts it in the background when it begins
 (:func:`load_in_background`), so it overlaps the GGUF conversion. ``LLMC_CPU_KERNELS=torch`` skips it.
 Whenever it is unavailable, the engine uses PyTorch's ops (its int4 op, gathered SDPA attention), and
 :func:`status` says why. The bfloat16 kernels (``bf16_gemm``, ``prefill_attention``) run only on CPUs with
@@ -46,9 +47,11 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,7 +63,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-NAME = "llmc_cpu_v5"  # bump with any change to the interfaces or to csrc/*.h (torch hashes only the .cpp files)
+NAME = "llmc_cpu_v5"  # the module's name; its build folder is keyed by everything the build depends on
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 ENV = "LLMC_CPU_KERNELS"  # "torch": use PyTorch's ops instead
 PREFILL_ENV = "LLMC_CPU_PREFILL"  # "float32": keep every CPU GEMM in float32, also where bfloat16 is available
 TILE = 16  # output channels per int4 tile (one AVX-512 register of float32)
@@ -135,6 +139,27 @@ def load_in_background() -> None:
     _background.start()
 
 
+def build_directory(root: Path | None = None) -> Path:
+    """The extension's build folder under ``root`` (by default ``TORCH_EXTENSIONS_DIR``, else torch's
+    ``~/.cache/torch_extensions``): one per source version (the .cpp and .h files' bytes, the
+    flags), Python environment (torch's version and location, Python's version) and checkout (the sources' folder).
+
+    torch writes the absolute paths of the sources and of its own headers into the folder's build.ninja and runs
+    ninja at every load, so two checkouts or environments sharing one folder rebuild the library (13-30 s)
+    whenever they alternate, each under the other's feet (seen on 2026-12-04 between a CI clone and a README
+    check running side by side). A folder of their own keeps each one's library as it built it."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = hashlib.sha256()
+    for part in (NAME, torch.__version__, str(Path(torch.__file__).parent), sys.version, str(SOURCES[0].parent),
+                 *FLAGS):
+        key.update(part.encode() + b"\0")
+    for source in (*SOURCES, *HEADERS):
+        key.update(source.name.encode() + b"\0" + source.read_bytes())
+    return Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / (
+        f"{NAME}_{key.hexdigest()[:16]}")
+
+
 def _build() -> ModuleType | None:
     global _why_not
     _why_not = static_why_not()
@@ -144,11 +169,12 @@ def _build() -> ModuleType | None:
                            "compiler and ninja (pip install ninja)", _why_not)
         return None
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load as build
+        from torch.utils.cpp_extension import load as build
 
-        with _build_lock(Path(_get_build_directory(NAME, verbose=False))):
+        directory = build_directory()
+        with _build_lock(directory):
             module = build(name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                           extra_ldflags=["-fopenmp"], verbose=False)
+                           extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as exc:  # noqa: BLE001 - a failed build: fall back, say why
         _why_not = f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]})"
         logger.warning("llmc's CPU kernels are unavailable, using PyTorch's ops: %s. Fix: install a C++ "

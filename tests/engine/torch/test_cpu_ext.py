@@ -31,6 +31,7 @@ class SlowBuild:
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.kwargs = kwargs
         self.started.set()
         assert self.release.wait(timeout=30), "the test never released the build"
         if self.error is not None:
@@ -61,6 +62,40 @@ def stub_build(monkeypatch, tmp_path):
     if cpu_ext._background is not None:
         cpu_ext._background.join(timeout=30)
     forget_cpu_kernels()
+
+
+def test_each_checkout_environment_and_source_version_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """torch rewrites build.ninja with absolute paths (the sources', its headers') and runs ninja at every load: a
+    folder shared by two checkouts or environments is rebuilt whenever they alternate. The folder is keyed by the
+    sources' bytes and folder, torch and the flags."""
+    import shutil
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    base = cpu_ext.build_directory()
+    assert base.parent == tmp_path / "ext" and base.name.startswith(cpu_ext.NAME + "_")
+    assert cpu_ext.build_directory() == base and cpu_ext.build_directory(tmp_path / "x").name == base.name
+    folders = {}
+    for checkout in ("a", "b"):
+        shutil.copytree(cpu_ext.SOURCES[0].parent, tmp_path / checkout / "csrc")
+        monkeypatch.setattr(cpu_ext, "SOURCES", sorted((tmp_path / checkout / "csrc").glob("*.cpp")))
+        monkeypatch.setattr(cpu_ext, "HEADERS", sorted((tmp_path / checkout / "csrc").glob("*.h")))
+        folders[checkout] = cpu_ext.build_directory()
+    assert len({base, folders["a"], folders["b"]}) == 3  # the same bytes in another checkout: its own folder
+    header = cpu_ext.HEADERS[0]
+    header.write_bytes(header.read_bytes() + b"\n")  # a header edited: torch alone would not notice
+    assert cpu_ext.build_directory() not in (base, folders["a"], folders["b"])
+    header.write_bytes(header.read_bytes()[:-1])
+    assert cpu_ext.build_directory() == folders["b"]
+    monkeypatch.setattr(cpu_ext.torch, "__version__", "0.0.0")  # another environment's torch
+    assert cpu_ext.build_directory() != folders["b"]
+
+
+def test_the_build_runs_in_its_own_folder_and_holds_the_lock_there(stub_build):
+    build = stub_build()
+    build.release.set()
+    assert cpu_ext.load() is build.module
+    assert build.kwargs["build_directory"] == str(cpu_ext.build_directory())
+    assert (cpu_ext.build_directory() / "llmc.flock").exists()
 
 
 def test_the_background_build_starts_at_once_and_load_waits_for_it(stub_build):
