@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_int4_cuda import LAYERS, LLAMA8B, mma_layers, time_graph  # noqa: E402
+from tune_int4_cuda import LAYERS, LLAMA8B, STEP, mma_layers, step_chain, step_inputs, time_graph  # noqa: E402
 
 from llmc.engine.torch.int4_cuda import silu_mul  # noqa: E402
 
@@ -61,9 +61,6 @@ def time_int4(spec: tuple, rows: list[int], replays: int) -> dict[int, float]:
         x = torch.randn(m, spec[2], device="cuda", dtype=torch.bfloat16)
         out[m] = time_graph(lambda: [layer(x) for layer in layers], replays) * 1e3
     return out
-
-
-STEP = ("qkv", "o", "fc_gate", "down")  # a layer's linears in the order a decode step runs them
 
 
 def added_us(ends_us: list[float], names: tuple[str, ...] = STEP) -> dict[str, float]:
@@ -98,10 +95,8 @@ def profile_ends(fn, count: int) -> list[float] | None:
 def time_step_order(rows: list[int], replays: int, timeline: bool = False) -> tuple[dict[int, float], dict]:
     """ms of the 128 int4 linears in decode-step order (one graph) per row count, and with ``timeline`` what each
     shape's kernel adds to that step per row count (:func:`added_us`; absent where the layers dequantize)."""
-    made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
-    chain = [made[name][i] for i in range(LAYERS) for name in STEP]
-    inputs = {m: {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {s[2] for s in LLAMA8B}}
-              for m in rows}
+    chain = [layer for _, layer in step_chain()]
+    inputs = {m: step_inputs(m) for m in rows}
     times, added = {}, {}
     for m in rows:
         def step():

@@ -172,6 +172,21 @@ def mma_layers(spec) -> tuple[list, torch.Tensor]:
                                                       torch.ones(k, device="cuda"), group)
 
 
+STEP = ("qkv", "o", "fc_gate", "down")  # a layer's linears in the order a decode step runs them
+
+
+def step_chain() -> list[tuple[str, Int4CudaLinear]]:
+    """The 8B shape's 128 int4 linears of a decode step (32 random layers a shape, :func:`mma_layers`) in the order
+    the step runs them, each with its shape's name."""
+    made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
+    return [(name, made[name][i]) for i in range(LAYERS) for name in STEP]
+
+
+def step_inputs(m: int) -> dict[int, torch.Tensor]:
+    """Random ``[m, K]`` activations for each input width K of the 8B shapes."""
+    return {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {spec[2] for spec in LLAMA8B}}
+
+
 def tune_family(spec, family: Family, layers: list, weight: torch.Tensor, report: dict, quick: bool = False,
                 old: dict | None = None, dense_only: bool = False) -> dict:
     """One shape's table entry ``{"buckets": [[m_max, *config]], "dense_from_m": m}``: the fastest correct config

@@ -25,9 +25,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SHAPES = ("qkv", "o", "fc_gate", "down")
-
-
 def top_candidates(tried: dict, current: list[int], top: int) -> list[tuple[int, ...]]:
     """The ``top`` fastest timed configs of a report bucket (``tried_us``: ``"[mt, nt, warps, stages]"`` -> us, or
     why a config was not timed), then the table's ``current`` config if it is not among them; fastest first."""
@@ -110,7 +107,7 @@ def main() -> None:
         raise SystemExit("tune_step_order.py times CUDA kernels: run it on a machine with an NVIDIA GPU")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tune_int4_cuda import LAYERS, LLAMA8B, MMA, MMA_BUCKETS, mma_layers, time_graph
+    from tune_int4_cuda import LLAMA8B, MMA, MMA_BUCKETS, STEP, step_chain, step_inputs, time_graph
 
     from llmc.engine.torch.int4_configs import shape_key
 
@@ -123,15 +120,14 @@ def main() -> None:
     if missing:  # checked before any layer is made
         raise SystemExit("; ".join(missing) + f": run tune_int4_cuda.py --only-rows {args.rows} on this GPU first "
                          f"(its --report is this script's --report)")
-    made = {spec[0]: mma_layers(spec)[0] for spec in LLAMA8B}
-    chain = [(name, made[name][i]) for i in range(LAYERS) for name in SHAPES]
+    chain = step_chain()
     result = {"device": device, "rows": {}}
     for m in rows:
         m_max = next(b for b, tuned_at in MMA_BUCKETS if tuned_at == m)
         start = bucket_configs(table, device, keys, m_max)
         candidates = {name: top_candidates(report["shapes"][keys[name]][f"mma_{m}"]["tried_us"], list(start[name]),
-                                           args.top) for name in SHAPES}
-        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k in {spec[2] for spec in LLAMA8B}}
+                                           args.top) for name in STEP}
+        xs = step_inputs(m)
 
         def seconds_of(configs: dict[str, tuple]) -> float:
             return time_graph(lambda: [MMA.run(layer, xs[layer.in_features], configs[name]) for name, layer in chain])
