@@ -342,6 +342,36 @@ def test_decode_steps_added_time_attributes_the_step_span_to_kinds_exactly():
     assert sum(added.values()) == pytest.approx((60.0 + 8.0) / 1e3)  # the two steps' spans
 
 
+SASS = """
+\t\tFunction : _ZN4kern1aEv
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                /* 0x00000a00ff017b82 */
+                                                                        /* 0x000fe20000000800 */
+        /*0010*/               @P0 BRA 0x70 ;                          /* 0x0000000000000947 */
+        /*0020*/                   EXIT ;                               /* 0x000000000000794d */
+\t\tFunction : _ZN4kern1bELi0EEEv
+        /*0000*/                   LDC R1, c[0x0][0x30] ;                /* 0x00000a00ff017b82 */
+        /*0010*/                   EXIT ;                               /* 0x000000000000794d */
+"""
+
+
+def test_sass_diff_reads_opcodes_and_names_the_kernels_whose_code_changed():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.sass_diff import compare, kernels
+    finally:
+        sys.path.remove(str(ROOT))
+    new = kernels(SASS)
+    assert new == {"_ZN4kern1aEv": ["LDC", "BRA", "EXIT"], "_ZN4kern1bELi0EEEv": ["LDC", "EXIT"]}
+    # operands and predicates do not count (parameter offsets move with the parameters); opcodes do
+    old = {"_ZN4kern1aEv": ["LDC", "BRA", "EXIT"], "_ZN4kern1bEEv": ["LDC", "LDC", "EXIT"], "_ZN4kern1cEv": ["EXIT"]}
+    report = compare(old, new, renames=[("ELi0EEEv", "EEv")])
+    assert report["same"] == ["_ZN4kern1aEv"] and report["missing"] == ["_ZN4kern1cEv"] and report["added"] == []
+    assert report["changed"] == [{"kernel": "_ZN4kern1bEEv", "instructions": [3, 2], "opcodes": {"LDC": [2, 1]}}]
+    unrenamed = compare(old, new)
+    assert unrenamed["added"] == ["_ZN4kern1bELi0EEEv"] and "_ZN4kern1bEEv" in unrenamed["missing"]
+    assert compare(old, new, match="kern1a") == {"same": ["_ZN4kern1aEv"], "changed": [], "missing": [], "added": []}
+
+
 def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real_gains():
     sys.path.insert(0, str(ROOT))
     try:
