@@ -8,7 +8,8 @@ not change the speed). Reports the median step time of each mode and their ratio
 adds where a graph-replayed step's GPU time goes: kernel time per kind (torch.profiler, CUDA activity; a kernel
 launched programmatically counts the time it waits for its predecessor too, so the kinds can add up to more than
 the step), the time at least one kernel ran (``gpu_busy_ms``) and the step's wall time outside it
-(``not_kernels_ms``: host work, launch gaps, the sync that brings the tokens back).
+(``not_kernels_ms``: host work, launch gaps, the sync that brings the tokens back) and what each kind adds in
+place (``added_ms_by_kind``: a kernel's end minus the previous end, so the kinds add up to the step's GPU span).
 ``--prefill NxL,...`` times prefill steps too: N fresh prompts of L tokens in one step (each samples its first
 token), with the model FLOPs of the step and the rate they ran at (the same kernel breakdown with ``--profile``).
 ``--mixed D@C+N@P,...`` times mixed steps as the scheduler makes them under a ``serving.mixed_step_tokens``
@@ -99,8 +100,9 @@ def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> f
 
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_pipe_kernel", "w4a16_reg_kernel")),
+    ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_pipe_kernel", "w4a16_pipe_fused_kernel", "w4a16_reg_kernel")),
     ("int4 dequantize (llmc)", ("w4a16_dequant", "w4a16_mma_dequant")),
+    ("attention split merge (llmc)", ("paged_decode_combine",)),
     ("attention (llmc paged decode)", ("paged_decode",)),
     ("attention (prefill: SDPA / flash)", ("flash", "fmha", "attention", "efficient_attention")),
     ("add + RMSNorm (llmc)", ("add_rms_norm",)),
@@ -161,6 +163,7 @@ def profile_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int = 
             "kernel_ms_total": round(kernels_ms, 4), "gpu_busy_ms": round(busy_ms([s[:2] for s in spans]) / steps, 4),
             "largest_gaps": largest_gaps(spans),
             "idle_ms_by_kinds": {k: round(v / steps, 4) for k, v in idle_by_kinds(spans).items()},
+            "added_ms_by_kind": {k: round(v / steps, 4) for k, v in added_by_kind(spans).items()},
             "runtime_calls_ms": {k: round(v, 4) for k, v in sorted(runtime.items(), key=lambda kv: -kv[1])[:8]},
             "top_kernels_ms": {k: round(v, 4) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]}}
 
@@ -174,6 +177,21 @@ def idle_stretches(spans: list[tuple[float, float, str]], within_us: float = 20_
             yield start - reach, last, name
         if end > reach:
             reach, last = end, name
+
+
+def added_by_kind(spans: list[tuple[float, float, str]], within_us: float = 100.0) -> dict[str, float]:
+    """Time (ms, summed over the profile) each kind of kernel adds to the steps: a kernel's end minus the latest end
+    before it (idle time before it included, overlap with its predecessor not; 0 where it ends inside another), in
+    order of starts. Within a step's kernels these add up to their span, so a kind's figure is what it costs in
+    place; a kernel starting ``within_us`` or more after the latest end (the host between steps: each step here
+    ends with its tokens on the host) counts from its own start."""
+    added: dict[str, float] = {}
+    reach = float("-inf")
+    for start, end, name in sorted(spans):
+        base = reach if start < reach + within_us else start
+        added[kind_of(name)] = added.get(kind_of(name), 0.0) + max(0.0, end - base) / 1e3
+        reach = max(reach, end)
+    return dict(sorted(added.items(), key=lambda kv: -kv[1]))
 
 
 def idle_by_kinds(spans: list[tuple[float, float, str]], top: int = 10) -> dict[str, float]:

@@ -302,9 +302,12 @@ def test_decode_steps_kinds_count_every_int4_kernel_as_an_int4_matmul():
     finally:
         sys.path.remove(str(ROOT))
     for name in ("void (anonymous namespace)::w4a16_pipe_kernel<__nv_bfloat16, 1, 2, 4, 2>(",
+                 "void (anonymous namespace)::w4a16_pipe_fused_kernel<__nv_bfloat16, 1, 2, 16, 2, 1>(",
                  "void (anonymous namespace)::w4a16_reg_kernel<__nv_bfloat16, 1, 1, 8, 8>(", "w4a16_matmul"):
         assert kind_of(name) == "int4 matmul (llmc)", name
     assert kind_of("w4a16_mma_dequant_kernel") == "int4 dequantize (llmc)"
+    assert kind_of("paged_decode_combine") == "attention split merge (llmc)"
+    assert kind_of("paged_decode") == "attention (llmc paged decode)"
 
 
 def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
@@ -321,6 +324,23 @@ def test_decode_steps_idle_time_adds_up_by_the_kinds_of_kernel_around_it():
                           "cuBLAS GEMM -> SiLU x gate"]  # largest first
     assert idle == pytest.approx({"cuBLAS GEMM -> int4 dequantize": 0.05, "int4 dequantize -> cuBLAS GEMM": 0.03,
                                   "cuBLAS GEMM -> SiLU x gate": 0.005})
+
+
+def test_decode_steps_added_time_attributes_the_step_span_to_kinds_exactly():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from scripts.decode_steps import added_by_kind
+    finally:
+        sys.path.remove(str(ROOT))
+    # a norm, an int4 kernel started early inside it (programmatic launch), attention after an idle gap, a kernel
+    # ending inside the attention (adds nothing), then the next profiled step 60 ms later (counted from its start)
+    spans = [(0.0, 10.0, "add_rms_norm_k"), (5.0, 30.0, "w4a16_pipe_kernel"), (40.0, 60.0, "paged_decode_k"),
+             (45.0, 50.0, "add_rms_norm_k"), (60_000.0, 60_008.0, "add_rms_norm_k")]
+    added = added_by_kind(spans)
+    assert added == pytest.approx({"int4 matmul (llmc)": 0.020, "attention (llmc paged decode)": 0.030,
+                                   "add + RMSNorm (llmc)": 0.018})
+    assert list(added)[0] == "attention (llmc paged decode)"  # largest first
+    assert sum(added.values()) == pytest.approx((60.0 + 8.0) / 1e3)  # the two steps' spans
 
 
 def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real_gains():
