@@ -173,8 +173,22 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
         rope = (f"qkv layers rotate q, k and write the KV cache in their epilogue ({ROPE_EPILOGUE_ENV}=0 turns it "
                 f"off)" if rope_epilogue_enabled() else f"RoPE + KV write in a Triton kernel ({ROPE_EPILOGUE_ENV}=0)")
         wgmma = ", with the warpgroup (wgmma) kernel where the tuned table picks it" if sm // 10 == 9 else ""
-        return f"llmc's CUDA tensor-core kernels{wgmma} (built once with nvcc, then cached{launch}); {rope}"
+        return f"llmc's CUDA tensor-core kernels{wgmma} (built once with nvcc, then cached{launch}); {rope}; {norms()}"
     return f"llmc's Triton W4A16 kernels ({why_not})"
+
+
+def norms() -> str:
+    """How the int4 CUDA layers handle the residual add + RMSNorm after o and down in decode steps."""
+    from llmc.engine.torch.pending_norm import NORM_EPILOGUE_ENV, norm_epilogue_rows
+
+    try:
+        rows = norm_epilogue_rows()
+    except ValueError as exc:  # a mistyped value: the engine would stop at its first decode step
+        return str(exc)
+    if not rows:
+        return f"residual add + RMSNorm in a Triton kernel ({NORM_EPILOGUE_ENV}=0)"
+    return (f"o and down add to the residual stream in their epilogue and the next int4 layer finishes the norm, "
+            f"up to {rows} rows ({NORM_EPILOGUE_ENV}=0 turns it off)")
 
 
 def prompt_step_paths() -> str:

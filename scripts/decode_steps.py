@@ -100,7 +100,7 @@ def time_steps(runner: TorchModelRunner, step: SchedulerOutput, steps: int) -> f
 
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_pipe_kernel", "w4a16_reg_kernel")),
+    ("int4 matmul (llmc)", ("w4a16_matmul", "w4a16_pipe_kernel", "w4a16_pipe_fused_kernel", "w4a16_reg_kernel")),
     ("int4 dequantize (llmc)", ("w4a16_dequant", "w4a16_mma_dequant")),
     ("attention split merge (llmc)", ("paged_decode_combine",)),
     ("attention (llmc paged decode)", ("paged_decode",)),

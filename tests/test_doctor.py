@@ -69,6 +69,7 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     monkeypatch.delenv("LLMC_EMBEDDING", raising=False)
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
+    monkeypatch.delenv("LLMC_NORM_EPILOGUE", raising=False)
     monkeypatch.delenv("LLMC_PREFILL_KERNEL", raising=False)
     monkeypatch.delenv("LLMC_PIECE_GRAPHS", raising=False)
     host = "; untied input embeddings in page-locked host memory (LLMC_EMBEDDING=device keeps them on the GPU)"
@@ -89,7 +90,9 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
                                  "then cached; programmatic dependent launch (early up to 16 rows, late above; "
                                  "LLMC_CUDA_PDL=0 turns it off)); "
                                  "qkv layers rotate q, k and write the KV cache in their epilogue "
-                                 "(LLMC_ROPE_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
+                                 "(LLMC_ROPE_EPILOGUE=0 turns it off); o and down add to the residual stream in "
+                                 "their epilogue and the next int4 layer finishes the norm, up to 8 rows "
+                                 "(LLMC_NORM_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail
@@ -146,7 +149,8 @@ def test_doctor_text_names_the_cpu_path():
     assert "CPU: Some CPU, 8 cores, AVX2\n" in text
     assert "  prefill (16-bit and AWQ checkpoints): float32 GEMMs (this CPU has no AVX512-BF16)" in text
     bf16 = CpuInfo("EPYC", 2, "AVX512", True, "llmc's AVX-512 kernels", "bfloat16 GEMMs ...")
-    assert "CPU: EPYC, 2 cores, AVX512 with AVX512-BF16" in format_report(DoctorReport((), bf16, None, None, {}, {}, ()))
+    report = format_report(DoctorReport((), bf16, None, None, {}, {}, ()))
+    assert "CPU: EPYC, 2 cores, AVX512 with AVX512-BF16" in report
     assert "float32 GEMMs (calibration" not in text  # no line without a finding
 
 
@@ -170,6 +174,7 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
 
     monkeypatch.delenv("LLMC_CUDA_PDL", raising=False)
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
+    monkeypatch.delenv("LLMC_NORM_EPILOGUE", raising=False)
     assert "programmatic dependent launch (early up to 16 rows, late above;" in int4_cuda_path(None, 90)
     assert "cached; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
     assert "warpgroup (wgmma)" in int4_cuda_path(None, 90) and "wgmma" not in int4_cuda_path(None, 80)
@@ -182,9 +187,17 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
             "(plain launches), or unset it); ") in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
     assert "cached; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
-    assert int4_cuda_path(None, 90).endswith("KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off)")
+    assert "KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off); " in int4_cuda_path(None, 90)
+    assert int4_cuda_path(None, 90).endswith("finishes the norm, up to 8 rows (LLMC_NORM_EPILOGUE=0 turns it off)")
     monkeypatch.setenv("LLMC_ROPE_EPILOGUE", "0")
-    assert int4_cuda_path(None, 90).endswith("RoPE + KV write in a Triton kernel (LLMC_ROPE_EPILOGUE=0)")
+    assert "; RoPE + KV write in a Triton kernel (LLMC_ROPE_EPILOGUE=0); " in int4_cuda_path(None, 90)
+    monkeypatch.setenv("LLMC_NORM_EPILOGUE", "64")
+    assert int4_cuda_path(None, 90).endswith("up to 64 rows (LLMC_NORM_EPILOGUE=0 turns it off)")
+    monkeypatch.setenv("LLMC_NORM_EPILOGUE", "0")
+    assert int4_cuda_path(None, 90).endswith("; residual add + RMSNorm in a Triton kernel (LLMC_NORM_EPILOGUE=0)")
+    monkeypatch.setenv("LLMC_NORM_EPILOGUE", "all")  # a typo is named with the fix
+    assert int4_cuda_path(None, 90).endswith("LLMC_NORM_EPILOGUE='all': give a row count (e.g. 64) or 0 to switch "
+                                             "it off")
     assert "epilogue" not in int4_cuda_path("no nvcc")  # the Triton kernels
 
 

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc_cuda" / "w4a16_mma.cu"
 ENV = "LLMC_CUDA_INT4"  # "triton": use the Triton kernels instead
-ABI_VERSION = 13
+ABI_VERSION = 14
 PDL_ENV = "LLMC_CUDA_PDL"  # "0": int4 kernels launch without programmatic dependent launch; see pdl()
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -122,13 +122,16 @@ def load() -> ctypes.CDLL | None:
         return None
     i, p, ll = ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong
     split = [p, ll, p, i]  # split-K's partial sums and counters, each with its capacity
-    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, *split, i, p]
+    norm = [p, i, ctypes.c_float]  # a pending input norm: sums, blocks a row, eps
+    lib.llmc_w4a16_mma.argtypes = [i, i, i, i, i, p, i, p, p, p, p, i, i, i, i, i, i, i, *split, *norm, i, p]
     lib.llmc_w4a16_mma.restype = i
     lib.llmc_w4a16_mma_rope.argtypes = [i, i, i, i, i, p, i, p, p, p, i, i, i, i, i, p, p, i, p, i, p, i, p, p, i, i,
-                                        *split, i, p]
+                                        *split, *norm, i, p]
     lib.llmc_w4a16_mma_rope.restype = i
     lib.llmc_w4a16_mma_dequant.argtypes = [i, p, p, p, p, i, i, i, i, i, p]
     lib.llmc_w4a16_mma_dequant.restype = i
+    lib.llmc_w4a16_mma_add.argtypes = [i, i, i, i, i, p, i, p, p, p, i, i, i, i, p, i, p, i, p, p, ll, i, p]
+    lib.llmc_w4a16_mma_add.restype = i
     return lib
 
 
@@ -214,18 +217,21 @@ def _split_args(partials: torch.Tensor | None, counters: torch.Tensor | None) ->
 def w4a16_mma(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
               y: torch.Tensor, n: int, k: int, group_size: int, silu_out: bool, m_tiles: int, n_tiles: int,
               warps: int, stages: int, period: int = 0, partials: torch.Tensor | None = None,
-              counters: torch.Tensor | None = None) -> None:
+              counters: torch.Tensor | None = None, in_sums: torch.Tensor | None = None, in_blocks: int = 0,
+              in_eps: float = 0.0) -> None:
     """``y = x @ W^T`` (``silu(fc) * gate`` with ``silu_out``) into ``y`` on the current stream; ``period``: the
     weight's columns interleaved in blocks of 8 within segments of that many columns
     (:func:`llmc.engine.torch.int4_layout.interleave_halves`), written back in their own order. ``partials``,
-    ``counters``: split-K's buffers (:func:`llmc.engine.torch.int4_configs.split_buffers`), for split configs."""
+    ``counters``: split-K's buffers (:func:`llmc.engine.torch.int4_configs.split_buffers`), for split configs.
+    ``in_sums`` (with ``in_blocks``, ``in_eps``): ``x`` is :func:`w4a16_mma_add`'s ``scaled`` rows, whose RMSNorm
+    is pending (the sums it left); the kernel multiplies each row's products by the norm's factor."""
     lib = _check_x(x)
     assert y.stride(-1) == 1
     _check(lib.llmc_w4a16_mma(
         DTYPES[x.dtype], m_tiles, n_tiles, warps, stages, x.data_ptr(), x.stride(0), words.data_ptr(),
         scale_pairs.data_ptr(),
         prequant.data_ptr() if prequant is not None else None, y.data_ptr(), y.stride(0), x.shape[0], n, k,
-        group_size, int(silu_out), period, *_split_args(partials, counters),
+        group_size, int(silu_out), period, *_split_args(partials, counters), *_norm_args(in_sums, in_blocks, in_eps),
         launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)), "llmc_w4a16_mma")
 
 
@@ -233,11 +239,13 @@ def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tens
                    n: int, k: int, group_size: int, config: tuple[int, int, int, int], cos: torch.Tensor,
                    sin: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, partials: torch.Tensor | None = None,
-                   counters: torch.Tensor | None = None) -> None:
+                   counters: torch.Tensor | None = None, in_sums: torch.Tensor | None = None, in_blocks: int = 0,
+                   in_eps: float = 0.0) -> None:
     """A qkv layer's product with RoPE and the KV-cache write in its epilogue: the weight's columns interleaved per
     head (period = head size), ``cos, sin [T, hd]`` (the tables of :func:`llmc.engine.torch.rope.rope_cos_sin`),
     ``slots [T]`` int64, rotated queries into ``q [T, nh * hd]``, keys and values into the caches
-    ``[blocks, block_size, nkv, hd]`` (x's dtype); ``partials``, ``counters``: as in :func:`w4a16_mma`."""
+    ``[blocks, block_size, nkv, hd]`` (x's dtype); ``partials``, ``counters``, the pending input norm: as in
+    :func:`w4a16_mma`."""
     lib = _check_x(x)
     head = k_cache.shape[-1]
     assert cos.stride(-1) == 1 and sin.stride(-1) == 1 and cos.stride(0) == sin.stride(0) and q.stride(-1) == 1
@@ -248,8 +256,33 @@ def w4a16_mma_rope(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tens
         prequant.data_ptr() if prequant is not None else None, x.shape[0], n, k, group_size, head, cos.data_ptr(),
         sin.data_ptr(), cos.stride(0), slots.data_ptr(), slots.stride(0), q.data_ptr(), q.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), num_heads, num_kv_heads, *_split_args(partials, counters),
-        launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)),
+        *_norm_args(in_sums, in_blocks, in_eps), launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)),
         "llmc_w4a16_mma_rope")
+
+
+def w4a16_mma_add(x: torch.Tensor, words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,
+                  n: int, k: int, group_size: int, config: tuple[int, int, int, int], resid: torch.Tensor,
+                  scaled: torch.Tensor, norm_weight: torch.Tensor, sums: torch.Tensor) -> None:
+    """An o or down projection's product added to the residual stream ``resid [T, n]`` in place (rounded to its
+    dtype), with ``scaled [T, n]`` the new rows times ``norm_weight [n]`` (the next RMSNorm's weight) and ``sums``
+    (float32, T x n / (16 x column tiles), row-major) each block's sum of the new rows' squares: the next layer's
+    input and pending norm (``in_sums`` of :func:`w4a16_mma`). A ring config (stages 2, 4)."""
+    lib = _check_x(x)
+    assert resid.dtype == scaled.dtype == norm_weight.dtype == x.dtype and sums.dtype == torch.float32
+    assert resid.stride(-1) == 1 and scaled.stride(-1) == 1 and norm_weight.is_contiguous()
+    _check(lib.llmc_w4a16_mma_add(
+        DTYPES[x.dtype], *config, x.data_ptr(), x.stride(0), words.data_ptr(), scale_pairs.data_ptr(),
+        prequant.data_ptr() if prequant is not None else None, x.shape[0], n, k, group_size, resid.data_ptr(),
+        resid.stride(0), scaled.data_ptr(), scaled.stride(0), norm_weight.data_ptr(), sums.data_ptr(), sums.numel(),
+        launch_mode(pdl(x.device), x.shape[0]), _stream(x.device)), "llmc_w4a16_mma_add")
+
+
+def _norm_args(in_sums: torch.Tensor | None, in_blocks: int, in_eps: float) -> tuple:
+    """A pending input norm as the library takes it (null, 0, 0 for none)."""
+    if in_sums is None:
+        return None, 0, 0.0
+    assert in_sums.dtype == torch.float32 and in_blocks > 0
+    return in_sums.data_ptr(), in_blocks, in_eps
 
 
 def w4a16_mma_dequant(words: torch.Tensor, scale_pairs: torch.Tensor, prequant: torch.Tensor | None,

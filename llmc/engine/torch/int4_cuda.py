@@ -30,11 +30,12 @@ import torch
 from torch import nn
 
 from llmc.checkpoint.int4 import unpack_int4
-from llmc.engine.torch import cuda_ext, triton_support
+from llmc.engine.torch import cuda_ext, pending_norm, triton_support
 from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
                                             heuristic_mma_config, mma_fits, split_buffers, tuned_entry)
 from llmc.engine.torch.int4_layout import (MMA_COLS, TILE, interleave_halves, interleave_tiles, mma_supported,
                                            pack_for_cuda, pack_mma)
+from llmc.engine.torch.pending_norm import PendingNorm
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def choose_backend(n: int, k: int, group_size: int, dtype: torch.dtype, device: 
 
 class Scratch:
     """Buffers shared by every int4 linear of a model: the dequantized weight of prefill steps, the split-K partials
-    and arrival counters of decode steps.
+    and arrival counters of decode steps, the per-block sums of squares of a pending norm.
 
     Layers run one after another on one stream, so one buffer of the largest need serves all of them. Each layer
     reserves its need when built; :meth:`allocate` (the loader calls it before the KV cache is planned and the
@@ -69,12 +70,12 @@ class Scratch:
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
-        self.sizes = {"dense": 0, "partials": 0, "counters": 0}
+        self.sizes = {"dense": 0, "partials": 0, "counters": 0, "norm_sums": 0}
         self._buffers: dict[str, torch.Tensor] | None = None
 
-    def reserve(self, dense: int = 0, partials: int = 0, counters: int = 0) -> None:
+    def reserve(self, dense: int = 0, partials: int = 0, counters: int = 0, norm_sums: int = 0) -> None:
         assert self._buffers is None, "reserve before allocate: the buffers are made once"
-        for key, numel in (("dense", dense), ("partials", partials), ("counters", counters)):
+        for key, numel in (("dense", dense), ("partials", partials), ("counters", counters), ("norm_sums", norm_sums)):
             self.sizes[key] = max(self.sizes[key], numel)
 
     def reserve_splits(self, launches, n: int) -> None:
@@ -89,6 +90,7 @@ class Scratch:
                 "dense": torch.empty(self.sizes["dense"], dtype=self.dtype, device=self.device),
                 "partials": torch.empty(self.sizes["partials"], dtype=torch.float32, device=self.device),
                 "counters": torch.zeros(max(1, self.sizes["counters"]), dtype=torch.int32, device=self.device),
+                "norm_sums": torch.empty(self.sizes["norm_sums"], dtype=torch.float32, device=self.device),
             }
 
     def buffer(self, key: str, numel: int) -> torch.Tensor:
@@ -115,6 +117,8 @@ class Int4CudaLinear(nn.Module):
     that size (:func:`interleave_halves`), so :meth:`rope_write_kv` can rotate q and k and write the KV cache in
     the product's epilogue; :meth:`forward` still returns the columns in their own order.
     """
+
+    takes_pending_norm = True  # forward and rope_write_kv take a PendingNorm (see forward)
 
     def __init__(self, words: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None, in_features: int,
                  group_size: int, scratch: Scratch, silu_output: bool = False, backend: str = "triton",
@@ -148,6 +152,7 @@ class Int4CudaLinear(nn.Module):
             scratch.reserve(dense=in_features * self.columns)
             scratch.reserve_splits(((c, min(m, self.dense_from_m - 1)) for m, (_, c) in zip(tops, self._mma_buckets)),
                                    self.columns)
+            scratch.reserve(norm_sums=max(self.dense_from_m - 1, 1) * (self.columns // 16))  # pending norms
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
@@ -216,18 +221,26 @@ class Int4CudaLinear(nn.Module):
         """Bytes of this layer's packed weight, scales and input scale on the device."""
         return sum(t.numel() * t.element_size() for t in (self.words, self.scales, self.prequant) if t is not None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """``x @ W^T``; ``x`` may be a residual stream whose norm is pending (finished in the kernel's input load
+        where :func:`~llmc.engine.torch.pending_norm.takes_input_norm` says so, else here first)."""
         m = x.shape[0]
+        if isinstance(x, PendingNorm):
+            if pending_norm.takes_input_norm(self, x):
+                return self.mma(x.scaled, *self.mma_config_for(m), norm=x)
+            x = x.materialize()
         if m >= self.dense_from_m:
             return self._dense(x)
         if self.backend == "mma":
             return self.mma(x, *self.mma_config_for(m))
         return self.matmul(x, self.config_for(m))
 
-    def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, stages: int) -> torch.Tensor:
+    def mma(self, x: torch.Tensor, m_tiles: int, n_tiles: int, warps: int, stages: int,
+            norm: PendingNorm | None = None) -> torch.Tensor:
         """The CUDA tensor-core kernel with an explicit config (the tuning script calls this); ``stages``: the depth
         of each warp's cp.async ring, 0 for the register kernel (no ring), negative for the warpgroup kernel
-        (sm_90; :data:`llmc.engine.torch.int4_configs.WGMMA_STAGES`)."""
+        (sm_90; :data:`llmc.engine.torch.int4_configs.WGMMA_STAGES`); ``norm``: ``x`` is its ``scaled`` rows and
+        the kernel finishes the norm (:func:`llmc.engine.torch.pending_norm.takes_input_norm`)."""
         assert x.shape[-1] == self.in_features
         x = _rows_aligned(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
@@ -235,7 +248,8 @@ class Int4CudaLinear(nn.Module):
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
                                self.group_size, self.silu_output, m_tiles, n_tiles, warps, stages,
                                period=0 if self.silu_output else self.period,
-                               **self._split_buffers((m_tiles, n_tiles, warps, stages), x.shape[0]))
+                               **self._split_buffers((m_tiles, n_tiles, warps, stages), x.shape[0]),
+                               **(pending_norm.kernel_args(norm) if norm is not None else {}))
         return y
 
     def _split_buffers(self, config: tuple[int, int, int, int], m: int) -> dict:
@@ -246,27 +260,37 @@ class Int4CudaLinear(nn.Module):
         return {"partials": self.scratch.buffer("partials", partials),
                 "counters": self.scratch.buffer("counters", counters)}
 
-    def rope_write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int
-                      ) -> torch.Tensor | None:
+    def rope_write_kv(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                      num_kv_heads: int) -> torch.Tensor | None:
         """A qkv layer's decode-sized product with RoPE and the KV-cache write in the kernel's epilogue (what
         :func:`llmc.engine.torch.fused_triton.rope_write_kv` does after :meth:`forward`, one kernel fewer per layer
-        and step): ``x [T, H]``, tables ``cos, sin [T, 1, hd]`` (:func:`llmc.engine.torch.rope.rope_cos_sin`),
-        caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]`` int64 -> rotated queries ``[T, nh, hd]``.
+        and step): ``x [T, H]`` (or a pending norm, as :meth:`forward` takes), tables ``cos, sin [T, 1, hd]``
+        (:func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``
+        int64 -> rotated queries ``[T, nh, hd]``.
         None where it does not apply (no ``rope_head``, prefill-sized steps, a cache of another dtype, or
         ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps."""
         m, hd = x.shape[0], self.rope_head
-        if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != x.dtype or k_cache.shape[-1] != hd
+        dtype = x.scaled.dtype if isinstance(x, PendingNorm) else x.dtype
+        if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != dtype or k_cache.shape[-1] != hd
                 or (num_heads + 2 * num_kv_heads) * hd != self.columns or not rope_epilogue_enabled()):
             return None
-        x = _rows_aligned(x)
+        norm = x if isinstance(x, PendingNorm) and pending_norm.takes_input_norm(self, x) else None
+        x = _rows_aligned(x.scaled if norm is not None else pending_norm.materialized(x))
         q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
         config = self.mma_config_for(m)
         cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
-                                self.group_size, config, cos.reshape(m, hd), sin.reshape(m, hd),
-                                slot_mapping, q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads,
-                                **self._split_buffers(config, m))
+                                self.group_size, config, cos.reshape(m, hd), sin.reshape(m, hd), slot_mapping,
+                                q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads,
+                                **self._split_buffers(config, m),
+                                **(pending_norm.kernel_args(norm) if norm is not None else {}))
         return q
+
+    def add_residual(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> PendingNorm | None:
+        """``h += x @ W^T`` in place in the product's epilogue, with the RMSNorm (``weight``, ``eps``) that follows
+        left pending for the next layer (:mod:`llmc.engine.torch.pending_norm`); None where that does not apply."""
+        return pending_norm.add_residual(self, x, h, weight, eps)
 
     def matmul(self, x: torch.Tensor, config: KernelConfig) -> torch.Tensor:
         """The int4 kernel with an explicit config (the tuning script calls this)."""

@@ -18,6 +18,7 @@ from torch import nn
 from llmc.checkpoint.config import ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
+from llmc.engine.torch.pending_norm import PendingNorm, materialized
 from llmc.engine.torch.prefill_cpu import SplitLinear
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
@@ -138,7 +139,7 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+    def project(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                    torch.Tensor | None]:
         """CUDA with Triton: qkv, then one kernel rotates q and k and writes k, v to the cache at ``slot_mapping``
@@ -149,6 +150,8 @@ class Attention(nn.Module):
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
 
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+        if not getattr(self.qkv, "takes_pending_norm", False):
+            x = materialized(x)  # an int4 layer takes the norm pending (and finishes it) where it can
         if decode:
             rope = getattr(self.qkv, "rope_write_kv", None)
             q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
@@ -233,6 +236,19 @@ class MLP(nn.Module):
         else:
             fc, gate = self.fc(x), self.gate(x)
         return self.proj(F.silu(fc) * gate)
+
+
+def _linear_add_norm(linear: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor | PendingNorm:
+    """``h += linear(x)`` in place, then ``norm(h)``: left pending where the linear can add in its epilogue (an int4
+    CUDA layer's ``add_residual``: the next int4 layer finishes the norm, :mod:`llmc.engine.torch.pending_norm`),
+    else the product and llmc's fused add + RMSNorm kernel."""
+    add = getattr(linear, "add_residual", None)
+    pending = add(x, h, norm.weight, norm.eps) if add is not None else None
+    if pending is None:
+        from llmc.engine.torch import fused_triton  # optional dependency: Triton (the fused decoder's caller checks)
+
+        return fused_triton.add_rms_norm_(h, linear(x), norm.weight, norm.eps)
+    return pending
 
 
 class DecoderLayer(nn.Module):
@@ -346,16 +362,19 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``i`` of the fused decoder after its attention (``attended [T, nh, hd]``): the dense layer, the
         residual add joined to the post-attention norm, the MLP, its residual add joined to the next layer's input
         norm (the final norm after the last layer). Updates ``h`` in place; returns the normed input of what
-        follows ``[T, H]``."""
+        follows ``[T, H]``, before a next layer possibly as a :class:`~llmc.engine.torch.pending_norm.PendingNorm`
+        (which its int4 qkv layer finishes, or :meth:`~llmc.engine.torch.pending_norm.PendingNorm.materialize`)."""
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by use_cuda_fused's caller)
 
         layers = self.transformer.layers
         layer = layers[i]
-        a = layer.attention.dense(attended.reshape(h.shape[0], -1))
-        post = layer.post_layernorm
-        normed = fused_triton.add_rms_norm_(h, a, post.weight, post.eps)
         after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.transformer.ln_f
-        return fused_triton.add_rms_norm_(h, layer.mlp(normed), after.weight, after.eps)
+        mlp = layer.mlp
+        normed = _linear_add_norm(layer.attention.dense, attended.reshape(h.shape[0], -1), h, layer.post_layernorm)
+        if getattr(mlp.fc_gate_kernel, "silu_output", False):  # int4 on CUDA: both layers may take a pending norm
+            normed = _linear_add_norm(mlp.proj, mlp.fc_gate_kernel(normed), h, after)
+            return normed if i + 1 < len(layers) else materialized(normed)  # the logits' norm: computed here
+        return fused_triton.add_rms_norm_(h, mlp(materialized(normed)), after.weight, after.eps)
 
     def logits_weight(self) -> torch.Tensor:
         """``[V, H]``: the lm_head's weight, or the embedding's when they are tied."""

@@ -259,3 +259,74 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
         qkv.rope_write_kv = epilogue
     assert torch.equal(run(model), ref)
     assert calls == [1] * (3 * len(model.transformer.layers))  # the three decode steps, every layer once
+
+
+def test_the_fused_decoder_leaves_norms_pending_where_o_and_down_offer_it(tiny_w4a16_ir):
+    """After each o and down projection the fused decoder asks the layer to add its product to the residual stream
+    and leave the norm pending (CUDA's mma layers: ``add_residual``), and runs the product then the fused add +
+    norm kernel only where the layer returns None; a pending norm is finished by the next int4 layer or computed
+    first (here: the Triton layers compute it; the last layer's before the logits). Stood in for by the add kernel
+    with the norm left pending (and by None for every other layer): the results must not change, and every step
+    (prompt chunk, decodes, mixed) asks every o and down layer once."""
+    from llmc.engine.torch import fused_triton
+    from llmc.engine.torch.loader import load_model
+    from llmc.engine.torch.pending_norm import PendingNorm
+    from tests.engine.torch.helpers import PagedSession
+
+    ids = list(range(300, 316))
+
+    def run(model):
+        session = PagedSession(model, block_size=16, num_blocks=8)
+        out = [session.step({"a": ids[:9]})["a"]]
+        out += [session.step({"a": [t]})["a"] for t in ids[9:11]]  # decode steps
+        out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
+        return torch.cat(out)
+
+    ref = run(load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True))
+    model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+    calls, pending = [], []
+    for i, layer in enumerate(model.transformer.layers):
+        for name, linear in (("o", layer.attention.dense), ("down", layer.mlp.proj)):
+            def add(x, h, weight, eps, linear=linear, name=name, offer=(i + len(name)) % 2 == 0):
+                calls.append((name, x.shape[0]))
+                if not offer:
+                    return None
+                fused_triton.add_rms_norm_(h, linear(x), weight, eps)  # the add, rounded as the kernel rounds it
+                pending.append(PendingNorm(h, h * weight, torch.empty(0), 1, weight, eps))
+                return pending[-1]
+
+            linear.add_residual = add
+    assert torch.equal(run(model), ref)
+    steps = [9, 1, 1, 6]
+    assert calls == [(name, rows) for rows in steps for _ in model.transformer.layers for name in ("o", "down")]
+    assert len(pending) == len(calls) // 2
+
+
+def test_norm_epilogue_rows_come_from_the_environment(monkeypatch):
+    from llmc.engine.torch.pending_norm import NORM_EPILOGUE_ENV, NORM_EPILOGUE_ROWS_DEFAULT, norm_epilogue_rows
+
+    monkeypatch.delenv(NORM_EPILOGUE_ENV, raising=False)
+    assert norm_epilogue_rows() == NORM_EPILOGUE_ROWS_DEFAULT == 8
+    for value, rows in (("16", 16), (" 8 ", 8), ("0", 0), ("off", 0), ("false", 0)):
+        monkeypatch.setenv(NORM_EPILOGUE_ENV, value)
+        assert norm_epilogue_rows() == rows, value
+    monkeypatch.setenv(NORM_EPILOGUE_ENV, "sixteen")
+    with pytest.raises(ValueError, match="LLMC_NORM_EPILOGUE='sixteen': give a row count"):
+        norm_epilogue_rows()
+
+
+def test_triton_layers_leave_no_norm_pending_and_take_pending_norms_computed(tiny_w4a16_ir):
+    """The Triton fallback (and so Triton's interpreter on CPU) has neither the add epilogue nor the input norm: it
+    says None to ``add_residual`` and computes a pending norm before its product."""
+    from llmc.engine.torch import fused_triton
+    from llmc.engine.torch.loader import load_model
+    from llmc.engine.torch.pending_norm import PendingNorm
+
+    model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+    layer = model.transformer.layers[0]
+    dense, qkv = layer.attention.dense, layer.attention.qkv
+    x, h = torch.randn(2, dense.in_features).bfloat16(), torch.randn(2, dense.out_features).bfloat16()
+    weight = layer.post_layernorm.weight
+    assert dense.backend == "triton" and dense.add_residual(x, h, weight, 1e-5) is None
+    pending = PendingNorm(h, h * weight, torch.empty(0), 1, weight, 1e-5)
+    assert torch.equal(qkv(pending), qkv(fused_triton.rms_norm(h, weight, 1e-5)))

@@ -272,6 +272,27 @@ struct Epilogue {
   int nh, nkv;
 };
 
+// The residual add + RMSNorm between an o or down projection and the next int4 layer, without a kernel of its own
+// (the ring kernel only, w4a16_pipe_fused_kernel; a parameter of its own: a larger Epilogue made the compiler unroll
+// every kernel's epilogue less, 2-3 us slower a kernel on the H200). Producer (FUSE 1, after an o or down
+// projection; see finish_add_norm): ``resid`` [rows, n] (row stride ld_resid) += the product, rounded to T;
+// ``scaled`` [rows, n] (ld_scaled) = the new residual times ``norm_w`` [n] (the norm's weight), rounded to T;
+// ``sums`` [rows, n / (16 NT)] float32: each block's sum of the new residual's squares per row (its columns).
+// Consumer (FUSE 2, a qkv or fc + gate layer whose input is the producer's ``scaled``): ``in_sums`` [rows, in_blocks]
+// (the producer's sums); each row's product is multiplied by rsqrt(sum / k + in_eps) in float32 before the epilogue
+// (the norm's factor is the same for all of a row's inputs: it comes out of the sum).
+struct Fused {
+  void* resid;
+  int ld_resid;
+  void* scaled;
+  int ld_scaled;
+  const void* norm_w;
+  float* sums;
+  const float* in_sums;
+  int in_blocks;
+  float in_eps;
+};
+
 // Output column of tile nt's column g + 8 * half under ``period`` (mode 0).
 __device__ __forceinline__ int column_of(int nt, int g, int half, int period) {
   if (period == 0) return 16 * nt + g + 8 * half;
@@ -313,9 +334,11 @@ __device__ __forceinline__ void rope_pair(const Epilogue& ep, int r, int nt, int
 
 // The block's result: the warps' partial sums (``partial``: [WARPS][NT * MT * 4][32] floats in shared memory,
 // written by the caller) added in warp order, written as the epilogue says.
-template <typename T, int MT, int NT, int WARPS>
+// RSTD: each row's sums times its pending input norm's factor first (``rstd``, shared memory: row_rstd); a template
+// flag, so the other kernels compile as without it (a runtime check made their epilogue loops slower on the H200).
+template <typename T, int MT, int NT, int WARPS, bool RSTD = false>
 __device__ __forceinline__ void write_block(const float* partial, T* __restrict__ y, int ldy, int rows, int nt0,
-                                           int row0, const Epilogue& ep) {
+                                           int row0, const Epilogue& ep, const float* rstd = nullptr) {
   using Ops = Half2Ops<T>;
   constexpr int PER_WARP = NT * MT * 4 * 32;
   // acc[c][mt][i] of lane (g, t): column g + 8 * (i >> 1) of tile nt0 + c, row 8 mt + 2 t + (i & 1) of the block.
@@ -330,6 +353,10 @@ __device__ __forceinline__ void write_block(const float* partial, T* __restrict_
       }
       const int r = row0 + 8 * mt + 2 * (l & 3) + j;
       if (r >= rows) continue;
+      if constexpr (RSTD) {
+        lo *= rstd[r - row0];
+        hi *= rstd[r - row0];
+      }
       if (ep.mode == 1) {
         y[static_cast<size_t>(r) * ldy + 8 * (nt0 + c) + (l >> 2)] = Ops::from_float(silu(lo) * hi);
       } else {
@@ -343,6 +370,7 @@ __device__ __forceinline__ void write_block(const float* partial, T* __restrict_
 #pragma unroll
       for (int wi = 0; wi < WARPS; ++wi) v += partial[wi * PER_WARP + (cm * 4 + i) * 32 + l];
       const int r = row0 + 8 * mt + 2 * (l & 3) + (i & 1);
+      if constexpr (RSTD) v *= rstd[r - row0];
       if (r < rows)
         y[static_cast<size_t>(r) * ldy + column_of(nt0 + c, l >> 2, i >> 1, ep.period)] = Ops::from_float(v);
     }
@@ -351,9 +379,10 @@ __device__ __forceinline__ void write_block(const float* partial, T* __restrict_
 
 // A block's end, once its warps have issued their last reads of shared memory: it waits for all of them, puts each
 // warp's sums there (``partial``, as write_block reads them) and writes the block's result.
-template <typename T, int MT, int NT, int WARPS>
+template <typename T, int MT, int NT, int WARPS, bool RSTD = false>
 __device__ __forceinline__ void finish_block(uint4* smem, const float (&acc)[NT][MT][4], T* __restrict__ y, int ldy,
-                                             int rows, int nt0, int row0, const Epilogue& ep) {
+                                             int rows, int nt0, int row0, const Epilogue& ep,
+                                             const float* rstd = nullptr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();  // every warp is done with the shared memory: it now holds the partial sums
   float* partial = reinterpret_cast<float*>(smem);
@@ -364,7 +393,139 @@ __device__ __forceinline__ void finish_block(uint4* smem, const float (&acc)[NT]
 #pragma unroll
       for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
   __syncthreads();
-  write_block<T, MT, NT, WARPS>(partial, y, ldy, rows, nt0, row0, ep);
+  write_block<T, MT, NT, WARPS, RSTD>(partial, y, ldy, rows, nt0, row0, ep, rstd);
+}
+
+// Two floats rounded (to nearest even) into one pair of T: low half = ``lo``.
+__device__ __forceinline__ uint32_t pack_floats(float lo, float hi, __nv_bfloat16) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t pack_floats(float lo, float hi, __half) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Mode 3: shared memory behind the warps' partial sums for the block's squares (8 MT rows x 16 NT columns, float32).
+template <int MT, int NT>
+__host__ __device__ constexpr int norm_smem_bytes() { return 8 * MT * 16 * NT * 4; }
+
+// Elements of a block's result each thread writes (write_block's order: thread + j * threads, j < RES).
+template <int MT, int NT, int WARPS>
+__host__ __device__ constexpr int residual_count() { return (NT * MT * 128 + WARPS * 32 - 1) / (WARPS * 32); }
+
+// Element ``idx`` of a block's result (write_block's mode-0 order): its row and column in the block.
+template <int MT>
+__device__ __forceinline__ void block_element(int idx, int& lr, int& lc) {
+  const int l = idx & 31, i = (idx >> 5) & 3, cm = idx >> 7, c = cm / MT, mt = cm % MT;
+  lr = 8 * mt + 2 * (l & 3) + (i & 1);
+  lc = 16 * c + (l >> 2) + 8 * (i >> 1);
+}
+
+// Mode 3: this thread's residual values for the epilogue, read once the previous kernel is done (wait_prior_grid),
+// so their latency hides behind the product.
+template <typename T, int MT, int NT, int WARPS, int RES>
+__device__ __forceinline__ void load_residual(const Fused& fz, T (&res)[RES], T (&wn)[RES], int rows, int nt0,
+                                              int row0) {
+#pragma unroll
+  for (int j = 0; j < RES; ++j) {
+    const int idx = threadIdx.x + j * WARPS * 32;
+    int lr, lc;
+    block_element<MT>(idx, lr, lc);
+    const bool in = idx < NT * MT * 128 && row0 + lr < rows;
+    res[j] = in ? static_cast<const T*>(fz.resid)[static_cast<size_t>(row0 + lr) * fz.ld_resid + 16 * nt0 + lc]
+                : T(0.f);
+    wn[j] = in ? static_cast<const T*>(fz.norm_w)[16 * nt0 + lc] : T(0.f);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {  // the same butterfly every time: deterministic
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Mode 3, a block's end: its result added to the residual stream (h = round(h + round(y)), as llmc's separate add +
+// RMSNorm kernel does: the same bits), h times the next norm's weight (rounded: the next layer's input) and each
+// row's sum of squares over the block's columns (added in column order: the bits do not depend on timing) for the
+// next kernel, which finishes the norm in its epilogue (row_rstd). No block waits for another: a separate norm
+// kernel's launch, wait and pass become a few stores here and a reduction of the row's sums there.
+template <typename T, int MT, int NT, int WARPS, int RES>
+__device__ __forceinline__ void finish_add_norm(uint4* smem, const float (&acc)[NT][MT][4], int rows, int nt0,
+                                                int row0, const Fused& fz, const T (&res)[RES],
+                                                const T (&wn)[RES]) {
+  using Ops = Half2Ops<T>;
+  constexpr int PER_WARP = NT * MT * 4 * 32, BW = 16 * NT;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // every warp is done with the shared memory (the ring and the input scale)
+  float* partial = reinterpret_cast<float*>(smem);
+  float* sq = partial + WARPS * PER_WARP;
+#pragma unroll
+  for (int c = 0; c < NT; ++c)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[(warp * NT * MT * 4 + (c * MT + mt) * 4 + i) * 32 + lane] = acc[c][mt][i];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < RES; ++j) {
+    const int idx = threadIdx.x + j * WARPS * 32;
+    if (idx >= NT * MT * 128) break;
+    const int l = idx & 31, i = (idx >> 5) & 3, cm = idx >> 7;
+    float v = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) v += partial[wi * PER_WARP + (cm * 4 + i) * 32 + l];
+    int lr, lc;
+    block_element<MT>(idx, lr, lc);
+    float square = 0.f;
+    if (row0 + lr < rows) {
+      const T h = Ops::from_float(Ops::to_float(res[j]) + Ops::to_float(Ops::from_float(v)));
+      static_cast<T*>(fz.resid)[static_cast<size_t>(row0 + lr) * fz.ld_resid + 16 * nt0 + lc] = h;
+      const float f = Ops::to_float(h);
+      static_cast<T*>(fz.scaled)[static_cast<size_t>(row0 + lr) * fz.ld_scaled + 16 * nt0 + lc] =
+          Ops::from_float(f * Ops::to_float(wn[j]));
+      square = f * f;
+    }
+    sq[lr * BW + lc] = square;
+  }
+  __syncthreads();
+  for (int lr = warp; lr < 8 * MT; lr += WARPS) {
+    if (row0 + lr >= rows) break;
+    float s = 0.f;
+    for (int c = lane; c < BW; c += 32) s += sq[lr * BW + c];
+    s = warp_sum(s);
+    if (lane == 0) fz.sums[static_cast<size_t>(row0 + lr) * gridDim.y + blockIdx.y] = s;
+  }
+}
+
+// A pending input norm (Fused::in_sums), once the previous kernel is done: rsqrt(mean square + eps) of each of the
+// block's rows, from the previous kernel's per-block sums (added in block order by a warp per row, so every block
+// gets the same bits), into ``rstd`` (shared memory, 8 MT floats; 0 past the last row), which the epilogue
+// multiplies the row's sums by (write_block). The caller synchronizes before reading it.
+template <int MT, int WARPS>
+__device__ __forceinline__ void row_rstd(const Fused& fz, float* rstd, int rows, int row0, int k) {
+  constexpr int PER = (8 * MT + WARPS - 1) / WARPS;  // rows a warp takes: lr = warp + WARPS * i
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float s[PER];
+  // every row's first 128 sums requested at once (one memory latency, not one per row), the rest after
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int lr = warp + WARPS * i;
+    const float* row = fz.in_sums + static_cast<size_t>(row0 + lr) * fz.in_blocks;
+    const bool in = lr < 8 * MT && row0 + lr < rows;
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = in && lane + 32 * j < fz.in_blocks ? __ldcg(row + lane + 32 * j) : 0.f;
+    s[i] = (v[0] + v[1]) + (v[2] + v[3]);
+    for (int b = lane + 128; in && b < fz.in_blocks; b += 32) s[i] += __ldcg(row + b);
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int lr = warp + WARPS * i;
+    const float total = warp_sum(s[i]);
+    if (lane == 0 && lr < 8 * MT) rstd[lr] = row0 + lr < rows ? rsqrtf(total / static_cast<float>(k) + fz.in_eps) : 0.f;
+  }
 }
 
 // The product, each warp streaming its input tiles through a ring of STAGES slots in shared memory (cp.async):
@@ -378,11 +539,12 @@ __device__ __forceinline__ void finish_block(uint4* smem, const float (&acc)[NT]
 // little more than the decoding and the mma. Blocks are ordered row block first (blockIdx.x), so the row blocks of
 // one column tile run together and read its weight once from memory (the others hit L2). Shared memory (dynamic):
 // the ring, reused for the warps' partial sums at the end, then the input scale.
-template <typename T, int MT, int NT, int WARPS, int STAGES>
-__global__ void __launch_bounds__(WARPS * 32)
-w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
-                  const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
-                  Epilogue ep, int late_trigger) {
+// FUSE 0: the product; 1 and 2: a norm's producer and consumer (Fused; w4a16_pipe_fused_kernel).
+template <typename T, int MT, int NT, int WARPS, int STAGES, int FUSE>
+__device__ __forceinline__ void pipe_product(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
+                                             const uint32_t* __restrict__ scales, const T* __restrict__ prequant,
+                                             T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
+                                             const Epilogue& ep, const Fused& fz, int late_trigger) {
   extern __shared__ uint4 smem[];
   // a kernel launched after this one with programmatic serialization may start its blocks: now, or once this
   // block's loads are done (late_trigger)
@@ -460,6 +622,13 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
     request_inputs(j, j);
     cp_async_commit();
   }
+  // FUSE 1 (mode 3): this thread's residual values and norm weights, requested behind the first activations;
+  // FUSE 2: the rows' pending norm factors, behind the input scale (read in the epilogue, after its barriers)
+  constexpr int RES = FUSE == 1 ? residual_count<MT, NT, WARPS>() : 1;
+  T res[RES], wn[RES];
+  if constexpr (FUSE == 1) load_residual<T, MT, NT, WARPS, RES>(fz, res, wn, rows, nt0, row0);
+  float* rstd = reinterpret_cast<float*>(smem) + (pq - base + (has_prequant ? 2 * k : 0)) / 4;
+  if constexpr (FUSE == 2) row_rstd<MT, WARPS>(fz, rstd, rows, row0, k);
   if (has_prequant) {  // every thread's share of the input scale has landed, then the block sees all of it
     cp_async_wait<STAGES - 1>();
     __syncthreads();
@@ -505,7 +674,29 @@ w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
 
   cp_async_wait<0>();
   if (late_trigger) allow_next_grid();
-  finish_block<T, MT, NT, WARPS>(smem, acc, y, ldy, rows, nt0, row0, ep);
+  if constexpr (FUSE == 1) {
+    finish_add_norm<T, MT, NT, WARPS, RES>(smem, acc, rows, nt0, row0, fz, res, wn);
+  } else {
+    finish_block<T, MT, NT, WARPS, FUSE == 2>(smem, acc, y, ldy, rows, nt0, row0, ep, rstd);
+  }
+}
+
+template <typename T, int MT, int NT, int WARPS, int STAGES>
+__global__ void __launch_bounds__(WARPS * 32)
+w4a16_pipe_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, const uint32_t* __restrict__ scales,
+                  const T* __restrict__ prequant, T* __restrict__ y, int ldy, int rows, int n, int k, int group_shift,
+                  Epilogue ep, int late_trigger) {
+  pipe_product<T, MT, NT, WARPS, STAGES, 0>(x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_shift, ep,
+                                            Fused{}, late_trigger);
+}
+
+template <typename T, int MT, int NT, int WARPS, int STAGES, int FUSE>
+__global__ void __launch_bounds__(WARPS * 32)
+w4a16_pipe_fused_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w,
+                        const uint32_t* __restrict__ scales, const T* __restrict__ prequant, T* __restrict__ y,
+                        int ldy, int rows, int n, int k, int group_shift, Epilogue ep, int late_trigger, Fused fz) {
+  pipe_product<T, MT, NT, WARPS, STAGES, FUSE>(x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_shift, ep,
+                                               fz, late_trigger);
 }
 
 // Dynamic shared memory of a pipe config without the input scale (which adds 2 K bytes behind it).
@@ -618,17 +809,6 @@ w4a16_reg_kernel(const T* __restrict__ x, int ldx, const uint4* __restrict__ w, 
   finish_block<T, MT, NT, WARPS>(smem, acc, y, ldy, rows, nt0, row0, ep);
 }
 
-// Two floats rounded (to nearest even) into one pair of T: low half = ``lo``.
-__device__ __forceinline__ uint32_t pack_floats(float lo, float hi, __nv_bfloat16) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t pack_floats(float lo, float hi, __half) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // The effective weight [K, N] (q * s * prequant in float, rounded once) for prefill steps (cuBLAS multiplies it).
 // A block of 32 TILES threads takes TILES column tiles x KT input tiles, staged in shared memory as [input tile]
 // [row quad][column tile][column]: the 8 words (one per column) that hold a row quad of a tile's 16 columns are two
@@ -739,17 +919,19 @@ struct Call {
   cudaStream_t stream;
   float* partials; long long partials_size;  // split-K: float32 sums, and their capacity (elements)
   int* counters; int counters_size;  // split-K: one arrival counter per output tile (zero between launches)
+  int fuse;  // 0; 1: add + a norm's sums (FUSE 1, sums in partials); 2: the input's norm pending (FUSE 2)
+  Fused fz;
 };
 
 // A product kernel (the ring or the register kernel: one signature) on the call's grid, 8 MT rows x NT column tiles
 // a block.
-template <typename T, int MT, int NT, typename Kernel>
-int launch_product(Kernel kernel, int threads, int smem, const Call& a) {
+template <typename T, int MT, int NT, typename Kernel, typename... Extra>
+int launch_product(Kernel kernel, int threads, int smem, const Call& a, Extra... extra) {
   const dim3 grid((a.rows + 8 * MT - 1) / (8 * MT), a.n / (16 * NT));
   return launch(kernel, grid, threads, smem, a.stream, a.pdl != 0, static_cast<const T*>(a.x), a.ldx,
                 static_cast<const uint4*>(a.w), static_cast<const uint32_t*>(a.scales),
                 static_cast<const T*>(a.prequant), static_cast<T*>(a.y), a.ldy, a.rows, a.n, a.k, a.group_shift,
-                a.ep, a.pdl == 2 ? 1 : 0);
+                a.ep, a.pdl == 2 ? 1 : 0, extra...);
 }
 
 template <typename T, int MT, int NT, int WARPS, int STAGES>
@@ -759,8 +941,29 @@ int launch_t(const Call& a) {
   if constexpr ((WARPS == 16 && MT * NT > 2) || smem > kMaxSmem) {
     return -1;
   } else {
-    const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);  // + the input scale
+    int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);  // + the input scale
+    if (a.fuse == 1) {  // the squares behind the partial sums (over the ring and input scale, done by then)
+      constexpr int partial = WARPS * NT * MT * 4 * 32 * 4 + norm_smem_bytes<MT, NT>();
+      total = total > partial ? total : partial;
+      if (a.rows * static_cast<long long>(a.n / (16 * NT)) > a.partials_size) return -1;
+    }
+    if (a.fuse == 2) {  // the rows' norm factors behind the ring (and input scale)
+      if (a.fz.in_blocks <= 0) return -1;
+      total += 8 * MT * 4;
+    }
     if ((a.n / 16) % NT || total > kMaxBlockSmem) return -1;
+    if (a.fuse) {
+      if constexpr (STAGES == 8) {
+        return -1;  // not instantiated: no tuned decode config has 8 stages
+      } else {
+        Fused fz = a.fz;
+        fz.sums = a.partials;
+        return a.fuse == 1 ? launch_product<T, MT, NT>(w4a16_pipe_fused_kernel<T, MT, NT, WARPS, STAGES, 1>,
+                                                       WARPS * 32, total, a, fz)
+                           : launch_product<T, MT, NT>(w4a16_pipe_fused_kernel<T, MT, NT, WARPS, STAGES, 2>,
+                                                       WARPS * 32, total, a, fz);
+      }
+    }
     return launch_product<T, MT, NT>(w4a16_pipe_kernel<T, MT, NT, WARPS, STAGES>, WARPS * 32, total, a);
   }
 }
@@ -773,7 +976,7 @@ int launch_reg(const Call& a) {
   const int staged = min(8 * MT, a.rows) * ((WARPS * KPW < ktiles ? WARPS * KPW : ktiles) * 64 + 8) * 2;
   const int partial = WARPS * NT * MT * 4 * 32 * 4;
   const int smem = staged > partial ? staged : partial;
-  if ((a.n / 16) % NT || smem > kMaxBlockSmem) return -1;
+  if ((a.n / 16) % NT || smem > kMaxBlockSmem || a.fuse) return -1;  // the ring kernel's
   return launch_product<T, MT, NT>(w4a16_reg_kernel<T, MT, NT, WARPS, KPW>, WARPS * 32, smem, a);
 }
 
@@ -1182,7 +1385,7 @@ int launch_wgmma_t(const Call& a) {
   } else {
     constexpr int smem = wgmma_smem_bytes<R, WG, NA, STAGES>();
     const int total = smem + (a.prequant != nullptr ? 2 * a.k : 0);
-    if ((a.n / 16) % (4 * WG * NA) || total > kMaxBlockSmem) return -1;
+    if ((a.n / 16) % (4 * WG * NA) || total > kMaxBlockSmem || a.fuse) return -1;  // the ring kernel's
     if (static_cast<long long>(a.rows) * a.ldx >= (1ll << 31)) return -1;  // 32-bit element offsets
     const dim3 grid((a.rows + R - 1) / R, a.n / (64 * WG * NA), SPLITS);
     if (SPLITS > 1) {  // the caller's buffers must hold every block's sums and every tile's counter
@@ -1257,6 +1460,15 @@ int launch_dtype(int mtiles, int ntile, int warps, int stages, const Call& a) {
   }
 }
 
+// The pending input norm of llmc_w4a16_mma (none without in_sums) into a Call.
+void pend_input(Call& call, const void* in_sums, int in_blocks, float in_eps) {
+  if (in_sums == nullptr) return;
+  call.fuse = 2;
+  call.fz.in_sums = static_cast<const float*>(in_sums);
+  call.fz.in_blocks = in_blocks;
+  call.fz.in_eps = in_eps;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1274,19 +1486,24 @@ extern "C" {
 // weight's columns interleaved in blocks of 8 within segments of that many columns (0: none; see Epilogue). pdl:
 // launch with programmatic stream serialization (sm_90+): the kernel's first weight requests overlap the end of the
 // previous kernel (1: the next kernel may start its blocks at once, 2: once every block of this one has its loads
-// done; 0: a plain launch). Returns 0 or a CUDA error code (-1: an unsupported config).
+// done; 0: a plain launch). in_sums (null: none): x is llmc_w4a16_mma_add's ``scaled`` rows, their RMSNorm pending:
+// per row the in_blocks sums of squares it left (float32, row stride in_blocks); the kernel multiplies each row's
+// products by rsqrt(sum / k + in_eps) before its epilogue (the ring kernel only, stages 2 or 4). Returns 0 or a
+// CUDA error code (-1: an unsupported config).
 int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                    const void* w, const void* scales, const void* prequant, void* y, int ldy, int rows, int n, int k,
                    int group_size, int silu_out, int period, void* partials, long long partials_size,
-                   void* counters, int counters_size, int pdl, void* stream) {
+                   void* counters, int counters_size, const void* in_sums, int in_blocks, float in_eps, int pdl,
+                   void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
   if (period < 0 || period % 16 || (period && n % period) || (silu_out && period)) return -1;
   Epilogue ep{};
   ep.mode = silu_out ? 1 : 0;
   ep.period = period;
-  const Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-                  static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
-                  static_cast<int*>(counters), counters_size};
+  Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
+            static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
+            static_cast<int*>(counters), counters_size, 0, Fused{}};
+  pend_input(call, in_sums, in_blocks, in_eps);
   return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
                     : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
@@ -1294,20 +1511,44 @@ int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, cons
 // The product of a qkv layer whose columns are interleaved per head (period = head), written as rotated q (to q,
 // row stride ldq) and k, v in the rows' cache slots (Epilogue mode 2): RoPE and the KV-cache write in the product's
 // epilogue. n = (nh + 2 nkv) * head; cos, sin: [rows, head] tables of x's dtype, row stride ld_cs; slots: int64, row
-// stride ld_slot; k_cache, v_cache: [slots, nkv, head] of x's dtype; split-K buffers as in llmc_w4a16_mma.
+// stride ld_slot; k_cache, v_cache: [slots, nkv, head] of x's dtype; split-K buffers and the pending input norm as
+// in llmc_w4a16_mma.
 int llmc_w4a16_mma_rope(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
                         const void* w, const void* scales, const void* prequant, int rows, int n, int k,
                         int group_size, int head, const void* cos, const void* sin, int ld_cs, const void* slots,
                         int ld_slot, void* q, int ldq, void* k_cache, void* v_cache, int nh, int nkv,
-                        void* partials, long long partials_size, void* counters, int counters_size, int pdl,
-                        void* stream) {
+                        void* partials, long long partials_size, void* counters, int counters_size,
+                        const void* in_sums, int in_blocks, float in_eps, int pdl, void* stream) {
   if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
   if (head <= 0 || head % 16 || nh <= 0 || nkv <= 0 || n != (nh + 2 * nkv) * head) return -1;
-  Epilogue ep{2, head, cos, sin, ld_cs, static_cast<const long long*>(slots), ld_slot, q, ldq, k_cache, v_cache,
-              nh, nkv};
-  const Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-                  static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
-                  static_cast<int*>(counters), counters_size};
+  const Epilogue ep{2, head, cos, sin, ld_cs, static_cast<const long long*>(slots), ld_slot, q, ldq, k_cache,
+                    v_cache, nh, nkv};
+  Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
+            static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
+            static_cast<int*>(counters), counters_size, 0, Fused{}};
+  pend_input(call, in_sums, in_blocks, in_eps);
+  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
+                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
+}
+
+// The product of an o or down projection added to the residual stream (Epilogue mode 3): resid [rows, n] (row
+// stride ld_resid) += x W^T rounded to x's dtype, scaled [rows, n] (ld_scaled) = the new rows times norm_w [n] (the
+// next RMSNorm's weight), rounded, and sums [rows, n / (16 ntile)] (float32, at least sums_size elements) each
+// block's sum of the new residual's squares per row: the next layer multiplies ``scaled`` and finishes the norm in
+// its epilogue (in_sums of llmc_w4a16_mma). The ring kernel only (stages 2 or 4; others return -1).
+int llmc_w4a16_mma_add(int dtype, int mtiles, int ntile, int warps, int stages, const void* x, int ldx,
+                       const void* w, const void* scales, const void* prequant, int rows, int n, int k,
+                       int group_size, void* resid, int ld_resid, void* scaled, int ld_scaled, const void* norm_w,
+                       void* sums, long long sums_size, int pdl, void* stream) {
+  if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0 || stages <= 0) return -1;
+  if (!resid || !scaled || !norm_w || !sums) return -1;
+  Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, Epilogue{}, pdl,
+            static_cast<cudaStream_t>(stream), static_cast<float*>(sums), sums_size, nullptr, 0, 1, Fused{}};
+  call.fz.resid = resid;
+  call.fz.ld_resid = ld_resid;
+  call.fz.scaled = scaled;
+  call.fz.ld_scaled = ld_scaled;
+  call.fz.norm_w = norm_w;
   return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
                     : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
@@ -1332,6 +1573,6 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
                 static_cast<const __half*>(prequant), static_cast<__half*>(out), n, k, shift, period);
 }
 
-int llmc_w4a16_abi_version() { return 13; }
+int llmc_w4a16_abi_version() { return 14; }
 
 }  // extern "C"
