@@ -19,8 +19,9 @@ the same step run eagerly split every context alike and give the same bits):
   ~0.5 ms of a 3.3 ms batch-1 decode step of the 8B model on an H200);
 - more sequences (at most MAX_FUSED_SPLITS splits): at least MIN_BLOCKS_PER_SPLIT blocks a split, two blocks
   per loop iteration, and the last split of a (sequence, kv head) to finish (an atomic counter) merges the
-  partials itself, in split order (one split writes no partials at all). Splits past a short context are empty:
-  they store no partial sums and the merges skip them, so their number does not change the result.
+  partials itself, all splits' in one load and a sum in a fixed order (one split writes no partials at all). Splits
+  past a short context are empty: they store no partial sums and the merges weigh them 0, so their number does not
+  change the result.
 
 Triton is imported lazily: :func:`kernel_available` is False without it (CPU builds of PyTorch) and the engine
 keeps the reference path.
@@ -42,8 +43,13 @@ MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows: a kv head's query heads are 
 # 16 splits) needs the split count of the context, which a CUDA graph's tables do not give: from the tables'
 # width (72-128 blocks) it took 9.9-10.9 us, so batch 1 keeps the split form. Sweep behind the forms: 1-4
 # blocks per iteration, 1-64 splits, 2-4 warps, 2-4 stages, merging in the last program or in the merge kernel.
+# 2026-12-04, decode steps of the 8B int4 twin (scripts/decode_steps.py --profile, what attention adds to a step):
+# the last program loading every split's partials at once instead of one split after the other took batch 8 from
+# 0.856-0.857 to 0.769-0.777 ms a step (26.8 -> 24.0-24.3 us a layer; the step's GPU time -3.1 to -3.2 %) and 16
+# from 1.29-1.32 to 1.26-1.29. With that merge, the fused form at batch 1 and 4 (16 splits of >= 4 blocks) was
+# still slower than the split form: 0.421 vs 0.338 ms (attention + merge kernel) at 1, 0.546 vs 0.525 at 4.
 TARGET_PROGRAMS = 512
-MAX_FUSED_SPLITS = 8  # the fused form up to this many splits (merging 16 in the last program was slower)
+MAX_FUSED_SPLITS = 8  # the fused form up to this many splits (a power of two; merging 16 in one program was slower)
 MIN_BLOCKS_PER_SPLIT = 4  # fused form: a split's least blocks, of the table's width and of the context found
 # (blocks per loop iteration, least blocks a split, warps, stages) of each form
 SPLIT_FORM, FUSED_FORM = (1, 1, 2, 3), (2, MIN_BLOCKS_PER_SPLIT, 2, 2)
@@ -100,9 +106,9 @@ def _kernel():
     def paged_decode(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr, scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
-        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
-        PER_ITER: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, FUSED: tl.constexpr, PRECISION: tl.constexpr,
-        PDL: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_R: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
+        PER_ITER: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, FUSED: tl.constexpr, SPLITS_P: tl.constexpr,
+        PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
@@ -155,26 +161,29 @@ def _kernel():
             if FUSED:
                 counter = cnt_ptr + seq * num_kv_heads + kvh
                 arrived = tl.atomic_add(counter, 1, sem="acq_rel")  # release: this program's partials first
-                if arrived == num_splits - 1:  # the last split to finish merges all of them, in split order
-                    m_all = tl.full([GROUP_P], float("-inf"), tl.float32)
-                    l_all = tl.zeros([GROUP_P], tl.float32)
-                    a_all = tl.zeros([GROUP_P, HEAD], tl.float32)
-                    for sp in range(0, num_splits):
-                        m_s = tl.load(ml_ptr + (base + sp) * 2, mask=keep, other=float("-inf"), cache_modifier=".cg")
-                        l_s = tl.load(ml_ptr + (base + sp) * 2 + 1, mask=keep, other=0.0, cache_modifier=".cg")
-                        seen = keep & (m_s > float("-inf"))
-                        a_s = tl.load(acc_ptr + (base + sp)[:, None] * HEAD + d[None, :], mask=seen[:, None],
-                                      other=0.0, cache_modifier=".cg")
-                        m_new = tl.maximum(m_all, m_s)
-                        empty = m_new == float("-inf")  # no token so far (padding rows, empty splits)
-                        w_old = tl.where(empty, 0.0, tl.exp(m_all - m_new))
-                        w_new = tl.where(empty, 0.0, tl.exp(m_s - m_new))
-                        a_all = a_all * w_old[:, None] + a_s * w_new[:, None]
-                        l_all = l_all * w_old + l_s * w_new
-                        m_all = m_new
-                    l_all = tl.where(keep, l_all, 1.0)
-                    out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
-                    tl.store(out_rows, (a_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
+                if arrived == num_splits - 1:  # the last split to finish merges all of them, at once
+                    # Every split's partials in one round trip ([splits x heads] rows; an empty split's acc is
+                    # whatever the buffer held, weighed 0), then each head's sum over the splits in a fixed tree of
+                    # SPLITS_P terms (empty splits add exact zeros: the same bits whatever the tables' width).
+                    r = tl.arange(0, SPLITS_P * GROUP_R)
+                    sp, gr = r // GROUP_R, r % GROUP_R
+                    ok = (sp < num_splits) & (gr < GROUP)
+                    rows = (seq * num_kv_heads * GROUP + kvh * GROUP + gr) * num_splits + sp
+                    m_s = tl.load(ml_ptr + rows * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(ml_ptr + rows * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+                    a_s = tl.load(acc_ptr + rows[:, None] * HEAD + d[None, :], mask=ok[:, None], other=0.0,
+                                  cache_modifier=".cg")
+                    m_s, l_s = tl.reshape(m_s, [SPLITS_P, GROUP_R]), tl.reshape(l_s, [SPLITS_P, GROUP_R])
+                    seen = m_s > float("-inf")  # padding heads and empty splits: none
+                    w = tl.where(seen, tl.exp(m_s - tl.max(m_s, axis=0)[None, :]), 0.0)
+                    a_s = tl.where(seen[:, :, None], tl.reshape(a_s, [SPLITS_P, GROUP_R, HEAD]), 0.0)
+                    a_all = tl.sum(a_s * w[:, :, None], axis=0)  # [GROUP_R, HEAD]
+                    l_all = tl.sum(l_s * w, axis=0)
+                    gh = tl.arange(0, GROUP_R)
+                    kept = gh < GROUP
+                    l_all = tl.where(kept, l_all, 1.0)
+                    out_rows = out_ptr + seq * stride_ot + (kvh * GROUP + gh)[:, None] * stride_oh + d[None, :]
+                    tl.store(out_rows, (a_all / l_all[:, None]).to(out_ptr.dtype.element_ty), mask=kept[:, None])
                     tl.atomic_xchg(counter, 0)  # ready for the next launch (stream order: none is running)
 
     return paged_decode
@@ -263,8 +272,8 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, counters, out, scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), HEAD=head_size, BLOCK=block_size,
-        PER_ITER=per_iter, MIN_PER_SPLIT=min_per_split, FUSED=fused,
+        GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), GROUP_R=_next_pow2(group), HEAD=head_size,
+        BLOCK=block_size, PER_ITER=per_iter, MIN_PER_SPLIT=min_per_split, FUSED=fused, SPLITS_P=MAX_FUSED_SPLITS,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
         num_warps=num_warps or warps, num_stages=num_stages or stages,
         **triton_support.pdl_kwargs(q.device),

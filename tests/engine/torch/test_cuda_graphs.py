@@ -393,3 +393,25 @@ def test_fused_form_gives_the_same_bits_whatever_the_tables_width(monkeypatch):
     exact = triton_attention.paged_decode_attention(q, k_cache, v_cache, tables, meta.decode_context_lens, scale)
     graph = triton_attention.paged_decode_attention(q, k_cache, v_cache, wide, meta.decode_context_lens, scale)
     assert torch.equal(exact, graph)
+
+
+def test_the_last_split_merges_over_empty_splits_whatever_their_buffer_holds(monkeypatch):
+    """The merging program loads every split's partials at once, those of empty splits (never written) included, and
+    weighs them 0: NaN left in the partials buffer by an earlier launch must not reach the output (interpreter)."""
+    from llmc.engine.torch import triton_attention, triton_support
+
+    if triton_support.modules() is None or not triton_support.interpreting():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1, set by the test suite's conftest)")
+    q, k_cache, v_cache, meta = _random_decode_batch("cpu", torch.float32)
+    d, scale = q.shape[0], q.shape[-1] ** -0.5
+    wide = torch.cat([meta.decode_tables, torch.zeros(d, 64, dtype=meta.decode_tables.dtype)], dim=1)
+    clean = triton_attention.paged_decode_attention(q, k_cache, v_cache, wide, meta.decode_context_lens, scale, 8)
+    real_empty = torch.empty
+
+    def stale(*shape, dtype=None, device=None):  # the partials buffers as an earlier launch may have left them
+        out = real_empty(*shape, dtype=dtype, device=device)
+        return out.fill_(float("nan")) if dtype == torch.float32 else out
+
+    monkeypatch.setattr(triton_attention.torch, "empty", stale)
+    got = triton_attention.paged_decode_attention(q, k_cache, v_cache, wide, meta.decode_context_lens, scale, 8)
+    assert torch.isfinite(got).all() and torch.equal(got, clean)  # contexts of 1-333 tokens: most splits empty
