@@ -153,7 +153,7 @@ def _kernel():
             base = (seq * num_kv_heads * GROUP + heads) * num_splits  # [GROUP_P]
             row = base + split
             # An empty split (a context shorter than the splits' minimum blocks) stores its m = -inf only: its acc
-            # is never read (the merges skip splits whose m is -inf).
+            # is not written (the merges weigh a split whose m is -inf 0, whatever its acc holds).
             written = keep & (g * 0 + first < last)  # [GROUP_P]
             tl.store(acc_ptr + row[:, None] * HEAD + d[None, :], acc, mask=written[:, None])
             tl.store(ml_ptr + row * 2, m_i, mask=keep)
