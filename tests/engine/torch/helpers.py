@@ -174,3 +174,23 @@ def forget_cpu_kernels() -> None:
     """Make :func:`cpu_ext.load` answer afresh, as in a new process (after changing ``LLMC_CPU_KERNELS`` or the
     build); a background build must have finished."""
     cpu_ext._module, cpu_ext._loaded, cpu_ext._background = None, False, None
+
+
+def random_decode_batch(device, dtype, block_size=16, num_blocks=64, nkv=4, group=3, hd=64,
+                        lengths=(1, 16, 17, 100, 333)):
+    """A decode step's queries, K/V caches and attention metadata over scattered blocks (contexts of 1-333 tokens)
+    for the paged decode attention tests."""
+    torch.manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=device).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, nkv, hd, device=device).to(dtype)
+    order = torch.randperm(num_blocks - 1).tolist()  # scattered, non-contiguous block tables
+    seqs, used = [], 0
+    for i, length in enumerate(lengths):
+        n = -(-length // block_size)
+        blocks = tuple(b + 1 for b in order[used:used + n])
+        used += n
+        seqs.append(ScheduledSequence(f"r{i}", (7,), length - 1, blocks, True, GREEDY,
+                                      prompt_token_ids=tuple(range(length - 1))))
+    meta = build_attention_metadata(seqs, block_size, device)
+    q = torch.randn(len(seqs), nkv * group, hd, device=device).to(dtype)
+    return q, k_cache, v_cache, meta

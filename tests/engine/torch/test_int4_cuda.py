@@ -228,22 +228,28 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     assert (got - got_unfolded).abs().max() < 0.05 * scale  # folding the prequant into the norms changes rounding only
 
 
+def _chunk_decodes_mixed(model, decodes: int) -> torch.Tensor:
+    """Logits of a 9-token prompt chunk, ``decodes`` decode steps and a mixed step (a decode and a new prompt) of
+    ``model`` over a paged cache."""
+    from tests.engine.torch.helpers import PagedSession
+
+    ids = list(range(300, 316))
+    session = PagedSession(model, block_size=16, num_blocks=8)
+    out = [session.step({"a": ids[:9]})["a"]]
+    out += [session.step({"a": [t]})["a"] for t in ids[9:9 + decodes]]  # decode steps
+    out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
+    return torch.cat(out)
+
+
 def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(tiny_w4a16_ir):
     """The model's decode path asks the qkv layer for its RoPE + KV-write epilogue (CUDA's mma layers have one) and
     runs the product and the rope kernel only when the layer says it does not apply; prompt chunks never ask. Here
     each layer's epilogue is stood in for by those two steps, so the results must not change."""
     from llmc.engine.torch import fused_triton
     from llmc.engine.torch.loader import load_model
-    from tests.engine.torch.helpers import PagedSession
-
-    ids = list(range(300, 316))
 
     def run(model):
-        session = PagedSession(model, block_size=16, num_blocks=8)
-        out = [session.step({"a": ids[:9]})["a"]]
-        out += [session.step({"a": [t]})["a"] for t in ids[9:12]]  # decode steps
-        out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
-        return torch.cat(out)
+        return _chunk_decodes_mixed(model, decodes=3)
 
     plain = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
     ref = run(plain)
@@ -271,16 +277,9 @@ def test_the_fused_decoder_leaves_norms_pending_where_o_and_down_offer_it(tiny_w
     from llmc.engine.torch import fused_triton
     from llmc.engine.torch.loader import load_model
     from llmc.engine.torch.pending_norm import PendingNorm
-    from tests.engine.torch.helpers import PagedSession
-
-    ids = list(range(300, 316))
 
     def run(model):
-        session = PagedSession(model, block_size=16, num_blocks=8)
-        out = [session.step({"a": ids[:9]})["a"]]
-        out += [session.step({"a": [t]})["a"] for t in ids[9:11]]  # decode steps
-        out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
-        return torch.cat(out)
+        return _chunk_decodes_mixed(model, decodes=2)
 
     ref = run(load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True))
     model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
