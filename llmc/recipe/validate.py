@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from llmc.errors import RecipeError, RequestError
+from llmc.errors import RequestError
 from llmc.recipe.parse import Context
 from llmc.recipe.schema import ALL_GATE_DOMAINS, CalibrationSpec, GateSpec, Range, Recipe
 

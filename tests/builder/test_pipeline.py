@@ -10,7 +10,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmc import manifest as mf
-from llmc.builder import pipeline
 from llmc.builder.pipeline import build
 from llmc.engine.torch import cpu_ext
 from llmc.errors import BuildError, RecipeError, SourceError

@@ -94,7 +94,7 @@ def test_freed_blocks_stay_reusable_until_evicted_lru():
     bm.allocate("c", list(range(100, 116)))
     assert bm.num_cached_blocks == 0
     bm.free("c")
-    d = bm.allocate("d", prompt)
+    bm.allocate("d", prompt)
     assert bm.num_cached_tokens("d") == 0
     bm.free("d")
     assert bm.num_free_blocks == 4
@@ -111,7 +111,7 @@ def test_eviction_takes_least_recently_freed_first():
     bm.allocate("x", [9, 9, 9, 9, 9])  # needs 3 of the 4 blocks: evicts the 2 never-cached + oldest
     bm.free("x")
     assert bm.num_cached_blocks == 1
-    y = bm.allocate("y", [5, 6, 0])
+    bm.allocate("y", [5, 6, 0])
     assert bm.num_cached_tokens("y") == 2
     bm.free("y")
     assert bm.num_free_blocks == 4

@@ -7,7 +7,6 @@ Each failure raises ``RecipeError(file, key_path, problem, fix)``. Facts and the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from llmc.errors import RecipeError
 from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture

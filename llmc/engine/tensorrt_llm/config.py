@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
-from typing import Any
 
 from llmc.checkpoint.config import W4A16_AWQ
 from llmc.errors import CheckpointError

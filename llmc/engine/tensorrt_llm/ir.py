@@ -9,7 +9,6 @@ max(64, g) * tp (reference line 60-61), and FP8 KV scales exist when asked (line
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from llmc.checkpoint.config import W4A16_AWQ, ModelShape
 from llmc.checkpoint.io import check_rank_tensors, read_config, rank_file

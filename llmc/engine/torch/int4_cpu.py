@@ -25,7 +25,6 @@ when an int4 matmul exists and the layer's shape suits it; otherwise layers are 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.engine.torch import cpu_ext
