@@ -1460,6 +1460,27 @@ int launch_dtype(int mtiles, int ntile, int warps, int stages, const Call& a) {
   }
 }
 
+// What every entry point asks of the weight: whole tiles of 16 columns x 64 inputs, groups of 64 or 128.
+bool weight_fits(int n, int k, int group_size) {
+  return n % 16 == 0 && k % 64 == 0 && (group_size == 64 || group_size == 128);
+}
+
+// A product's Call from the arguments every product entry point takes; the caller sets the output (y, ldy), the
+// epilogue, split-K's buffers and the fused parts (all zero / null here).
+Call product_call(const void* x, int ldx, const void* w, const void* scales, const void* prequant, int rows, int n,
+                  int k, int group_size, int pdl, void* stream) {
+  return Call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, Epilogue{}, pdl,
+              static_cast<cudaStream_t>(stream)};  // the members after stream value-initialized: 0 / null
+}
+
+// Split-K's buffers of llmc_w4a16_mma and llmc_w4a16_mma_rope (null and 0 without split-K).
+void split_k(Call& call, void* partials, long long partials_size, void* counters, int counters_size) {
+  call.partials = static_cast<float*>(partials);
+  call.partials_size = partials_size;
+  call.counters = static_cast<int*>(counters);
+  call.counters_size = counters_size;
+}
+
 // The pending input norm of llmc_w4a16_mma (none without in_sums) into a Call.
 void pend_input(Call& call, const void* in_sums, int in_blocks, float in_eps) {
   if (in_sums == nullptr) return;
@@ -1467,6 +1488,12 @@ void pend_input(Call& call, const void* in_sums, int in_blocks, float in_eps) {
   call.fz.in_sums = static_cast<const float*>(in_sums);
   call.fz.in_blocks = in_blocks;
   call.fz.in_eps = in_eps;
+}
+
+// The launch of a Call by config, in the activations' dtype (0: bfloat16, 1: float16).
+int launch_call(int dtype, int mtiles, int ntile, int warps, int stages, const Call& call) {
+  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
+                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
 }
 
 }  // namespace
@@ -1495,17 +1522,16 @@ int llmc_w4a16_mma(int dtype, int mtiles, int ntile, int warps, int stages, cons
                    int group_size, int silu_out, int period, void* partials, long long partials_size,
                    void* counters, int counters_size, const void* in_sums, int in_blocks, float in_eps, int pdl,
                    void* stream) {
-  if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
+  if (!weight_fits(n, k, group_size) || rows <= 0) return -1;
   if (period < 0 || period % 16 || (period && n % period) || (silu_out && period)) return -1;
-  Epilogue ep{};
-  ep.mode = silu_out ? 1 : 0;
-  ep.period = period;
-  Call call{x, ldx, w, scales, prequant, y, ldy, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-            static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
-            static_cast<int*>(counters), counters_size, 0, Fused{}};
+  Call call = product_call(x, ldx, w, scales, prequant, rows, n, k, group_size, pdl, stream);
+  call.y = y;
+  call.ldy = ldy;
+  call.ep.mode = silu_out ? 1 : 0;
+  call.ep.period = period;
+  split_k(call, partials, partials_size, counters, counters_size);
   pend_input(call, in_sums, in_blocks, in_eps);
-  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
-                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
+  return launch_call(dtype, mtiles, ntile, warps, stages, call);
 }
 
 // The product of a qkv layer whose columns are interleaved per head (period = head), written as rotated q (to q,
@@ -1519,16 +1545,14 @@ int llmc_w4a16_mma_rope(int dtype, int mtiles, int ntile, int warps, int stages,
                         int ld_slot, void* q, int ldq, void* k_cache, void* v_cache, int nh, int nkv,
                         void* partials, long long partials_size, void* counters, int counters_size,
                         const void* in_sums, int in_blocks, float in_eps, int pdl, void* stream) {
-  if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0) return -1;
+  if (!weight_fits(n, k, group_size) || rows <= 0) return -1;
   if (head <= 0 || head % 16 || nh <= 0 || nkv <= 0 || n != (nh + 2 * nkv) * head) return -1;
-  const Epilogue ep{2, head, cos, sin, ld_cs, static_cast<const long long*>(slots), ld_slot, q, ldq, k_cache,
-                    v_cache, nh, nkv};
-  Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, ep, pdl,
-            static_cast<cudaStream_t>(stream), static_cast<float*>(partials), partials_size,
-            static_cast<int*>(counters), counters_size, 0, Fused{}};
+  Call call = product_call(x, ldx, w, scales, prequant, rows, n, k, group_size, pdl, stream);
+  call.ep = Epilogue{2, head, cos, sin, ld_cs, static_cast<const long long*>(slots), ld_slot, q, ldq, k_cache,
+                     v_cache, nh, nkv};
+  split_k(call, partials, partials_size, counters, counters_size);
   pend_input(call, in_sums, in_blocks, in_eps);
-  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
-                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
+  return launch_call(dtype, mtiles, ntile, warps, stages, call);
 }
 
 // The product of an o or down projection added to the residual stream (Epilogue mode 3): resid [rows, n] (row
@@ -1540,23 +1564,24 @@ int llmc_w4a16_mma_add(int dtype, int mtiles, int ntile, int warps, int stages, 
                        const void* w, const void* scales, const void* prequant, int rows, int n, int k,
                        int group_size, void* resid, int ld_resid, void* scaled, int ld_scaled, const void* norm_w,
                        void* sums, long long sums_size, int pdl, void* stream) {
-  if (n % 16 || k % 64 || (group_size != 64 && group_size != 128) || rows <= 0 || stages <= 0) return -1;
+  if (!weight_fits(n, k, group_size) || rows <= 0 || stages <= 0) return -1;
   if (!resid || !scaled || !norm_w || !sums) return -1;
-  Call call{x, ldx, w, scales, prequant, nullptr, 0, rows, n, k, group_size == 128 ? 1 : 0, Epilogue{}, pdl,
-            static_cast<cudaStream_t>(stream), static_cast<float*>(sums), sums_size, nullptr, 0, 1, Fused{}};
+  Call call = product_call(x, ldx, w, scales, prequant, rows, n, k, group_size, pdl, stream);
+  call.partials = static_cast<float*>(sums);  // FUSE 1 keeps its sums where split-K keeps its partials
+  call.partials_size = sums_size;
+  call.fuse = 1;
   call.fz.resid = resid;
   call.fz.ld_resid = ld_resid;
   call.fz.scaled = scaled;
   call.fz.ld_scaled = ld_scaled;
   call.fz.norm_w = norm_w;
-  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
-                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
+  return launch_call(dtype, mtiles, ntile, warps, stages, call);
 }
 
 // The effective weight [k, n] into out; period as in llmc_w4a16_mma (n for fc + gate: [fc | gate]).
 int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const void* prequant, void* out, int n,
                            int k, int group_size, int period, int pdl, void* stream) {
-  if (n % 16 || k % 64 || (group_size != 64 && group_size != 128)) return -1;
+  if (!weight_fits(n, k, group_size)) return -1;
   if (period < 0 || period % 16 || (period && n % period)) return -1;
   constexpr int TILES = 8, KT = 2;  // 128 x 128 a block: 8B shapes x 32 layers 5.38 ms vs 6.31 with 64 x 64 (H200)
   const int shift = group_size == 128 ? 1 : 0;
