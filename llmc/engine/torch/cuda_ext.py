@@ -198,10 +198,20 @@ def _stream(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def rows_aligned(x: torch.Tensor) -> bool:
+    """``x`` [T, K] as the kernels read their inputs: unit stride, rows 16-byte aligned (a strided view of such rows
+    included)."""
+    return x.stride(-1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+def aligned_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where :func:`rows_aligned` holds, else a contiguous copy."""
+    return x if rows_aligned(x) else x.contiguous()
+
+
 def _check_x(x: torch.Tensor) -> ctypes.CDLL:
     lib = load()
-    assert lib is not None and x.dtype in DTYPES and x.stride(-1) == 1 and x.stride(0) % 8 == 0
-    assert x.data_ptr() % 16 == 0
+    assert lib is not None and x.dtype in DTYPES and rows_aligned(x)
     return lib
 
 

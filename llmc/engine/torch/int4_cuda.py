@@ -242,7 +242,7 @@ class Int4CudaLinear(nn.Module):
         (sm_90; :data:`llmc.engine.torch.int4_configs.WGMMA_STAGES`); ``norm``: ``x`` is its ``scaled`` rows and
         the kernel finishes the norm (:func:`llmc.engine.torch.pending_norm.takes_input_norm`)."""
         assert x.shape[-1] == self.in_features
-        x = _rows_aligned(x)
+        x = cuda_ext.aligned_rows(x)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         if x.shape[0]:
             cuda_ext.w4a16_mma(x, self.words, self.scales, self.prequant, y, self.columns, self.in_features,
@@ -276,7 +276,7 @@ class Int4CudaLinear(nn.Module):
                 or (num_heads + 2 * num_kv_heads) * hd != self.columns or not rope_epilogue_enabled()):
             return None
         norm = x if isinstance(x, PendingNorm) and pending_norm.takes_input_norm(self, x) else None
-        x = _rows_aligned(x.scaled if norm is not None else pending_norm.materialized(x))
+        x = cuda_ext.aligned_rows(x.scaled if norm is not None else pending_norm.materialized(x))
         q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
         config = self.mma_config_for(m)
         cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
@@ -340,12 +340,6 @@ class Int4CudaLinear(nn.Module):
         weight = self.dequantize(self._dense_weight)  # [K, N]
         y = torch.mm(x, weight)
         return silu_mul(y, interleaved=self.backend == "triton") if self.silu_output else y
-
-
-def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the CUDA kernels read it (unit stride, rows 16-byte aligned): itself when it already is (a strided
-    view of such rows included), else a contiguous copy."""
-    return x.contiguous() if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16 else x
 
 
 def silu_mul(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

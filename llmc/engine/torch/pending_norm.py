@@ -84,10 +84,6 @@ def _ring_config(layer, m: int) -> tuple[int, int, int, int] | None:
     return config if config[3] in RING_STAGES else None
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
 def add_residual(layer, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float) -> PendingNorm | None:
     """An int4 o or down ``layer`` (:class:`~llmc.engine.torch.int4_cuda.Int4CudaLinear`): ``h += x @ W^T`` in
     place, rounded like the separate add + norm kernel (the same bits), and the norm ``(weight, eps)`` of the new
@@ -96,13 +92,13 @@ def add_residual(layer, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, 
     m = x.shape[0]
     config = None if layer.silu_output or layer.period else _ring_config(layer, m)
     if (config is None or h.shape != (m, layer.columns) or h.dtype != x.dtype or weight.dtype != x.dtype
-            or not _aligned(h)):
+            or not cuda_ext.rows_aligned(h)):
         return None
     blocks = layer.columns // (16 * config[1])
     sums = layer.scratch.buffer("norm_sums", m * blocks)
     scaled = torch.empty_like(h)
     weight = weight.contiguous()
-    cuda_ext.w4a16_mma_add(_contiguous_rows(x), layer.words, layer.scales, layer.prequant, layer.columns,
+    cuda_ext.w4a16_mma_add(cuda_ext.aligned_rows(x), layer.words, layer.scales, layer.prequant, layer.columns,
                            layer.in_features, layer.group_size, config, h, scaled, weight, sums)
     return PendingNorm(h, scaled, sums, blocks, weight, eps)
 
@@ -113,14 +109,10 @@ def takes_input_norm(layer, x: PendingNorm) -> bool:
     another kernel family or config; another dtype) the caller runs ``x.materialize()`` first."""
     config = None if layer.prequant is not None else _ring_config(layer, x.shape[0])
     return (config is not None and x.h.shape[1] == layer.in_features and x.scaled.dtype == layer.scratch.dtype
-            and _aligned(x.scaled))
+            and cuda_ext.rows_aligned(x.scaled))
 
 
 def kernel_args(x: PendingNorm) -> dict:
     """The pending norm as :func:`llmc.engine.torch.cuda_ext.w4a16_mma` takes it (with ``x.scaled`` as the
     input)."""
     return {"in_sums": x.sums, "in_blocks": x.blocks, "in_eps": x.eps}
-
-
-def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:
-    return x if _aligned(x) else x.contiguous()
