@@ -8,7 +8,9 @@ thousand in one marked ``slow`` and ``long_fuzz``, deselected by default (run th
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +28,17 @@ JSON = st.recursive(
     | st.floats() | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12)
+
+
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A folder for a fuzz module's files, removed when the test process exits (made at import, so a module-level
+    folder of ``tempfile.mkdtemp`` was left in the temp folder by every run, even by ``--collect-only``)."""
+    folder = tempfile.TemporaryDirectory(prefix=prefix)
+    _SCRATCH.append(folder)
+    return Path(folder.name)
 
 
 def typed_error_or_result(check: Callable[[Any], Any], value: Any) -> None:

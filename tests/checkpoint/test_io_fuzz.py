@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import struct
-import tempfile
-from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save
 
 from llmc.checkpoint.io import read_safetensors_header
-from tests.fuzzing import JSON, fuzz_tests, mutations
+from tests.fuzzing import JSON, fuzz_tests, mutations, scratch_dir
 
 VALID = save({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.float16)},
              metadata={"format": "pt"})
-_DIR = Path(tempfile.mkdtemp(prefix="llmc-safetensors-fuzz-"))
+_DIR = scratch_dir("llmc-safetensors-fuzz-")
 
 
 def with_header(header) -> bytes:

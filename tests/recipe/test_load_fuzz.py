@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import copy
-import tempfile
 from pathlib import Path
 
 import yaml
 from hypothesis import strategies as st
 
 from llmc.recipe.load import load_recipe, parse_recipe_text
-from tests.fuzzing import JSON, fuzz_tests, mutations
+from tests.fuzzing import JSON, fuzz_tests, mutations, scratch_dir
 
 VALID = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m-awq.yaml"
 VALID_DICT = yaml.safe_load(VALID.read_text())
@@ -59,7 +58,7 @@ def check_text(text: str) -> None:
 
 test_recipe_text, test_recipe_text_slow = fuzz_tests(TEXTS, check_text)
 
-_DIR = Path(tempfile.mkdtemp(prefix="llmc-recipe-fuzz-"))
+_DIR = scratch_dir("llmc-recipe-fuzz-")
 
 
 def check_file(data: bytes) -> None:

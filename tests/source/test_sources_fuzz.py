@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import struct
-import tempfile
-from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
 
 from llmc.source.sources import read_gguf_metadata
 from llmc.errors import SourceError
-from tests.fuzzing import fuzz_tests, mutations
+from tests.fuzzing import fuzz_tests, mutations, scratch_dir
 
 
 def _string(s: str) -> bytes:
@@ -35,7 +33,7 @@ def small_gguf() -> bytes:
 
 
 VALID = small_gguf()
-_DIR = Path(tempfile.mkdtemp(prefix="llmc-gguf-fuzz-"))
+_DIR = scratch_dir("llmc-gguf-fuzz-")
 
 
 def test_the_small_gguf_is_valid():
