@@ -52,6 +52,10 @@ class RequestError(LlmcError):
         super().__init__(f"{field}: {message}")
 
 
+class UnknownModelError(RequestError):
+    """A request names a model the server does not serve (HTTP 404)."""
+
+
 class ServeError(LlmcError):
     """``llmc serve`` cannot start (a port in use, an address that cannot be bound, ...)."""
 

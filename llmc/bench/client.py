@@ -115,8 +115,10 @@ class HttpStreamClient:
             if payload.strip() == "[DONE]":
                 break
             event = json.loads(payload)
-            if "error" in event:
-                raise EngineError(f"the server failed the stream: {event['error']}")
+            if "error" in event:  # KServe: a string; OpenAI: {"message", "type", "param", "code"}
+                error = event["error"]
+                message = error.get("message", error) if isinstance(error, dict) else error
+                raise EngineError(f"the server failed the stream: {message}")
             if self.protocol == "openai":
                 usage = event.get("usage") or {}
                 if usage.get("completion_tokens") is not None:

@@ -20,7 +20,8 @@ from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.protocol import client_names
-from llmc.serve.state import STATE_KEY, TRITON_ALIASES, prepare, read_json, send_sse, start_sse
+from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
+                              start_sse)
 
 
 def _usage(event: StreamEvent) -> dict[str, int]:
@@ -99,7 +100,8 @@ async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], even
         if req.include_usage:
             await send_sse(response, {**meta, "choices": [], "usage": _usage(event)})
     except LlmcError as exc:
-        await send_sse(response, {"error": {"message": str(exc), "type": type(exc).__name__}})
+        status, code = error_status(exc)  # the status the headers could no longer carry
+        await send_sse(response, openai_error(str(exc), status, getattr(exc, "field", None), code))
     await send_sse(response, "[DONE]")
     await response.write_eof()
     return response

@@ -4,18 +4,23 @@
 Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``strict_max_tokens``). Fields OpenAI clients commonly send and llmc does not use (``user``, ``logit_bias:
-null``, ...) are ignored; features llmc cannot honour (``n`` > 1, log probs, tools) are a 400. Every
-RequestError names the client's field (``max_tokens``, ``messages[0].content``), never an internal one.
+``strict_max_tokens``). Fields that do not change the output (``user``, ``metadata``, ``store``, ...) are
+accepted and ignored; features llmc cannot honour (``n`` > 1, log probs, tools, ``response_format`` other than
+text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing (``n: 1``, ``tools: []``, null). Any other
+field is a 400 too, as OpenAI's API answers it: a misspelt ``max_token`` would otherwise be dropped silently and
+the request run with the default length. Every RequestError names the client's field (``max_tokens``,
+``messages[0].content``), never an internal one. A ``developer`` message (OpenAI's newer name for the system
+instructions) reaches the chat template as ``system``.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.errors import RequestError
+from llmc.errors import RequestError, UnknownModelError
 from llmc.request.params import SamplingParams
 from llmc.serve.protocol import check_param_limits, client_names
 
@@ -25,9 +30,21 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
              "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
              "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
              "include_stop_str_in_output": "include_stop_str_in_output"}
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-               "tools": None, "functions": None}
+# Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "reasoning_effort": (), "web_search_options": ()}
+# Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+           "parallel_tool_calls")
+COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+# Other APIs' names for OpenAI fields, for the hint of an unknown field.
+OTHER_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
+               "random_seed": "seed"}
 CHAT_ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -49,11 +66,12 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     """Check and translate an OpenAI body. ``served``: accepted model names (the first is the default).
 
     Raises RequestError naming the client's field for every problem."""
+    check_fields(body, chat)
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     names = {"max_new_tokens": tokens_field, "prompt": "messages" if chat else "prompt"}
     model = body.get("model") or served[0]
     if not isinstance(model, str) or model not in served:
-        raise RequestError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
+        raise UnknownModelError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
     prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
     with client_names(names):
         params = sampling_params(body, defaults, vocab_size)
@@ -61,14 +79,40 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
                          _flag(body, "strict_max_tokens"), names)
 
 
+def check_fields(body: Mapping[str, Any], chat: bool) -> None:
+    """RequestError for a field neither endpoint knows (with the nearest known name), or the other endpoint's
+    prompt field."""
+    own, other = ("messages", "prompt") if chat else ("prompt", "messages")
+    for key in body:
+        if key == own or key in COMMON_FIELDS:
+            continue
+        if key == other:
+            route = "/v1/completions" if chat else "/v1/chat/completions"
+            raise RequestError(key, f"is a field of {route}; this endpoint takes {own!r}")
+        near = [OTHER_NAMES[key]] if key in OTHER_NAMES else difflib.get_close_matches(key, (own, *COMMON_FIELDS), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise RequestError(key, f"unknown field; {hint}the accepted fields are: "
+                                     f"{', '.join(sorted((own, *COMMON_FIELDS)))}")
+
+
 def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_size: int | None) -> SamplingParams:
     """SamplingParams from an OpenAI body (``defaults`` for absent fields); RequestError names the field."""
     for key, neutral in UNSUPPORTED.items():
         value = body.get(key)
-        if value is not None and value != neutral and not (key == "logprobs" and value is False):
-            raise RequestError(key, f"is not supported by llmc (got {value!r}); remove it")
+        if value is not None and not any(_same(value, v) for v in neutral):
+            raise RequestError(key, f"is not supported by llmc (got {_short(value)}); remove it")
     changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
     return check_param_limits(defaults.replace(**changes).validate(vocab_size))
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """``value == neutral`` without counting True as 1 or 1.0 as a count."""
+    return type(value) is type(neutral) and value == neutral
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_prompt(prompt: Any) -> str | list[int]:
@@ -93,8 +137,11 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise RequestError(where, "must be an object with role and content")
         role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
-            raise RequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+            hint = "; tool messages need tools, which llmc does not support" if role in ("tool", "function") else ""
+            raise RequestError(f"{where}.role", f"must be one of {', '.join((*CHAT_ROLES, *ROLE_ALIASES))}, got "
+                                                f"{m.get('role')!r}{hint}")
         out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
     return out
 

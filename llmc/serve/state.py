@@ -2,8 +2,10 @@
 (JSON bodies, the API-key check, server-sent events) that the KServe v2 and OpenAI routes both use.
 
 The route modules (:mod:`llmc.serve.kserve_http`, :mod:`llmc.serve.openai_api`) and the gRPC servicer
-(:mod:`llmc.serve.grpc_server`) import this module and never each other. Every HTTP error is JSON
-``{"error": "..."}`` with a 4xx/5xx status; the server keeps serving after any bad request.
+(:mod:`llmc.serve.grpc_server`) import this module and never each other. Every HTTP error is JSON with a 4xx/5xx
+status: ``{"error": "..."}`` (KServe and Triton's shape), and on the OpenAI routes (``/v1/...``) OpenAI's own,
+``{"error": {"message", "type", "param", "code"}}``, whose ``message`` OpenAI's client libraries show. The server
+keeps serving after any bad request.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
+from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError, UnknownModelError
 from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError
 from llmc.serve.protocol import client_names, loads_json_object
@@ -61,20 +63,44 @@ STATE_KEY = web.AppKey("llmc_state", ServerState)
 _SUBMITTED: ContextVar[bool] = ContextVar("llmc_submitted", default=False)
 
 
-def error_response(exc: LlmcError) -> web.Response:
-    """The HTTP response for an llmc error raised while handling a request."""
-    headers = {}
+def openai_error(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``type`` is ``invalid_request_error`` for a 4xx (the client's request), else
+    ``server_error``; ``param`` the request's field at fault; ``code`` a machine-readable reason or None."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def json_error(path: str, status: int, message: str, headers: Mapping[str, str] | None = None,
+               param: str | None = None, code: str | None = None) -> web.Response:
+    """An error response in the shape of the route's API: OpenAI's under ``/v1/``, ``{"error": message}`` else."""
+    body = openai_error(message, status, param, code) if path.startswith("/v1/") else {"error": message}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def error_status(exc: LlmcError) -> tuple[int, str | None]:
+    """The HTTP status of an llmc error raised while handling a request, and OpenAI's ``code`` for it."""
+    if isinstance(exc, UnknownModelError):
+        return 404, "model_not_found"
     if isinstance(exc, RequestError):
-        status = 400
-    elif isinstance(exc, (QueueFullError, ServerDrainingError)):
-        status = 503
+        return 400, None
+    if isinstance(exc, QueueFullError):
+        return 503, "queue_full"
+    if isinstance(exc, ServerDrainingError):
+        return 503, "server_shutting_down"
+    if isinstance(exc, RequestTimeoutError):
+        return 504, "timeout"
+    assert isinstance(exc, (EngineError, LlmcError))
+    return 500, None
+
+
+def error_response(exc: LlmcError, path: str) -> web.Response:
+    """The HTTP response for an llmc error raised while handling a request to ``path``."""
+    status, code = error_status(exc)
+    headers = {}
+    if status == 503:
         headers["Retry-After"] = str(max(1, round(getattr(exc, "retry_after_s", 1.0))))
-    elif isinstance(exc, RequestTimeoutError):
-        status = 504
-    else:
-        assert isinstance(exc, (EngineError, LlmcError))
-        status = 500
-    return web.json_response({"error": str(exc)}, status=status, headers=headers)
+    param = exc.field if isinstance(exc, RequestError) else None
+    return json_error(path, status, str(exc), headers, param, code)
 
 
 @web.middleware
@@ -82,8 +108,8 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     """Bearer-token check (all paths except health) and LlmcError -> JSON error response."""
     state = request.app[STATE_KEY]
     if request.path not in PUBLIC_PATHS and not state.key_matches(request.headers.get("Authorization")):
-        return web.json_response({"error": "missing or wrong API key; send 'Authorization: Bearer <key>'"},
-                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+        return json_error(request.path, 401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                          {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
     submitted = _SUBMITTED.set(False)
     try:
         return await handler(request)
@@ -94,16 +120,15 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     except LlmcError as exc:
         if isinstance(exc, RequestError):
             state.client.metrics.rejected.labels("invalid").inc()
-        return error_response(exc)
+        return error_response(exc, request.path)
     except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413 ... answer JSON too
         if exc.status < 400 or exc.content_type == "application/json":
             raise
         headers = {k: v for k, v in exc.headers.items() if k in ("Allow", "Connection", "Retry-After")}
-        return web.json_response({"error": exc.text or exc.reason}, status=exc.status, headers=headers)
+        return json_error(request.path, exc.status, exc.text or exc.reason, headers)
     except Exception as exc:  # a bug: logged with its traceback; the client still gets JSON, the server goes on
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return web.json_response({"error": f"internal server error ({type(exc).__name__}); see the server log"},
-                                 status=500)
+        return json_error(request.path, 500, f"internal server error ({type(exc).__name__}); see the server log")
     finally:
         _SUBMITTED.reset(submitted)
 

@@ -18,6 +18,7 @@ class StreamStats:
 
     def __init__(self, first_delay_s: float, gap_s: float):
         self.first_delay_s, self.gap_s = first_delay_s, gap_s
+        self.stream_error: Any = None  # when set, the SSE streams end with this ``error`` after their first chunk
         self.requests: list[dict[str, Any]] = []
         self.active = 0
         self.peak = 0
@@ -65,6 +66,9 @@ def start_sse_server(stats: StreamStats) -> tuple[ThreadingHTTPServer, str]:
                     event = {"choices": [{"index": 0, "text": text, "finish_reason": None}]} if openai \
                         else {"model_name": "m", "text_output": text}
                     self._send(event)
+                    if stats.stream_error is not None:
+                        self._send({"error": stats.stream_error})
+                        return
                 if openai:
                     self._send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
                     self._send({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})

@@ -92,3 +92,16 @@ def test_http_error_is_reported(sse_url):
     client = make_client("openai", sse_url + "/nowhere", "m", SamplingParams())
     with pytest.raises(EngineError, match="404"):
         client.run_one(BenchPrompt("x", (1,), 2))
+
+
+@pytest.mark.parametrize("protocol, error", [
+    ("http", "max_tokens: too many"),
+    ("openai", {"message": "max_tokens: too many", "type": "server_error", "param": "max_tokens", "code": None}),
+])
+def test_a_stream_error_is_reported_with_the_servers_message(protocol, error, sse_url, stats):
+    from llmc.errors import EngineError
+
+    stats.stream_error = error
+    client = make_client(protocol, sse_url, "m", SamplingParams())
+    with pytest.raises(EngineError, match=r"the server failed the stream: max_tokens: too many$"):
+        client.run_one(BenchPrompt("x", (1,), 2))

@@ -66,6 +66,18 @@ def _send(req: urllib.request.Request, reply_headers: dict | None = None) -> tup
         return status, text
 
 
+def error_text(path: str, reply: dict) -> str:
+    """The message of an error reply, after checking the route's shape: OpenAI's error object under ``/v1/`` (the
+    ``message`` OpenAI's client libraries show), ``{"error": "..."}`` elsewhere."""
+    error = reply["error"]
+    if path.startswith("/v1/"):
+        assert set(error) == {"message", "type", "param", "code"}, reply
+        assert error["type"] in ("invalid_request_error", "server_error") and isinstance(error["message"], str)
+        return error["message"]
+    assert isinstance(error, str), reply
+    return error
+
+
 def start_server(build_dir: Path, max_queue_size: int | None = None, request_timeout_s: float = 60.0,
                  api_key: str | None = None, grace_s: float = 5.0, keepalive_timeout_s: float = 30.0,
                  body_timeout_s: float = 60.0) -> RunningServer:

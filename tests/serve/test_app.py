@@ -13,7 +13,7 @@ import urllib.parse
 
 import pytest
 
-from tests.serve.conftest import start_server
+from tests.serve.conftest import error_text, start_server
 from tests.serve.test_server import metric, sse, wait_idle
 
 ENDPOINTS = ("/v2/models/ensemble/generate", "/v2/models/ensemble/generate_stream", "/v2/models/ensemble/infer",
@@ -27,9 +27,9 @@ def still_serves(server) -> None:
 @pytest.mark.parametrize("path", ENDPOINTS)
 def test_deeply_nested_json_is_a_400_on_every_endpoint(tiny_server, path):
     status, reply = tiny_server.post(path, None, raw=b"[" * 100_000 + b"]" * 100_000)
-    assert status == 400 and "nests deeper" in reply["error"], reply
+    assert status == 400 and "nests deeper" in error_text(path, reply), reply
     status, reply = tiny_server.post(path, None, raw=b'{"x": ' + b"[" * 40 + b"]" * 40 + b"}")
-    assert status == 400 and reply["error"].startswith("x: nests deeper"), reply
+    assert status == 400 and error_text(path, reply).startswith("x: nests deeper"), reply
     still_serves(tiny_server)
 
 
@@ -40,7 +40,8 @@ def test_deeply_nested_json_is_a_400_on_every_endpoint(tiny_server, path):
 ])
 def test_lone_surrogates_are_a_400_naming_the_field(tiny_server, path, body, field):
     status, reply = tiny_server.post(path, None, raw=body.encode())
-    assert status == 400 and reply["error"].startswith(field + ":") and "surrogate" in reply["error"], reply
+    message = error_text(path, reply)
+    assert status == 400 and message.startswith(field + ":") and "surrogate" in message, reply
 
 
 @pytest.mark.parametrize("body, field", [
@@ -57,8 +58,9 @@ def test_lone_surrogates_are_a_400_naming_the_field(tiny_server, path, body, fie
 ])
 def test_bad_chat_requests_are_a_400_naming_the_clients_field(tiny_server, body, field):
     status, reply = tiny_server.post("/v1/chat/completions", body)
-    assert status == 400 and reply["error"].startswith(field + ":"), reply
-    assert "max_new_tokens" not in reply["error"] and "prompt[" not in reply["error"]
+    message = error_text("/v1/chat/completions", reply)
+    assert status == 400 and message.startswith(field + ":") and reply["error"]["param"] == field, reply
+    assert "max_new_tokens" not in message and "prompt[" not in message
 
 
 def test_kserve_errors_name_the_ensembles_fields(tiny_server):
@@ -103,7 +105,7 @@ def test_five_megabyte_prompt_is_refused_before_tokenizing(tiny_server, monkeypa
             ("/v1/completions", {"prompt": big, "max_tokens": 2}, "prompt"),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": big}]}, "messages")]:
         status, reply = tiny_server.post(path, body)
-        assert status == 400 and reply["error"].startswith(field + ": has 5000000 characters"), reply
+        assert status == 400 and error_text(path, reply).startswith(field + ": has 5000000 characters"), reply
     assert calls == [] and time.perf_counter() - started < 20
     monkeypatch.undo()
     still_serves(tiny_server)
@@ -126,7 +128,8 @@ def test_huge_max_tokens_is_capped_and_said_so(tiny_server):
 def test_strict_max_tokens_is_a_400(tiny_server):
     status, reply = tiny_server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                               "max_tokens": 10**9, "strict_max_tokens": True})
-    assert status == 400 and reply["error"].startswith("max_tokens: is 1000000000, but this prompt"), reply
+    message = error_text("/v1/chat/completions", reply)
+    assert status == 400 and message.startswith("max_tokens: is 1000000000, but this prompt"), reply
     status, reply = tiny_server.post("/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 10**9,
                                                                       "strict_max_tokens": True})
     assert status == 400 and reply["error"].startswith("max_tokens:"), reply
@@ -161,9 +164,11 @@ def test_requests_closed_before_their_first_event_are_counted(tiny_server):
 
 def test_unknown_routes_and_methods_answer_json(tiny_server):
     status, reply = tiny_server.get("/nope")
-    assert status == 404 and "error" in reply
+    assert status == 404 and "Not Found" in error_text("/nope", reply)
     status, reply = tiny_server.get("/v1/completions")
-    assert status == 405 and "error" in reply
+    assert status == 405 and "Method Not Allowed" in error_text("/v1/completions", reply)
+    status, reply = tiny_server.post("/v1/embeddings", {"input": "hi"})
+    assert status == 404 and "Not Found" in error_text("/v1/embeddings", reply)
 
 
 def test_api_key_is_compared_in_constant_time(serve_tiny_build, monkeypatch):

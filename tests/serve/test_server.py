@@ -16,7 +16,7 @@ import pytest
 from llmc.request.params import SamplingParams
 from llmc.runtime.api import Engine
 from scripts.client_grpc_stream import stream_once
-from tests.serve.conftest import start_server
+from tests.serve.conftest import error_text, start_server
 
 PROMPTS = [f"Request {i}: tell me about {w}" for i, w in enumerate(
     "cats dogs rivers mountains stars code music bread rain snow fire glass trains maps books tea".split())]
@@ -196,7 +196,7 @@ def test_invalid_json_gets_400_and_server_keeps_serving(tiny_server):
     status, reply = tiny_server.post(f"/v2/models/{tiny_server.model}/generate", None, raw=b"{not json")
     assert status == 400 and "JSON" in reply["error"]
     status, reply = tiny_server.post("/v1/chat/completions", None, raw=b"[1, 2]")
-    assert status == 400 and "object" in reply["error"]
+    assert status == 400 and "object" in error_text("/v1/chat/completions", reply)
     assert tiny_server.post("/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 2})[0] == 200
 
 

@@ -1,0 +1,85 @@
+"""``llmc serve``'s OpenAI routes through OpenAI's own Python client (the ``openai`` package), as users call them:
+answers equal the offline engine's, streams parse, usage is counted, and every error reaches the client's
+exception with llmc's message, the field at fault and the HTTP status OpenAI uses for it."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from llmc.request.params import SamplingParams
+from llmc.runtime.api import Engine
+from tests.serve.conftest import start_server
+
+MESSAGES = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Say hi"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(serve_tiny_build):
+    return Engine.from_dir(serve_tiny_build, device="cpu")
+
+
+def expected(offline, prompt, n: int) -> str:
+    return offline.generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0))[0].text
+
+
+def test_models_chat_and_completions_equal_the_offline_engine(client, tiny_server, offline):
+    assert [m.id for m in client.models.list()] == [tiny_server.model]
+    system = [{"role": "system", "content": "Answer briefly."}, MESSAGES[1]]  # developer is system to the template
+    reply = client.chat.completions.create(model=tiny_server.model, messages=MESSAGES, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == expected(offline, system, 6)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 6
+    reply = client.completions.create(model=tiny_server.model, prompt="Tell me about rivers", max_tokens=7,
+                                      temperature=0)
+    assert reply.choices[0].text == expected(offline, "Tell me about rivers", 7) and reply.usage.completion_tokens == 7
+
+
+def test_streams_parse_and_count_usage(client, tiny_server, offline):
+    stream = client.chat.completions.create(model=tiny_server.model, messages=MESSAGES[1:], max_completion_tokens=5,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected(offline, MESSAGES[1:], 5)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    pieces = [c.choices[0].text for c in client.completions.create(model=tiny_server.model, prompt="Snow",
+                                                                    max_tokens=4, temperature=0, stream=True)]
+    assert "".join(pieces) == expected(offline, "Snow", 4)
+
+
+@pytest.mark.parametrize("kwargs, error, param, words", [
+    ({"n": 2}, openai.BadRequestError, "n", "n: is not supported by llmc (got 2); remove it"),
+    ({"response_format": {"type": "json_object"}}, openai.BadRequestError, "response_format", "not supported"),
+    ({"extra_body": {"max_token": 5}}, openai.BadRequestError, "max_token", "did you mean 'max_tokens'?"),
+    ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens:"),
+    ({"model": "gpt-4o"}, openai.NotFoundError, "model", "unknown model 'gpt-4o'"),
+])
+def test_errors_reach_the_clients_exception_with_the_message_and_field(client, tiny_server, kwargs, error, param,
+                                                                        words):
+    call = {"model": tiny_server.model, "messages": MESSAGES[1:], **kwargs}
+    for stream in (False, True):
+        with pytest.raises(error) as info:
+            client.chat.completions.create(**call, stream=stream)
+        assert words in info.value.message and info.value.param == param, info.value.body
+        assert info.value.type == "invalid_request_error"
+    if error is openai.NotFoundError:
+        assert info.value.code == "model_not_found"
+    assert client.chat.completions.create(model=tiny_server.model, messages=MESSAGES[1:], max_tokens=1).choices
+
+
+def test_a_wrong_api_key_is_an_authentication_error(serve_tiny_build):
+    server = start_server(serve_tiny_build, api_key="s3cret")
+    try:
+        wrong = openai.OpenAI(base_url=server.http + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.models.list()
+        assert "missing or wrong API key" in info.value.message and info.value.code == "invalid_api_key"
+        right = openai.OpenAI(base_url=server.http + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in right.models.list()] == [server.model]
+    finally:
+        server.close()

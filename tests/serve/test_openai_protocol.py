@@ -1,0 +1,70 @@
+"""OpenAI request bodies (llmc/serve/openai_protocol.py): which fields are read, ignored or refused, and roles."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.errors import RequestError, UnknownModelError
+from llmc.request.params import SamplingParams
+from llmc.serve.openai_protocol import IGNORED, UNSUPPORTED, parse_openai_request
+
+DEFAULTS = SamplingParams(max_new_tokens=16)
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+SERVED = ("m", "ensemble")
+
+
+def parse(body: dict, chat: bool = True):
+    return parse_openai_request({**(CHAT if chat else {"prompt": "hi"}), **body}, chat, SERVED, DEFAULTS, 100)
+
+
+@pytest.mark.parametrize("key, near", [("max_token", "max_tokens"), ("temprature", "temperature"),
+                                       ("stop_sequences", "stop"), ("max_new_tokens", "max_tokens"),
+                                       ("colour", None)])
+def test_an_unknown_field_is_refused_with_the_nearest_known_name(key, near):
+    with pytest.raises(RequestError) as info:
+        parse({key: 5})
+    assert info.value.field == key and "unknown field" in info.value.message
+    assert (f"did you mean {near!r}?" in info.value.message) == (near is not None), info.value.message
+    assert "max_tokens" in info.value.message  # the accepted fields are listed
+
+
+def test_the_other_endpoints_prompt_field_names_that_endpoint():
+    with pytest.raises(RequestError, match=r"prompt: is a field of /v1/completions; this endpoint takes 'messages'"):
+        parse({"prompt": "hi"})
+    with pytest.raises(RequestError, match=r"messages: is a field of /v1/chat/completions"):
+        parse(CHAT, chat=False)
+
+
+def test_fields_that_do_not_change_the_tokens_are_accepted():
+    req = parse({key: "x" for key in IGNORED} | {"max_tokens": 3})
+    assert req.params.max_new_tokens == 3
+
+
+@pytest.mark.parametrize("key, value", [("n", 1), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}),
+                                        ("response_format", {"type": "text"}), ("logprobs", False),
+                                        ("modalities", ["text"]), ("top_logprobs", 0), ("reasoning_effort", None)])
+def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value):
+    assert parse({key: value}).params == DEFAULTS
+
+
+@pytest.mark.parametrize("key, value", [("n", 2), ("n", True), ("response_format", {"type": "json_object"}),
+                                        ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("logprobs", True),
+                                        ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("echo", True)])
+def test_unsupported_features_are_refused_naming_the_field(key, value):
+    with pytest.raises(RequestError) as info:
+        parse({key: value})
+    assert info.value.field == key and "is not supported by llmc" in info.value.message
+    assert set(UNSUPPORTED) >= {key}
+
+
+def test_a_developer_message_reaches_the_template_as_system():
+    req = parse({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    assert req.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match=r"messages\[1\].role: .*got 'tool'; tool messages need tools"):
+        parse({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]})
+
+
+def test_an_unknown_model_is_its_own_error():
+    with pytest.raises(UnknownModelError, match="unknown model 'gpt-4o'; this server serves 'm'"):
+        parse({"model": "gpt-4o"})
+    assert parse({"model": "ensemble"}).model == "ensemble"
