@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
+"""OpenAI-compatible routes: ``/v1/models[/{model}]``, ``/v1/completions``, ``/v1/chat/completions`` (stream or not).
 
 Routes only: bodies are parsed by :mod:`llmc.serve.openai_protocol`. A request whose ``max_tokens`` is more
 than the prompt leaves room for within ``max_seq_len`` is capped, and the response says so in ``warnings``
@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, UnknownModelError
 from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
@@ -30,10 +30,20 @@ def _usage(event: StreamEvent) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmc"}
+
+
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    return web.json_response({"object": "list", "data": [
-        {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llmc"}]})
+    return web.json_response({"object": "list", "data": [_model(request.app[STATE_KEY].model_name)]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``/v1/models/{model}``: the served model (or a Triton alias, which requests accept too), else a 404."""
+    state, name = request.app[STATE_KEY], request.match_info["model"]
+    if not state.knows(name):
+        raise UnknownModelError("model", f"unknown model {name!r}; this server serves {state.model_name!r}")
+    return web.json_response(_model(name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -110,5 +120,6 @@ async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], even
 def add_openai_routes(app: web.Application) -> None:
     """Register the ``/v1`` routes on ``app`` (which must carry the server state)."""
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -30,6 +30,10 @@ def expected(offline, prompt, n: int) -> str:
 
 def test_models_chat_and_completions_equal_the_offline_engine(client, tiny_server, offline):
     assert [m.id for m in client.models.list()] == [tiny_server.model]
+    assert client.models.retrieve(tiny_server.model).id == tiny_server.model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.code == "model_not_found" and "unknown model 'gpt-4o'" in info.value.message
     system = [{"role": "system", "content": "Answer briefly."}, MESSAGES[1]]  # developer is system to the template
     reply = client.chat.completions.create(model=tiny_server.model, messages=MESSAGES, max_tokens=6, temperature=0)
     assert reply.choices[0].message.content == expected(offline, system, 6)
