@@ -5,7 +5,7 @@ the same opcode sequence and which changed, with their instruction counts.
 
 A change that should leave some kernels alone can still change their code: on 2026-12-04, 64 bytes more of a
 parameter struct every kernel takes made nvcc unroll every kernel's epilogue less (the 1-row fc + gate config 1,736 ->
-1,360 instructions) and every int4 kernel 2-3 us slower on the H200 (docs/GPU_INT4.md). This names such kernels
+1,360 instructions) and every int4 kernel 2-3 us slower on the H200 (docs/GPU_INT4_LOG.md). This names such kernels
 without a GPU: it runs ``cuobjdump -sass`` (Triton's bundled copy unless ``--cuobjdump`` is given) on both files and
 compares each kernel's opcodes (predicates, operands and addresses left out: parameter offsets move with the
 parameters). ``--rename OLD=NEW`` maps a new build's kernel names back to the old ones (a kernel that gained a

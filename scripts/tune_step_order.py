@@ -4,7 +4,7 @@
 ``tune_int4_cuda.py`` times each shape's configs on 32 layers of that shape, so every kernel follows a kernel of its
 own shape. In a decode step each follows one of another shape (qkv, o, fc + gate, down, then the next layer's qkv),
 and how far a kernel overlaps its neighbour depends on both: on the H200 tables that won shape by shape lost in
-step order (docs/GPU_INT4.md, 2026-12-04 14:44 and 14:50). This script takes a tuner report (``--report``: its
+step order (docs/GPU_INT4_LOG.md, 2026-12-04 14:44 and 14:50). This script takes a tuner report (``--report``: its
 ``tried_us`` per shape and row count), keeps the ``--top`` fastest correct configs of each shape plus the table's
 own, and for each row count of ``--rows`` runs a coordinate descent over the shapes: every candidate of one shape
 with the others fixed, timed as the 128 int4 linears of a step in one CUDA graph (``bench_linears.py

@@ -7,7 +7,7 @@ rows a step needs cross the bus inside the step's kernel: 16.8 MB for a 2,048-to
 table is also the logits layer's weight (every row, every step) and stays on the device. llama.cpp keeps its token
 embeddings in host memory for the same reason.
 
-Measured on the H200 (docs/GPU_INT4.md, 2026-12-03): 2,048 rows of the 8B table in 335 us over PCIe (50 GB/s)
+Measured on the H200 (docs/GPU_INT4_LOG.md, 2026-12-03): 2,048 rows of the 8B table in 335 us over PCIe (50 GB/s)
 against 20 us from the device, +1.3 % TTFT p50 at concurrency 1, ITL p50 unchanged. The page-locked copy comes
 from PyTorch's pinned allocator, which rounds an allocation up to a power of two (the 8B table's 1.05 GB takes
 1 GiB = 1.07 GB; a 1.1 GB table would take 2 GiB of host memory).

@@ -17,7 +17,7 @@ before the logits) it is computed by :meth:`PendingNorm.materialize` first.
 
 ``LLMC_NORM_EPILOGUE``: the largest step (rows) that does this (default 8: on the H200 decode steps of 1 and 8 rows
 took 2.0-2.6 % less GPU time, of 16 rows 2.8-2.9 % more, of 32 and 64 the same; ``0`` switches it off).
-docs/GPU_INT4.md has the runs.
+docs/GPU_INT4_LOG.md has the runs.
 """
 
 from __future__ import annotations
