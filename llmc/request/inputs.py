@@ -10,6 +10,7 @@ Size is checked before any tokenization: a prompt of ``max_input_len`` tokens sp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -38,8 +39,9 @@ def check_prompt_size(num_chars: int, max_chars: int | None, field: str = "promp
 
 
 def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool, vocab_size: int,
-                        max_chars: int | None = None) -> tuple[int, ...]:
-    """Tokenize a prompt.
+                        max_chars: int | None = None, timings: dict[str, float] | None = None) -> tuple[int, ...]:
+    """Tokenize a prompt; ``timings`` (optional) gets the seconds of the chat template (``"template"``) and of
+    tokenizing (``"tokenize"``).
 
     ``str`` is tokenized with ``add_special_tokens`` (the recipe's ``model.add_special_tokens``); ``bytes`` must
     be UTF-8; a list of ``{"role", "content"}`` dicts goes through the tokenizer's chat template with the
@@ -59,11 +61,14 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt", "is empty; send at least one character")
+        started = time.perf_counter()
         ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        if timings is not None:
+            timings["tokenize"] = time.perf_counter() - started
     elif isinstance(prompt, Sequence) and len(prompt) == 0:
         raise RequestError("prompt", "is empty; send text, chat messages or at least one token id")
     elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
-        ids = chat_to_token_ids(tokenizer, prompt)
+        ids = chat_to_token_ids(tokenizer, prompt, timings)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -86,10 +91,11 @@ def _num_chars(prompt: Sequence[Any]) -> int:
     return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1 for m in prompt)
 
 
-def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None) -> list[int]:
     """Render chat messages with the model's own chat template (generation prompt appended) and tokenize.
 
-    The template already contains every special token it needs, so none are added on top."""
+    The template already contains every special token it needs, so none are added on top. ``timings``: as in
+    :func:`prompt_to_token_ids`."""
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise RequestError(
@@ -97,8 +103,13 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
             )
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
+    started = time.perf_counter()
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    rendered = time.perf_counter()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if timings is not None:
+        timings["template"], timings["tokenize"] = rendered - started, time.perf_counter() - rendered
+    return ids
 
 
 def check_prompt_length(num_tokens: int, max_input_len: int) -> None:

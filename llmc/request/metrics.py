@@ -2,7 +2,8 @@
 
 Times are seconds from one monotonic clock (``time.perf_counter`` unless the caller passes its own
 timestamps); only differences are meaningful. TTFT is measured from ``arrival_time``, the moment the request
-was accepted (before queueing), to the first generated token.
+was accepted (before its chat template, tokenizing and queueing: a server passes the time it took the request in),
+to the first generated token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ class RequestMetrics:
     """Timeline of one request, filled in by the engine as it progresses (hence mutable)."""
 
     arrival_time: float = field(default_factory=time.perf_counter)
+    queued_time: float | None = None  # entered the engine's queue, after tokenizing (None: at arrival)
     scheduled_time: float | None = None  # first time the scheduler gave it work
+    template_time: float = 0.0  # seconds rendering the chat template (0 for text and token ids)
+    tokenize_time: float = 0.0  # seconds tokenizing (the rendered template, or the text)
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one timestamp per generated token
@@ -51,8 +55,9 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        """Seconds from acceptance to the first scheduling."""
-        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+        """Seconds waiting in the engine's queue: from queueing (else acceptance) to the first scheduling."""
+        start = self.arrival_time if self.queued_time is None else self.queued_time
+        return None if self.scheduled_time is None else self.scheduled_time - start
 
     @property
     def ttft(self) -> float | None:
@@ -173,6 +178,16 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> 
     if data.size == 0:
         return dict.fromkeys(keys)
     return {key: float(value) for key, value in zip(keys, np.percentile(data, list(qs)))}
+
+
+@dataclass(frozen=True)
+class PromptTiming:
+    """How a prompt was taken in before it reached the engine (a server tokenizes before it submits): when the
+    request was accepted and how long its chat template and tokenizing took, in seconds."""
+
+    arrival_time: float
+    template_time: float = 0.0
+    tokenize_time: float = 0.0
 
 
 def ttft_bucket(prompt_tokens: int) -> str:

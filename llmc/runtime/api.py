@@ -32,7 +32,7 @@ from llmc.manifest import read_manifest
 from llmc.recipe import Recipe
 from llmc.request.detokenize import byte_fallback_token_ids
 from llmc.request.inputs import Prompt, check_prompt_length, max_prompt_chars, prompt_to_token_ids
-from llmc.request.metrics import MetricsLog, RequestMetrics
+from llmc.request.metrics import MetricsLog, PromptTiming, RequestMetrics
 from llmc.request.outputs import Completion, RequestOutput, StreamEvent
 from llmc.request.params import SamplingParams
 from llmc.runtime.engine_loop import EngineLoop
@@ -138,17 +138,24 @@ class Engine:
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, sink: Sink | None = None) -> str:
+                    priority: int = 0, sink: Sink | None = None, timing: PromptTiming | None = None) -> str:
         """Validate and queue a request; returns its id. ``priority``: lower number = served first.
 
         Raises RequestError (bad prompt or params, naming the field) or QueueFullError (retry later).
-        ``sink`` (optional) receives this request's events from the stepping thread."""
+        ``sink`` (optional) receives this request's events from the stepping thread. ``timing``: for a prompt
+        tokenized before (a server's, as token ids), when it was accepted and what its template and tokenizing
+        took; the request's metrics (TTFT from acceptance) use it instead of this call's own."""
         arrival = self.clock()
         params = self.default_params if params is None else params
         params.validate(self.runner.vocab_size)
-        ids = self.tokenize(prompt)
+        timings: dict[str, float] = {}
+        ids = self.tokenize(prompt, timings)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
-        metrics = RequestMetrics(arrival_time=arrival, prompt_tokens=len(ids))
+        if timing is None:
+            timing = PromptTiming(arrival, timings.get("template", 0.0), timings.get("tokenize", 0.0))
+        metrics = RequestMetrics(arrival_time=timing.arrival_time, prompt_tokens=len(ids),
+                                 template_time=timing.template_time, tokenize_time=timing.tokenize_time,
+                                 queued_time=self.clock())
         output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
                                self.recipe.engine.max_seq_len, metrics, sink, self._byte_token_ids)
         with self._lock:
@@ -159,11 +166,13 @@ class Engine:
         self._loop.wake()
         return request_id
 
-    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+    def tokenize(self, prompt: Prompt, timings: dict[str, float] | None = None) -> tuple[int, ...]:
         """The prompt's token ids, as :meth:`add_request` computes them (any thread). RequestError for a
-        prompt longer than ``max_input_len`` (refused by size before tokenizing when it is far too long)."""
+        prompt longer than ``max_input_len`` (refused by size before tokenizing when it is far too long).
+        ``timings`` (optional) gets the seconds of the chat template and of tokenizing (``"template"``,
+        ``"tokenize"``)."""
         ids = prompt_to_token_ids(self.tokenizer, prompt, self.recipe.model.add_special_tokens,
-                                  self.runner.vocab_size, self.max_prompt_chars)
+                                  self.runner.vocab_size, self.max_prompt_chars, timings)
         check_prompt_length(len(ids), self.recipe.engine.max_input_len)
         return ids
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Protocol
 
 from llmc.request.inputs import Prompt
+from llmc.request.metrics import PromptTiming
 from llmc.request.outputs import StreamEvent
 from llmc.request.params import SamplingParams
 
@@ -22,7 +23,8 @@ class EventEngine(Protocol):
     """What :class:`RequestEvents` needs of an engine (:class:`llmc.runtime.api.Engine`)."""
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, sink: Callable[[StreamEvent], None] | None = None) -> str: ...
+                    priority: int = 0, sink: Callable[[StreamEvent], None] | None = None,
+                    timing: PromptTiming | None = None) -> str: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -42,18 +44,20 @@ class RequestEvents:
     """
 
     def __init__(self, engine: EventEngine, prompt: Prompt, params: SamplingParams | None = None,
-                 request_id: str | None = None, priority: int = 0):
+                 request_id: str | None = None, priority: int = 0, timing: PromptTiming | None = None):
         self.engine, self.prompt, self.params, self.priority = engine, prompt, params, priority
+        self.timing = timing  # a prompt tokenized before: when it was accepted, its template and tokenizing
         self.request_id = request_id if request_id is not None else uuid.uuid4().hex
         self.finished = False
         self._submitted = False
         self._inbox: queue.Queue[StreamEvent] | asyncio.Queue[StreamEvent] | None = None
 
     def submit(self) -> None:
-        """Queue the request (RequestError, QueueFullError as :meth:`~llmc.runtime.api.Engine.add_request`); events go to a queue."""
+        """Queue the request (RequestError, QueueFullError as :meth:`~llmc.runtime.api.Engine.add_request`);
+        events go to a queue."""
         inbox: queue.Queue[StreamEvent] = queue.Queue()
         self._inbox = inbox
-        self.engine.add_request(self.prompt, self.params, self.request_id, self.priority, inbox.put)
+        self.engine.add_request(self.prompt, self.params, self.request_id, self.priority, inbox.put, self.timing)
         self._submitted = True
 
     async def asubmit(self) -> None:
@@ -66,7 +70,7 @@ class RequestEvents:
             loop.call_soon_threadsafe(inbox.put_nowait, event)
 
         task = asyncio.ensure_future(asyncio.to_thread(self.engine.add_request, self.prompt, self.params,
-                                                       self.request_id, self.priority, sink))
+                                                       self.request_id, self.priority, sink, self.timing))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:  # the worker thread still queues it: abort it as soon as it has

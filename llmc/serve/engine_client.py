@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
+from llmc.request.metrics import PromptTiming
 from llmc.request.outputs import StreamEvent
 from llmc.request.params import SamplingParams
 from llmc.runtime.request_events import RequestEvents
@@ -49,6 +50,7 @@ class PreparedPrompt:
     requested: int
     capped: int | None = None
     max_seq_len: int = 0
+    timing: PromptTiming | None = None  # when the server took the request in; its template and tokenizing
 
     def warnings(self) -> list[str]:
         if self.capped is None:
@@ -77,23 +79,27 @@ class EngineClient:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             raise ServerDrainingError()
+        accepted, timings = self.engine.clock(), {}
         try:
-            ids = await asyncio.to_thread(self.engine.tokenize, prompt)
+            ids = await asyncio.to_thread(self.engine.tokenize, prompt, timings)
         except asyncio.CancelledError:
             self.metrics.requests.labels("abort").inc()
             raise
+        timing = PromptTiming(accepted, timings.get("template", 0.0), timings.get("tokenize", 0.0))
         max_seq_len = self.engine.recipe.engine.max_seq_len
         room = max_seq_len - len(ids)
         if params.max_new_tokens <= room:
-            return PreparedPrompt(ids, params.max_new_tokens)
+            return PreparedPrompt(ids, params.max_new_tokens, timing=timing)
         if strict:
             raise RequestError("max_new_tokens", f"is {params.max_new_tokens}, but this prompt of {len(ids)} tokens "
                                                  f"leaves room for {room} within max_seq_len={max_seq_len}; ask "
                                                  f"for at most {room} or drop strict_max_tokens to get a cap")
-        return PreparedPrompt(ids, params.max_new_tokens, max(room, 0), max_seq_len)
+        return PreparedPrompt(ids, params.max_new_tokens, max(room, 0), max_seq_len, timing)
 
     async def stream(self, prompt: Any, params: SamplingParams) -> AsyncIterator[StreamEvent]:
-        """Yield the request's events; the last is finished. Use inside ``contextlib.aclosing``.
+        """Yield the request's events; the last is finished. Use inside ``contextlib.aclosing``. ``prompt``: a
+        :class:`PreparedPrompt` (its metrics then count from when :meth:`prepare` took it in, template and
+        tokenizing included) or any prompt the engine takes.
 
         Raises RequestError / QueueFullError (before the first event), ServerDrainingError,
         RequestTimeoutError or EngineError (request failed). Leaving early aborts the request."""
@@ -102,7 +108,10 @@ class EngineClient:
             raise ServerDrainingError()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
-        events = RequestEvents(self.engine, prompt, params, uuid.uuid4().hex)
+        timing = None
+        if isinstance(prompt, PreparedPrompt):
+            prompt, timing = prompt.token_ids, prompt.timing
+        events = RequestEvents(self.engine, prompt, params, uuid.uuid4().hex, timing=timing)
         try:
             await events.asubmit()
         except asyncio.CancelledError:  # the client left while the request was being queued (it is aborted)

@@ -122,7 +122,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = self._parse(request)
             prepared = await self._prepare(request, req)
             parts = [] if req.exclude_input_in_output else [req.prompt]
-            async with aclosing(self.state.client.stream(prepared.token_ids, req.params)) as events:
+            async with aclosing(self.state.client.stream(prepared, req.params)) as events:
                 with client_names(ENSEMBLE_NAMES):
                     event = await anext(events)
                 parts.append(event.text)
@@ -168,7 +168,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = self._parse(request)
             prepared = await self._prepare(request, req)
             prefix = "" if req.exclude_input_in_output else req.prompt
-            async with aclosing(self.state.client.stream(prepared.token_ids, req.params)) as events:
+            async with aclosing(self.state.client.stream(prepared, req.params)) as events:
                 with client_names(ENSEMBLE_NAMES):
                     event = await anext(events)
                 while True:

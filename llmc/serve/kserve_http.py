@@ -53,7 +53,7 @@ def _parse(state: ServerState, fields: dict[str, Any], allow_extras: bool = True
 async def _open(request: web.Request, req: GenerateRequest) -> tuple[PreparedPrompt, AsyncIterator[StreamEvent]]:
     """Tokenize (errors name ``text_input``, ``max_tokens``) and start the request's event stream."""
     prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, ENSEMBLE_NAMES)
-    return prepared, request.app[STATE_KEY].client.stream(prepared.token_ids, req.params)
+    return prepared, request.app[STATE_KEY].client.stream(prepared, req.params)
 
 
 async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent:

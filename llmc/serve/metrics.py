@@ -3,6 +3,10 @@ callback gauges).
 
 Each :class:`ServerMetrics` owns its own ``CollectorRegistry`` (no process-global state, so several servers or
 tests can live in one process). Updates are thread-safe (the engine's step thread and the event loop both record).
+
+Per finished request: TTFT by prompt-length bucket (label ``prompt_tokens``: ``<=128``, ``129-512``, ``>512``;
+``sum by (le)`` gives all of them), where the time before the first token went (chat template, tokenizing, the
+engine's queue), the prompt and output lengths, preemptions; per token the inter-token gaps.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from llmc.request.metrics import TTFT_BUCKETS, ttft_bucket
 from llmc.request.outputs import StreamEvent
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Latency buckets in seconds, from sub-millisecond decode steps to multi-second prefills on CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+# Tokens a request's prompt or output had: powers of two up to 128 K.
+TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(4, 18))
 # Engine.stats() key -> (metric name, help)
 ENGINE_GAUGES = {
     "waiting": ("llmc_num_requests_waiting", "Requests waiting in the engine's queue."),
@@ -41,8 +48,22 @@ class ServerMetrics:
                                 registry=reg)
         self.rejected = Counter("llmc_requests_rejected", "Requests refused before running.", ("reason",),
                                 registry=reg)
-        self.ttft = Histogram("llmc_time_to_first_token_seconds", "Time from request acceptance to its first token.",
-                              buckets=LATENCY_BUCKETS, registry=reg)
+        self.ttft = Histogram("llmc_time_to_first_token_seconds", "Time from request acceptance to its first token, "
+                              "by prompt length (tokens).", ("prompt_tokens",), buckets=LATENCY_BUCKETS, registry=reg)
+        for bucket in TTFT_BUCKETS:  # every bucket's series exists from the start (0 until a request lands there)
+            self.ttft.labels(bucket)
+        self.template = Histogram("llmc_request_template_seconds", "Rendering the chat template of a request.",
+                                  buckets=LATENCY_BUCKETS, registry=reg)
+        self.tokenize = Histogram("llmc_request_tokenize_seconds", "Tokenizing a request's prompt.",
+                                  buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue = Histogram("llmc_request_queue_seconds", "Time a request waited in the engine's queue before "
+                               "its first step.", buckets=LATENCY_BUCKETS, registry=reg)
+        self.prompt_lengths = Histogram("llmc_request_prompt_tokens", "Prompt tokens of a finished request.",
+                                        buckets=TOKEN_BUCKETS, registry=reg)
+        self.output_lengths = Histogram("llmc_request_generation_tokens", "Tokens a finished request generated.",
+                                        buckets=TOKEN_BUCKETS, registry=reg)
+        self.preemptions = Counter("llmc_preemptions", "Times a running request was preempted (its KV blocks freed, "
+                                   "recomputed later).", registry=reg)
         self.itl = Histogram("llmc_inter_token_latency_seconds", "Gap between consecutive tokens.",
                              buckets=LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("llmc_e2e_request_latency_seconds", "Request acceptance to finish.",
@@ -66,8 +87,16 @@ class ServerMetrics:
             return
         self.prompt_tokens.inc(m.prompt_tokens)
         self.generated_tokens.inc(m.generated_tokens)
+        self.prompt_lengths.observe(m.prompt_tokens)
+        self.output_lengths.observe(m.generated_tokens)
+        self.preemptions.inc(m.num_preemptions)
+        if m.template_time:
+            self.template.observe(m.template_time)
+        self.tokenize.observe(m.tokenize_time)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
         if m.ttft is not None:
-            self.ttft.observe(m.ttft)
+            self.ttft.labels(ttft_bucket(m.prompt_tokens)).observe(m.ttft)
         for gap in m.itls:
             self.itl.observe(gap)
         if m.e2e_latency is not None:

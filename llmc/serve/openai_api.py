@@ -61,7 +61,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
     prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
-    events = state.client.stream(prepared.token_ids, req.params)
+    events = state.client.stream(prepared, req.params)
     async with aclosing(events):
         with client_names(req.names):
             first = await anext(events)

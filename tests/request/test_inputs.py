@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from llmc.errors import RequestError
@@ -45,3 +47,27 @@ def test_prompts_within_the_bound_are_tokenized():
     assert prompt_to_token_ids(tokenizer, "x" * 100, True, 10, max_chars=100) == (0,) * 100
     assert prompt_to_token_ids(tokenizer, [{"role": "user", "content": "x" * 100}], True, 10, max_chars=100)
     assert tokenizer.calls == 3
+
+
+class SlowTokenizer(CountingTokenizer):
+    """Rendering the template takes 30 ms, tokenizing 60 ms."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        time.sleep(0.06)
+        return super().__call__(text, add_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True) -> str:
+        time.sleep(0.03)
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+
+def test_timings_split_the_chat_template_from_tokenizing():
+    timings: dict[str, float] = {}
+    prompt_to_token_ids(SlowTokenizer(), [{"role": "user", "content": "hi"}], True, 10, timings=timings)
+    assert 0.03 <= timings["template"] < 0.06 <= timings["tokenize"] < 0.2, timings
+    timings = {}
+    prompt_to_token_ids(SlowTokenizer(), "hi", True, 10, timings=timings)
+    assert set(timings) == {"tokenize"} and 0.06 <= timings["tokenize"] < 0.2
+    timings = {}
+    prompt_to_token_ids(SlowTokenizer(), [1, 2], True, 10, timings=timings)
+    assert timings == {}  # token ids: nothing to render or tokenize

@@ -116,3 +116,12 @@ def test_metrics_log_buffers_lines_between_flushes(tmp_path):
     log.close()
     records = read_metrics_log(path)
     assert len(records) == 5 and records[-1]["request_id"] == "r" and records[0] == {"type": "step", **step.to_dict()}
+
+
+def test_queue_time_counts_from_queueing_when_known():
+    m = RequestMetrics(arrival_time=1.0, queued_time=1.25, template_time=0.05, tokenize_time=0.2)
+    m.record_scheduled(2.0)
+    m.record_token(2.5)
+    assert m.queue_time == pytest.approx(0.75) and m.ttft == pytest.approx(1.5)  # TTFT still from acceptance
+    record = m.to_dict()
+    assert record["template_time"] == 0.05 and record["tokenize_time"] == 0.2 and record["queued_time"] == 1.25

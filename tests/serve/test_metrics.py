@@ -42,8 +42,10 @@ def test_counters_histograms_and_callback_gauges():
     assert got[("llmc_requests_total", (("finish_reason", 'we"ird\n'),))] == 1  # label escaping round-trips
     assert got[("llmc_requests_rejected_total", (("reason", "queue_full"),))] == 1
     assert got[("llmc_prompt_tokens_total", ())] == 7 and got[("llmc_generation_tokens_total", ())] == 3
-    assert got[("llmc_time_to_first_token_seconds_bucket", (("le", "0.05"),))] == 1
-    assert got[("llmc_time_to_first_token_seconds_count", ())] == 1
+    short = ("prompt_tokens", "<=128")
+    assert got[("llmc_time_to_first_token_seconds_bucket", (("le", "0.05"), short))] == 1
+    assert got[("llmc_time_to_first_token_seconds_count", (short,))] == 1
+    assert got[("llmc_time_to_first_token_seconds_count", (("prompt_tokens", ">512"),))] == 0  # exists from start
     assert got[("llmc_inter_token_latency_seconds_bucket", (("le", "0.5"),))] == 1
     assert got[("llmc_inter_token_latency_seconds_bucket", (("le", "+Inf"),))] == 2
     assert got[("llmc_inter_token_latency_seconds_sum", ())] == 3.0 - 0.05
@@ -55,3 +57,29 @@ def test_each_server_has_its_own_registry():
     a, b = ServerMetrics(FakeEngine(), set()), ServerMetrics(FakeEngine(), set())
     a.requests.labels("stop").inc()
     assert ("llmc_requests_total", (("finish_reason", "stop"),)) not in samples(b)
+
+
+def test_where_the_time_before_the_first_token_went_and_the_lengths():
+    metrics = ServerMetrics(FakeEngine(), set())
+    m = RequestMetrics(arrival_time=0.0, prompt_tokens=600, template_time=0.002, tokenize_time=0.03,
+                       queued_time=0.04, num_preemptions=2)
+    m.record_scheduled(0.3)
+    m.record_token(0.9)
+    m.record_finished(0.9)
+    metrics.record(StreamEvent("r", "", (), True, "length", None, m))
+    text = RequestMetrics(arrival_time=0.0, prompt_tokens=20, tokenize_time=0.001)  # no template: not observed
+    text.record_token(0.01)
+    metrics.record(StreamEvent("t", "", (), True, "stop", None, text))
+    got = samples(metrics)
+    assert got[("llmc_time_to_first_token_seconds_bucket", (("le", "1.0"), ("prompt_tokens", ">512")))] == 1
+    assert got[("llmc_time_to_first_token_seconds_bucket", (("le", "0.75"), ("prompt_tokens", ">512")))] == 0
+    assert got[("llmc_request_template_seconds_count", ())] == 1
+    assert got[("llmc_request_template_seconds_sum", ())] == 0.002
+    assert got[("llmc_request_tokenize_seconds_count", ())] == 2
+    assert got[("llmc_request_tokenize_seconds_sum", ())] == 0.031
+    assert got[("llmc_request_queue_seconds_sum", ())] == 0.3 - 0.04  # from queueing, not from acceptance
+    assert got[("llmc_request_queue_seconds_count", ())] == 1  # the second request was never scheduled here
+    assert got[("llmc_request_prompt_tokens_bucket", (("le", "512.0"),))] == 1
+    assert got[("llmc_request_prompt_tokens_bucket", (("le", "1024.0"),))] == 2
+    assert got[("llmc_request_generation_tokens_bucket", (("le", "16.0"),))] == 2
+    assert got[("llmc_preemptions_total", ())] == 2

@@ -202,7 +202,7 @@ def test_invalid_json_gets_400_and_server_keeps_serving(tiny_server):
 
 def test_metrics_counters_move(tiny_server):
     before = {k: metric(tiny_server, k) for k in ('llmc_requests_total{finish_reason="length"}',
-                                                 "llmc_time_to_first_token_seconds_count",
+                                                 'llmc_time_to_first_token_seconds_count{prompt_tokens="<=128"}',
                                                  "llmc_inter_token_latency_seconds_count",
                                                  "llmc_generation_tokens_total")}
     for _ in range(3):
@@ -213,7 +213,8 @@ def test_metrics_counters_move(tiny_server):
     assert after[keys[2]] == before[keys[2]] + 12 and after[keys[3]] == before[keys[3]] + 15
     _, text = tiny_server.get("/metrics")
     for name in ("llmc_num_requests_waiting", "llmc_num_requests_running", "llmc_kv_blocks_used",
-                 "llmc_kv_blocks_free", 'llmc_time_to_first_token_seconds_bucket{le="+Inf"}'):
+                 "llmc_kv_blocks_free", 'llmc_time_to_first_token_seconds_bucket{le="+Inf",prompt_tokens=">512"}',
+                 "llmc_request_queue_seconds_count", "llmc_request_tokenize_seconds_count", "llmc_preemptions_total"):
         assert name in text
 
 
@@ -232,6 +233,32 @@ def test_queue_full_gets_503_with_retry_after(serve_tiny_build):
         rejected = [(body, headers) for s, body, headers in results if s == 503]
         assert all("queue is full" in body["error"] and int(h["Retry-After"]) >= 1 for body, h in rejected)
         wait_idle(server.engine)
+    finally:
+        server.close()
+
+
+def test_ttft_counts_from_acceptance_with_the_template_and_tokenizing(serve_tiny_build, monkeypatch):
+    """The server tokenizes before it submits a request: its TTFT must still start when it took the request in
+    (it once started at submission, leaving the template and tokenizing out), and /metrics says where it went."""
+    server = start_server(serve_tiny_build)
+    try:
+        tokenizer = server.engine.tokenizer
+        call, render = type(tokenizer).__call__, type(tokenizer).apply_chat_template
+        monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: time.sleep(0.3) or call(self, *a, **k))
+        monkeypatch.setattr(type(tokenizer), "apply_chat_template",
+                            lambda self, *a, **k: time.sleep(0.1) or render(self, *a, **k))
+        assert server.post("/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 2})[0] == 200
+        assert server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2})[0] == 200
+        monkeypatch.undo()
+        bucket = 'llmc_time_to_first_token_seconds_bucket{le="%s",prompt_tokens="<=128"}'
+        assert metric(server, bucket % "+Inf") == 2 and metric(server, bucket % "0.25") == 0
+        assert metric(server, "llmc_request_tokenize_seconds_count") == 2
+        assert metric(server, "llmc_request_tokenize_seconds_sum") >= 0.6
+        assert metric(server, "llmc_request_template_seconds_count") == 1  # the chat request only
+        assert 0.1 <= metric(server, "llmc_request_template_seconds_sum") < 0.3
+        assert metric(server, "llmc_request_queue_seconds_sum") < 0.3  # the wait before queueing is not queueing
+        assert metric(server, "llmc_request_prompt_tokens_count") == 2
     finally:
         server.close()
 
