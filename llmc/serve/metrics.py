@@ -6,7 +6,8 @@ tests can live in one process). Updates are thread-safe (the engine's step threa
 
 Per finished request: TTFT by prompt-length bucket (label ``prompt_tokens``: ``<=128``, ``129-512``, ``>512``;
 ``sum by (le)`` gives all of them), where the time before the first token went (chat template, tokenizing, the
-engine's queue), the prompt and output lengths, preemptions; per token the inter-token gaps.
+engine's queue), the prompt and output lengths; per token the inter-token gaps. Read from the engine at scrape
+time: requests waiting and running, KV blocks, and its totals of preemptions and of prefix-cache lookups and hits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Sized
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmc.request.metrics import TTFT_BUCKETS, ttft_bucket
@@ -32,6 +34,16 @@ ENGINE_GAUGES = {
     "running": ("llmc_num_requests_running", "Requests in the running batch."),
     "kv_blocks_used": ("llmc_kv_blocks_used", "KV-cache blocks in use."),
     "kv_blocks_free": ("llmc_kv_blocks_free", "Free KV-cache blocks."),
+    "kv_blocks_total": ("llmc_kv_blocks_total", "KV-cache blocks the engine has."),
+}
+# Engine.stats() key -> (counter name without _total, help): totals since the engine started, read at scrape.
+ENGINE_COUNTERS = {
+    "preemptions": ("llmc_preemptions", "Times a running request was preempted (its KV blocks freed, its tokens "
+                                        "recomputed later)."),
+    "prefix_cache_queried_tokens": ("llmc_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+                                                                        "cache."),
+    "prefix_cache_hit_tokens": ("llmc_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks (not "
+                                                                "computed again)."),
 }
 
 
@@ -62,8 +74,6 @@ class ServerMetrics:
                                         buckets=TOKEN_BUCKETS, registry=reg)
         self.output_lengths = Histogram("llmc_request_generation_tokens", "Tokens a finished request generated.",
                                         buckets=TOKEN_BUCKETS, registry=reg)
-        self.preemptions = Counter("llmc_preemptions", "Times a running request was preempted (its KV blocks freed, "
-                                   "recomputed later).", registry=reg)
         self.itl = Histogram("llmc_inter_token_latency_seconds", "Gap between consecutive tokens.",
                              buckets=LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("llmc_e2e_request_latency_seconds", "Request acceptance to finish.",
@@ -72,6 +82,7 @@ class ServerMetrics:
         self.generated_tokens = Counter("llmc_generation_tokens", "Tokens generated.", registry=reg)
         for key, (name, help_text) in ENGINE_GAUGES.items():
             Gauge(name, help_text, registry=reg).set_function(_reader(engine, key))
+        reg.register(_EngineCounters(engine))
         Gauge("llmc_requests_in_flight", "Requests the server is handling.",
               registry=reg).set_function(lambda: len(in_flight))
 
@@ -89,7 +100,6 @@ class ServerMetrics:
         self.generated_tokens.inc(m.generated_tokens)
         self.prompt_lengths.observe(m.prompt_tokens)
         self.output_lengths.observe(m.generated_tokens)
-        self.preemptions.inc(m.num_preemptions)
         if m.template_time:
             self.template.observe(m.template_time)
         self.tokenize.observe(m.tokenize_time)
@@ -105,3 +115,15 @@ class ServerMetrics:
 
 def _reader(engine: Any, key: str) -> Callable[[], float]:
     return lambda: engine.stats()[key]
+
+
+class _EngineCounters:
+    """The engine's running totals (:data:`ENGINE_COUNTERS`) as Prometheus counters, read at scrape time."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        for key, (name, help_text) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=stats[key])

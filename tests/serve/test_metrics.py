@@ -14,7 +14,9 @@ class FakeEngine:
         self.used = 0
 
     def stats(self) -> dict[str, int]:
-        return {"waiting": 1, "running": 2, "kv_blocks_used": self.used, "kv_blocks_free": 10 - self.used}
+        return {"waiting": 1, "running": 2, "kv_blocks_used": self.used, "kv_blocks_free": 10 - self.used,
+                "kv_blocks_total": 10, "preemptions": self.used // 2, "prefix_cache_queried_tokens": 64 * self.used,
+                "prefix_cache_hit_tokens": 32 * self.used}
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -50,6 +52,9 @@ def test_counters_histograms_and_callback_gauges():
     assert got[("llmc_inter_token_latency_seconds_bucket", (("le", "+Inf"),))] == 2
     assert got[("llmc_inter_token_latency_seconds_sum", ())] == 3.0 - 0.05
     assert got[("llmc_kv_blocks_used", ())] == 4 and got[("llmc_kv_blocks_free", ())] == 6  # read at scrape
+    assert got[("llmc_kv_blocks_total", ())] == 10 and got[("llmc_preemptions_total", ())] == 2
+    assert got[("llmc_prefix_cache_queried_tokens_total", ())] == 256
+    assert got[("llmc_prefix_cache_hit_tokens_total", ())] == 128
     assert got[("llmc_num_requests_running", ())] == 2 and got[("llmc_requests_in_flight", ())] == 3
 
 
@@ -62,7 +67,7 @@ def test_each_server_has_its_own_registry():
 def test_where_the_time_before_the_first_token_went_and_the_lengths():
     metrics = ServerMetrics(FakeEngine(), set())
     m = RequestMetrics(arrival_time=0.0, prompt_tokens=600, template_time=0.002, tokenize_time=0.03,
-                       queued_time=0.04, num_preemptions=2)
+                       queued_time=0.04)
     m.record_scheduled(0.3)
     m.record_token(0.9)
     m.record_finished(0.9)
@@ -82,4 +87,3 @@ def test_where_the_time_before_the_first_token_went_and_the_lengths():
     assert got[("llmc_request_prompt_tokens_bucket", (("le", "512.0"),))] == 1
     assert got[("llmc_request_prompt_tokens_bucket", (("le", "1024.0"),))] == 2
     assert got[("llmc_request_generation_tokens_bucket", (("le", "16.0"),))] == 2
-    assert got[("llmc_preemptions_total", ())] == 2

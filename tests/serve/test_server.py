@@ -218,6 +218,18 @@ def test_metrics_counters_move(tiny_server):
         assert name in text
 
 
+def test_prefix_cache_hits_and_kv_totals_are_read_from_the_engine(tiny_server):
+    name = "llmc_prefix_cache_hit_tokens_total"
+    before, queried = metric(tiny_server, name), metric(tiny_server, "llmc_prefix_cache_queried_tokens_total")
+    prompt = " ".join(f"item{i}" for i in range(30))  # several full 8-token KV blocks
+    for _ in range(2):
+        assert tiny_server.post("/v2/models/ensemble/generate", {"text_input": prompt, "max_tokens": 2})[0] == 200
+    stats = wait_idle(tiny_server.engine)
+    assert metric(tiny_server, name) == stats["prefix_cache_hit_tokens"] >= before + tiny_server.engine.runner.block_size
+    assert metric(tiny_server, "llmc_prefix_cache_queried_tokens_total") > queried
+    assert metric(tiny_server, "llmc_kv_blocks_total") == stats["kv_blocks_total"] > 0
+
+
 def test_queue_full_gets_503_with_retry_after(serve_tiny_build):
     server = start_server(serve_tiny_build, max_queue_size=1)
     try:
