@@ -22,6 +22,7 @@ _API = {
     "SamplingParams": "llmc.request.params",
     "Completion": "llmc.request.outputs",
     "StreamEvent": "llmc.request.outputs",
+    "TokenLogprob": "llmc.request.outputs",
 }
 __all__ = ["__version__", *_API]
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from llmc.request.outputs import Completion, StreamEvent
+from llmc.request.outputs import Completion, StreamEvent, TokenLogprob
 from llmc.request.params import SamplingParams
 
 
@@ -74,8 +74,8 @@ class ModelRunnerOutput:
     """Sampled token per sequence that had ``sample=True``, keyed by request id."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    # Optional per-sampled-sequence log-probability of the chosen token.
-    logprobs: dict[str, float] = field(default_factory=dict)
+    # The sampled token's log-probabilities, for the sequences whose SamplingParams ask for them.
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 @runtime_checkable

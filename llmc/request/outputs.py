@@ -17,6 +17,16 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (``SamplingParams.logprobs``) and the ``top``
+    most likely tokens' ``(token id, log-probability)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamEvent:
     """One increment of a request's output.
 
@@ -24,7 +34,7 @@ class StreamEvent:
     the new token ids. The last event has ``finished=True`` and a ``finish_reason``: "stop" (``stop_reason``
     is the matched stop string or stop token id), "length" (max_new_tokens or max_seq_len), "abort", or
     "error" (``error`` says what failed; the request's KV blocks are freed). Concatenating every event's
-    ``text`` gives the final text.
+    ``text`` gives the final text. ``logprobs``: one per token of ``token_ids`` when the request asked for them.
     """
 
     request_id: str
@@ -35,6 +45,7 @@ class StreamEvent:
     stop_reason: str | int | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Completion:
     finish_reason: FinishReason | None
     stop_reason: str | int | None
     metrics: RequestMetrics | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids when the request asked for them
 
     @classmethod
     def from_events(cls, prompt: Any, events: Sequence[StreamEvent]) -> Completion:
@@ -60,6 +72,7 @@ class Completion:
             finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             metrics=last.metrics,
+            logprobs=tuple(lp for e in events for lp in e.logprobs),
         )
 
 
@@ -94,21 +107,23 @@ class RequestOutput:
         self.sink = sink
         self.num_generated = 0
 
-    def on_token(self, token_id: int, now: float) -> StreamEvent:
-        """Process one sampled token: returns its event (finished when a stop or a length limit hit)."""
+    def on_token(self, token_id: int, now: float, logprob: TokenLogprob | None = None) -> StreamEvent:
+        """Process one sampled token (and its log-probabilities, when the request asked for them): returns its
+        event (finished when a stop or a length limit hit)."""
         self.num_generated += 1
         self.metrics.record_token(now)
+        lps = (logprob,) if logprob is not None else ()
         if check_stop_token(token_id, self.num_generated, self.params, self.eos_token_ids):
             text, matched = self._flush()
-            return self._finish(now, text, (token_id,), "stop", matched if matched is not None else token_id)
+            return self._finish(now, text, (token_id,), "stop", matched if matched is not None else token_id, lps)
         text, matched = self._feed(self.detokenizer.add(token_id))
         if matched is not None:
-            return self._finish(now, text, (token_id,), "stop", matched)
+            return self._finish(now, text, (token_id,), "stop", matched, lps)
         if self.num_prompt + self.num_generated >= self.max_total:
             tail, matched = self._flush()
             reason = "stop" if matched is not None else "length"
-            return self._finish(now, text + tail, (token_id,), reason, matched)
-        return StreamEvent(self.request_id, text, (token_id,))
+            return self._finish(now, text + tail, (token_id,), reason, matched, lps)
+        return StreamEvent(self.request_id, text, (token_id,), logprobs=lps)
 
     def _feed(self, text: str) -> tuple[str, str | None]:
         """Run new text through the stop-string matcher (stops count once more than min_tokens were made,
@@ -123,9 +138,10 @@ class RequestOutput:
         return text, matched
 
     def _finish(self, now: float, text: str, token_ids: tuple[int, ...], reason: FinishReason,
-                stop_reason: str | int | None) -> StreamEvent:
+                stop_reason: str | int | None, logprobs: tuple[TokenLogprob, ...] = ()) -> StreamEvent:
         self.metrics.record_finished(now)
-        return StreamEvent(self.request_id, text, token_ids, True, reason, stop_reason, self.metrics)
+        return StreamEvent(self.request_id, text, token_ids, True, reason, stop_reason, self.metrics,
+                           logprobs=logprobs)
 
     def terminal(self, now: float, reason: FinishReason, error: str | None = None) -> StreamEvent:
         """The closing event of an aborted or failed request (no new tokens, held-back text dropped)."""

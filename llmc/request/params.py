@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from llmc.errors import RequestError
 
 _UINT64_MAX = 2**64 - 1
+MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities come with (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class SamplingParams:
     """Per-request generation parameters. Defaults are identical on every entry point.
 
     ``temperature == 0`` means greedy. ``seed`` makes a request reproducible regardless of the batch.
+    ``logprobs`` (None: off) returns each generated token's log-probability under the model (the log-softmax of
+    its raw logits, before temperature, penalties and filters) and that of the ``logprobs`` most likely tokens
+    (0 to :data:`MAX_LOGPROBS`).
     Penalties follow the OpenAI / vLLM semantics: ``repetition_penalty`` (multiplicative, > 1 discourages)
     applies to every token seen in the prompt or the output; ``presence_penalty`` (subtracted once) and
     ``frequency_penalty`` (subtracted per occurrence) apply to tokens of the output only. Stop tokens and stop
@@ -44,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     # ------------------------------------------------------------------------------------------------
     # Derived flags (read by the sampler to skip work no row needs)
@@ -76,9 +81,10 @@ class SamplingParams:
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "seed":
+            if f.name in ("seed", "logprobs"):
                 if value is not None and not _is_int(value):
-                    raise RequestError("seed", f"must be an integer or null, got {value!r}; pass e.g. seed=0")
+                    raise RequestError(f.name, f"must be an integer or null, got {value!r}; pass e.g. "
+                                               f"{f.name}={0 if f.name == 'seed' else 5}")
             elif isinstance(f.default, bool):
                 if not isinstance(value, bool):
                     raise RequestError(f.name, f"must be true or false, got {value!r}")
@@ -107,6 +113,9 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise RequestError("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got "
                                              f"{self.min_tokens}; lower min_tokens or raise max_new_tokens")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}] (the most likely tokens returned with "
+                                           f"each token's own log-probability), got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed <= _UINT64_MAX:
             raise RequestError("seed", f"must be in [0, 2**64 - 1], got {self.seed}; pass a non-negative 64-bit "
                                        f"integer")
@@ -135,7 +144,7 @@ class SamplingParams:
         """Build and validate from a plain mapping (JSON body, CLI options, recipe section).
 
         Unknown keys raise :class:`RequestError` naming the key. Lists become tuples; ``stop`` may be a single
-        string; ``None`` values keep the default (except ``seed``, where ``None`` means unseeded).
+        string; ``None`` values keep the default (except ``seed`` and ``logprobs``, where it is the default).
         """
         if not isinstance(d, Mapping):
             raise RequestError("sampling", f"must be a mapping of parameter names to values, got {type(d).__name__}")
@@ -144,7 +153,7 @@ class SamplingParams:
         for key, value in d.items():
             if key not in names:
                 raise RequestError(str(key), f"unknown sampling parameter; valid ones are: {', '.join(sorted(names))}")
-            if value is None and key != "seed":
+            if value is None and key not in ("seed", "logprobs"):
                 continue
             if key == "stop" and isinstance(value, str):
                 value = (value,)

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.request.metrics import MetricsLog, StepMetrics
-from llmc.request.outputs import RequestOutput, StreamEvent
+from llmc.request.outputs import RequestOutput, StreamEvent, TokenLogprob
 from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
 
@@ -98,7 +98,7 @@ class StepCycle:
             if scheduled.sequences:
                 result = run_compute(self.runner.execute, scheduled)
             with self._lock:
-                events = self.process(self.scheduler.update(result))
+                events = self.process(self.scheduler.update(result), result.logprobs)
                 self._record_step(scheduled, start)
         except Exception as exc:
             log.exception("engine step failed")
@@ -150,7 +150,7 @@ class StepCycle:
         """Wait for a launched step and turn its tokens into events (finished requests leave)."""
         result = inflight.pending.result()
         with self._lock:
-            return self.process(self.scheduler.fill(inflight.ticket, result))
+            return self.process(self.scheduler.fill(inflight.ticket, result), result.logprobs)
 
     def _needs_token_values(self) -> bool:
         """Whether a running request samples with penalties (they read the values of earlier tokens)."""
@@ -169,8 +169,11 @@ class StepCycle:
             if self._metrics_log is not None:
                 self._metrics_log.flush()
 
-    def process(self, new_tokens: dict[str, int]) -> list[StreamEvent]:
-        """Turn sampled tokens into events; finished requests leave the scheduler (blocks freed). Under the lock."""
+    def process(self, new_tokens: dict[str, int], logprobs: Mapping[str, TokenLogprob] | None = None
+                ) -> list[StreamEvent]:
+        """Turn sampled tokens (and their log-probabilities, where asked for) into events; finished requests leave
+        the scheduler (blocks freed). Under the lock."""
+        logprobs = logprobs or {}
         now = self.clock()
         events = []
         for request_id, token in new_tokens.items():
@@ -180,7 +183,7 @@ class StepCycle:
             request = self.scheduler.get(request_id)
             output.metrics.record_scheduled(request.first_scheduled_time)
             output.metrics.num_preemptions = request.num_preemptions
-            event = output.on_token(token, now)
+            event = output.on_token(token, now, logprobs.get(request_id))
             events.append(event)
             self.emit(output, event)
             if event.finished:

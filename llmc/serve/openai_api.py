@@ -16,8 +16,9 @@ from typing import Any
 from aiohttp import web
 
 from llmc.errors import LlmcError, UnknownModelError
-from llmc.request.outputs import StreamEvent
+from llmc.request.outputs import StreamEvent, TokenLogprob
 from llmc.serve.engine_client import PreparedPrompt
+from llmc.serve.openai_logprobs import LogprobFormatter, event_logprobs
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.protocol import client_names
 from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
@@ -62,17 +63,20 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
     prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
     events = state.client.stream(prepared, req.params)
+    logprobs = LogprobFormatter(state.client.engine.tokenizer, chat) if req.params.logprobs is not None else None
     async with aclosing(events):
         with client_names(req.names):
             first = await anext(events)
         if req.stream:
-            return await _stream(request, events, first, meta, chat, req, prepared)
-        parts, event = [first.text], first
+            return await _stream(request, events, first, meta, chat, req, prepared, logprobs)
+        parts, event, lps = [first.text], first, list(event_logprobs(first))
         while not event.finished:
             event = await anext(events)
             parts.append(event.text)
+            lps += event_logprobs(event)
     text = "".join(parts)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "finish_reason": event.finish_reason,
+                              "logprobs": logprobs.format(lps) if logprobs else None}
     choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
     body = {**meta, "choices": [choice], "usage": _usage(event)}
     if prepared.warnings():
@@ -81,18 +85,23 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], event: StreamEvent,
-                  meta: dict[str, Any], chat: bool, req: OpenAIRequest,
-                  prepared: PreparedPrompt) -> web.StreamResponse:
-    """SSE chunks (``chat.completion.chunk`` / ``text_completion``), then ``data: [DONE]``."""
+                  meta: dict[str, Any], chat: bool, req: OpenAIRequest, prepared: PreparedPrompt,
+                  logprobs: LogprobFormatter | None) -> web.StreamResponse:
+    """SSE chunks (``chat.completion.chunk`` / ``text_completion``), then ``data: [DONE]``. A chunk carries the
+    log-probabilities of the tokens since the previous chunk (a token whose text is held back, e.g. part of a
+    multi-byte character, goes with the next chunk)."""
     meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
     response = await start_sse(request)
+    pending: list[TokenLogprob] = []
 
     def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        lps = logprobs.format(pending) if logprobs is not None and not first else None
+        pending.clear()
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
         out = {**meta, "choices": [choice]}
         if finish is not None and prepared.warnings():
             out["warnings"] = prepared.warnings()
@@ -102,6 +111,7 @@ async def _stream(request: web.Request, events: AsyncIterator[StreamEvent], even
         if chat:
             await send_sse(response, chunk(None, None, first=True))
         while True:
+            pending += event_logprobs(event)
             if event.text or event.finished:
                 await send_sse(response, chunk(event.text, event.finish_reason if event.finished else None))
             if event.finished:

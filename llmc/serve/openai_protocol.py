@@ -5,8 +5,9 @@ Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_toke
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``strict_max_tokens``). Fields that do not change the output (``user``, ``metadata``, ``store``, ...) are
-accepted and ignored; features llmc cannot honour (``n`` > 1, log probs, tools, ``response_format`` other than
-text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing (``n: 1``, ``tools: []``, null). Any other
+accepted and ignored; features llmc cannot honour (``n`` > 1, ``echo``, tools, ``response_format`` other than
+text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing (``n: 1``, ``tools: []``, null). Log
+probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions' ``logprobs`` (0-20). Any other
 field is a 400 too, as OpenAI's API answers it: a misspelt ``max_token`` would otherwise be dropped silently and
 the request run with the default length. Every RequestError names the client's field (``max_tokens``,
 ``messages[0].content``), never an internal one. A ``developer`` message (OpenAI's newer name for the system
@@ -32,14 +33,15 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
              "include_stop_str_in_output": "include_stop_str_in_output"}
 # Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": ()}
 # Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "parallel_tool_calls")
-COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "logprobs", "top_logprobs", *PARAM_MAP,
+                 *UNSUPPORTED, *IGNORED)
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
 OTHER_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
                "random_seed": "seed"}
@@ -75,6 +77,7 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
     with client_names(names):
         params = sampling_params(body, defaults, vocab_size)
+    params = params.replace(logprobs=_logprobs(body, chat))
     return OpenAIRequest(model, prompt, params, _flag(body, "stream"), _include_usage(body),
                          _flag(body, "strict_max_tokens"), names)
 
@@ -103,6 +106,30 @@ def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_siz
             raise RequestError(key, f"is not supported by llmc (got {_short(value)}); remove it")
     changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
     return check_param_limits(defaults.replace(**changes).validate(vocab_size))
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """``SamplingParams.logprobs`` from chat's ``logprobs`` (true / false) and ``top_logprobs`` (0-20), or from
+    completions' ``logprobs`` (the number of most likely tokens, 0-20); None: not asked for."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise RequestError("logprobs", f"must be true or false, got {value!r}; the number of alternatives is "
+                                           f"top_logprobs")
+        if top is not None and not value:
+            raise RequestError("top_logprobs", 'needs "logprobs": true')
+        count = (0 if top is None else top) if value else None
+    else:
+        if top is not None:
+            raise RequestError("top_logprobs", "is a field of /v1/chat/completions; here logprobs is the number "
+                                               "of most likely tokens")
+        if isinstance(value, bool):
+            raise RequestError("logprobs", f"must be the number of most likely tokens to return (0-20), got "
+                                           f"{value!r}")
+        count = value
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 20):
+        raise RequestError("top_logprobs" if chat else "logprobs", f"must be an integer in [0, 20], got {count!r}")
+    return count
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -62,6 +62,8 @@ def test_streams_parse_and_count_usage(client, tiny_server, offline):
     ({"extra_body": {"max_token": 5}}, openai.BadRequestError, "max_token", "did you mean 'max_tokens'?"),
     ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens:"),
     ({"model": "gpt-4o"}, openai.NotFoundError, "model", "unknown model 'gpt-4o'"),
+    ({"top_logprobs": 2}, openai.BadRequestError, "top_logprobs", 'needs "logprobs": true'),
+    ({"logprobs": True, "top_logprobs": 21}, openai.BadRequestError, "top_logprobs", "[0, 20]"),
 ])
 def test_errors_reach_the_clients_exception_with_the_message_and_field(client, tiny_server, kwargs, error, param,
                                                                         words):
@@ -74,6 +76,32 @@ def test_errors_reach_the_clients_exception_with_the_message_and_field(client, t
     if error is openai.NotFoundError:
         assert info.value.code == "model_not_found"
     assert client.chat.completions.create(model=tiny_server.model, messages=MESSAGES[1:], max_tokens=1).choices
+
+
+def test_logprobs_in_openais_shapes_equal_the_engines(client, tiny_server, offline):
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, logprobs=2)
+    ref = offline.generate(["Tell me about rivers"], params)[0].logprobs
+    reply = client.completions.create(model=tiny_server.model, prompt="Tell me about rivers", max_tokens=5,
+                                      temperature=0, logprobs=2)
+    got = reply.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in ref], abs=1e-5)
+    assert "".join(got.tokens) == reply.choices[0].text and got.text_offset[0] == 0
+    assert [len(top) for top in got.top_logprobs] == [2] * 5
+    messages = MESSAGES[1:]
+    ref = offline.generate([messages], params)[0].logprobs
+    reply = client.chat.completions.create(model=tiny_server.model, messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in ref], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)  # greedy
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+    stream = client.chat.completions.create(model=tiny_server.model, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([lp.logprob for lp in ref], abs=1e-5)
+    assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: the tokens' own only
+    plain = client.chat.completions.create(model=tiny_server.model, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
 
 
 def test_a_wrong_api_key_is_an_authentication_error(serve_tiny_build):

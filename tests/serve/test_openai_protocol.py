@@ -42,13 +42,13 @@ def test_fields_that_do_not_change_the_tokens_are_accepted():
 
 @pytest.mark.parametrize("key, value", [("n", 1), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}),
                                         ("response_format", {"type": "text"}), ("logprobs", False),
-                                        ("modalities", ["text"]), ("top_logprobs", 0), ("reasoning_effort", None)])
+                                        ("modalities", ["text"]), ("echo", False), ("reasoning_effort", None)])
 def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value):
     assert parse({key: value}).params == DEFAULTS
 
 
 @pytest.mark.parametrize("key, value", [("n", 2), ("n", True), ("response_format", {"type": "json_object"}),
-                                        ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("logprobs", True),
+                                        ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("suffix", "x"),
                                         ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("echo", True)])
 def test_unsupported_features_are_refused_naming_the_field(key, value):
     with pytest.raises(RequestError) as info:
@@ -68,3 +68,24 @@ def test_an_unknown_model_is_its_own_error():
     with pytest.raises(UnknownModelError, match="unknown model 'gpt-4o'; this server serves 'm'"):
         parse({"model": "gpt-4o"})
     assert parse({"model": "ensemble"}).model == "ensemble"
+
+
+@pytest.mark.parametrize("body, chat, expected", [
+    ({"logprobs": True}, True, 0), ({"logprobs": True, "top_logprobs": 5}, True, 5), ({"logprobs": False}, True, None),
+    ({}, True, None), ({"logprobs": 3}, False, 3), ({"logprobs": 0}, False, 0), ({"logprobs": None}, False, None),
+])
+def test_log_probabilities_map_onto_sampling_params(body, chat, expected):
+    assert parse(body, chat).params.logprobs == expected
+
+
+@pytest.mark.parametrize("body, chat, field, words", [
+    ({"top_logprobs": 2}, True, "top_logprobs", 'needs "logprobs": true'),
+    ({"logprobs": 3}, True, "logprobs", "must be true or false"),
+    ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs", r"in \[0, 20\]"),
+    ({"logprobs": True}, False, "logprobs", "the number of most likely tokens"),
+    ({"logprobs": 2, "top_logprobs": 2}, False, "top_logprobs", "is a field of /v1/chat/completions"),
+])
+def test_bad_log_probability_fields_name_the_field(body, chat, field, words):
+    with pytest.raises(RequestError, match=words) as info:
+        parse(body, chat)
+    assert info.value.field == field

@@ -17,7 +17,8 @@ Mapping (llmc field -> TensorRT-LLM kwarg), checked against ``tensorrt_llm/runti
 - ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty`` -> same names;
 - ``seed`` -> ``random_seed`` (generate renames it to SamplingConfig's ``seed``), ``min_p`` -> ``min_p``,
   ``min_tokens`` -> ``min_tokens``: each only when set (all three are in generate's accepted list);
-- ``ignore_eos`` has no generate kwarg and is refused with a RequestError when set (rather than ignored).
+- ``ignore_eos`` has no generate kwarg and is refused with a RequestError when set (rather than ignored);
+  so is ``logprobs``, which this backend does not return yet.
 """
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ from typing import Any
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
 
-UNSUPPORTED_DEFAULTS = {"ignore_eos": False}
+# SamplingParams field -> (the value the tensorrt_llm backend honours, why no other)
+UNSUPPORTED_DEFAULTS = {
+    "ignore_eos": (False, "ModelRunnerCpp has no such sampling option in TensorRT-LLM 1.0 - 1.2"),
+    "logprobs": (None, "llmc's tensorrt_llm backend does not return log-probabilities yet"),
+}
 
 
 def refuse_unsupported(params: SamplingParams) -> None:
     """RequestError for a SamplingParams field the tensorrt_llm backend cannot honour."""
-    for name, default in UNSUPPORTED_DEFAULTS.items():
+    for name, (default, why) in UNSUPPORTED_DEFAULTS.items():
         if getattr(params, name) != default:
             raise RequestError(
                 name,
-                f"{getattr(params, name)!r} is not supported by the tensorrt_llm backend "
-                f"(ModelRunnerCpp has no such sampling option in TensorRT-LLM 1.0 - 1.2); leave it at "
+                f"{getattr(params, name)!r} is not supported by the tensorrt_llm backend ({why}); leave it at "
                 f"{default!r} or use backend: torch",
             )
 

@@ -24,11 +24,12 @@ from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, 
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
-from llmc.engine.torch.sampler import Sampler
+from llmc.engine.torch.sampler import LogprobRows, Sampler, token_logprobs
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from llmc.errors import EngineError
 from llmc.manifest import read_manifest
+from llmc.request.outputs import TokenLogprob
 from llmc.request.params import SamplingParams
 
 WARMUP_REQUEST_ID = "__llmc_warmup__"
@@ -138,7 +139,8 @@ class TorchModelRunner:
                     return PendingStep(())
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
                 token_ids = greedy if self.sampler.plain_greedy(sampled) else self.sampler(logits, list(sampled))
-            return PendingStep(sampled, token_ids)
+                logprobs = token_logprobs(logits, token_ids, sampled)
+            return PendingStep(sampled, token_ids, logprobs)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         with torch.inference_mode():
@@ -153,7 +155,8 @@ class TorchModelRunner:
                 return PendingStep(())
             logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
             token_ids = self.sampler(logits, list(sampled))  # [S] on device
-        return PendingStep(sampled, token_ids)
+            logprobs = token_logprobs(logits, token_ids, sampled)  # None unless a request asks for them
+        return PendingStep(sampled, token_ids, logprobs)
 
     def capture_pieces(self, budget: int) -> list[int]:
         """CUDA with the decode graphs: capture the steps a mixed-step ``budget`` (``serving.mixed_step_tokens``;
@@ -246,16 +249,20 @@ class PendingStep:
     """A launched step's sampled ids: on CUDA an asynchronous copy to pinned host memory and its event;
     ``device_ids`` and ``row_of`` (request id -> row) let the next step take them on the device."""
 
-    def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None):
+    def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None,
+                 logprobs: LogprobRows | None = None):
         self._ids = tuple(s.request_id for s in seqs)
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
         self.device_ids = token_ids
         self.row_of = {rid: i for i, rid in enumerate(self._ids)}
         self._result: ModelRunnerOutput | None = None
+        self._logprobs = logprobs
+        # the tensors result() reads: on CUDA, copies to page-locked host memory behind the step's kernels
+        self._lp_host = (logprobs.chosen, logprobs.top_logprobs, logprobs.top_ids) if logprobs else ()
         if token_ids is not None and token_ids.is_cuda:
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
+            self._host = _to_host(token_ids)
+            self._lp_host = tuple(_to_host(t) for t in self._lp_host)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -268,5 +275,23 @@ class PendingStep:
                 if self._event is not None:
                     self._event.synchronize()  # releases the GIL while the GPU finishes
                 ids = self._host.tolist()
-                self._result = ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, ids, strict=True)))
+                self._result = ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, ids, strict=True)),
+                                                 logprobs=self._token_logprobs(ids))
         return self._result
+
+    def _token_logprobs(self, ids: list[int]) -> dict[str, TokenLogprob]:
+        if self._logprobs is None:
+            return {}
+        chosen, top_lps, top_ids = (t.tolist() for t in self._lp_host)
+        out = {}
+        for j, (row, count) in enumerate(zip(self._logprobs.rows, self._logprobs.counts)):
+            top = tuple(zip(top_ids[j][:count], top_lps[j][:count]))
+            out[self._ids[row]] = TokenLogprob(ids[row], chosen[j], top)
+        return out
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of a CUDA tensor to page-locked host memory (ready once the step's event is)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

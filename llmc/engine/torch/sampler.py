@@ -173,6 +173,35 @@ class Sampler:
         return uniform.clamp_min_(_TINY).log_().neg_()
 
 
+@dataclass(frozen=True)
+class LogprobRows:
+    """The sampled tokens' log-probabilities of the rows (``rows``: indices into the step's sampled sequences)
+    whose params ask for them, on the device: ``chosen`` [R], the most likely ``top_logprobs`` / ``top_ids``
+    [R, k], k the largest number asked for; ``counts``: how many of those each row asked for."""
+
+    rows: tuple[int, ...]
+    counts: tuple[int, ...]
+    chosen: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   seqs: Sequence[ScheduledSequence]) -> LogprobRows | None:
+    """Log-probabilities under the model of the tokens ``token_ids`` [S] sampled from ``logits`` [S, V] (the raw
+    logits: before temperature, penalties and filters; log-softmax in float32), for the rows whose
+    ``SamplingParams.logprobs`` is set; None when no row asks (then nothing is computed)."""
+    rows = tuple(i for i, s in enumerate(seqs) if s.params.logprobs is not None)
+    if not rows:
+        return None
+    counts = tuple(seqs[i].params.logprobs for i in rows)
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    lp = torch.log_softmax(_sanitize(logits.index_select(0, index)), dim=-1)  # [R, V]
+    chosen = lp.gather(1, token_ids.to(lp.device).long().index_select(0, index).view(-1, 1)).squeeze(1)
+    top_logprobs, top_ids = lp.topk(max(counts), dim=-1)  # [R, k], most likely first
+    return LogprobRows(rows, counts, chosen, top_logprobs, top_ids)
+
+
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     """A new float32 tensor with NaN -> -inf and +inf -> the largest finite float32."""
     return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))

@@ -153,11 +153,13 @@ def test_metrics_are_filled(tokenizer):
     assert m.first_token_time is not None and m.finished_time is not None
 
 
-def test_ignore_eos_is_refused(tokenizer):
+@pytest.mark.parametrize("params, field", [(SamplingParams(ignore_eos=True), "ignore_eos"),
+                                           (SamplingParams(logprobs=2), "logprobs")])
+def test_options_the_backend_cannot_honour_are_refused(tokenizer, params, field):
     runner, cls = make_runner(tokenizer, [[5]])
-    with pytest.raises(RequestError) as exc:
-        runner.generate([[1]], SamplingParams(ignore_eos=True))
-    assert exc.value.field == "ignore_eos" and cls.instances[0].generate_calls == []
+    with pytest.raises(RequestError, match="is not supported by the tensorrt_llm backend") as exc:
+        runner.generate([[1]], params)
+    assert exc.value.field == field and cls.instances[0].generate_calls == []
 
 
 def test_min_p_and_min_tokens_are_passed_when_set(tokenizer):

@@ -143,8 +143,8 @@ class PagedSession:
 class MiniScheduler:
     """Just enough scheduling for the test: per-step chunk budget, blocks from a free list, greedy decode."""
 
-    def __init__(self, block_size: int, num_blocks: int, chunk: int):
-        self.block_size, self.chunk = block_size, chunk
+    def __init__(self, block_size: int, num_blocks: int, chunk: int, params: SamplingParams = GREEDY):
+        self.block_size, self.chunk, self.params = block_size, chunk, params
         self.free = list(range(num_blocks - 1, -1, -1))
         self.reqs: dict[str, dict] = {}
 
@@ -160,7 +160,7 @@ class MiniScheduler:
             while len(r["blocks"]) * self.block_size < r["done"] + len(tokens):
                 r["blocks"].append(self.free.pop())
             is_last = r["done"] + len(tokens) == len(r["prompt"]) + len(r["out"])
-            seqs.append(ScheduledSequence(rid, tuple(tokens), r["done"], tuple(r["blocks"]), is_last, GREEDY,
+            seqs.append(ScheduledSequence(rid, tuple(tokens), r["done"], tuple(r["blocks"]), is_last, self.params,
                                           tuple(r["prompt"]), tuple(r["out"])))
             r["done"] += len(tokens)
         return SchedulerOutput(step=step, sequences=tuple(seqs))

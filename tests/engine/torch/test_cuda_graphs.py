@@ -270,3 +270,34 @@ def test_step_triton_kernels_chained_in_a_cuda_graph_give_the_same_bits_with_pro
         assert torch.isfinite(plain[0]).all() and not torch.equal(plain[2], k_cache0)  # keys were written
         for p, q, e in zip(plain, pdl, eager):
             assert torch.equal(p, q) and torch.equal(p, e)
+
+
+@pytest.mark.gpu
+def test_logprobs_from_graph_steps_equal_eager_and_cpu_steps(tmp_path):
+    """Log-probabilities leave the CUDA runner through page-locked copies behind the step's kernels (graph and eager
+    steps alike) and must equal the CPU runner's."""
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    results = []
+    for runner in (TorchModelRunner(build, device="cuda", num_blocks=64),
+                   TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=False),
+                   TorchModelRunner(build, device="cpu", num_blocks=64)):
+        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=16, params=params)
+        sched.add("a", list(range(100, 137)), max_new=6)
+        sched.add("b", list(range(300, 305)), max_new=6)
+        logprobs = []
+        for step in range(10):
+            out = runner.execute(sched.schedule(step))
+            sched.update(out.sampled_token_ids)
+            logprobs += [out.logprobs[rid] for rid in sorted(out.logprobs)]
+        assert sorted(out.sampled_token_ids) == sorted(out.logprobs) or not out.sampled_token_ids
+        results.append(logprobs)
+    graphed, eager, cpu = results
+    assert len(graphed) == 12 and [lp.token_id for lp in graphed] == [lp.token_id for lp in cpu]
+    for ours in (graphed, eager):
+        for lp, ref in zip(ours, cpu):
+            assert lp.logprob == pytest.approx(ref.logprob, abs=1e-3)
+            assert [t for t, _ in lp.top] == [t for t, _ in ref.top] and lp.top[0][0] == lp.token_id

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from llmc.engine.torch.sampler import Sampler, apply_penalties
+from llmc.engine.torch.sampler import Sampler, apply_penalties, token_logprobs
 from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
 
@@ -279,3 +279,20 @@ def test_top_p_window_cuts_where_a_full_sort_cuts(scale, monkeypatch):
         assert calls[0] == window and len(calls) == 2 and int(kept.max()) < window
     else:  # flat rows: the nucleus reaches past the window, so the whole row was sorted
         assert calls[:2] == [window, 49152] and int(kept.min()) > window
+
+
+def test_token_logprobs_are_the_raw_log_softmax_for_the_rows_that_ask():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[2, 7] = float("nan")  # sanitized as the sampler does: NaN is -inf
+    seqs = [seq(SamplingParams(logprobs=2, temperature=0.5)), seq(SamplingParams()),
+            seq(SamplingParams(logprobs=0, repetition_penalty=1.3), output=(4,))]
+    token_ids = torch.tensor([5, 9, 11])
+    rows = token_logprobs(logits, token_ids, seqs)
+    assert rows.rows == (0, 2) and rows.counts == (2, 0)
+    ref = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1)  # raw: no temperature, penalty
+    assert rows.chosen.tolist() == pytest.approx([ref[0, 5].item(), ref[2, 11].item()], abs=1e-6)
+    top = ref[[0, 2]].topk(2)
+    assert rows.top_ids.tolist() == top.indices.tolist()
+    assert rows.top_logprobs.tolist() == [pytest.approx(v, abs=1e-6) for v in top.values.tolist()]
+    assert token_logprobs(logits, token_ids, [seq(SamplingParams())] * 3) is None  # nobody asks: nothing computed

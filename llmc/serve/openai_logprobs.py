@@ -1,0 +1,59 @@
+"""Log-probabilities in OpenAI's response shapes (pure functions over the engine's :class:`TokenLogprob` records).
+
+Chat (``"logprobs": true``, ``"top_logprobs": N``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
+[{"token", "logprob", "bytes"}]}], "refusal": null}``. Completions (``"logprobs": N``): ``{"tokens",
+"token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, offsets counted from the start of the
+completion. A token's text is that token decoded alone (a piece of a multi-byte character decodes to U+FFFD, as in
+other servers; ``bytes`` are that text's UTF-8). The token that ended a request as a stop id has no entry: it is
+not part of the output's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llmc.request.outputs import StreamEvent, TokenLogprob
+
+
+def event_logprobs(event: StreamEvent) -> tuple[TokenLogprob, ...]:
+    """The event's log-probabilities, less the stop id's that ended the request."""
+    if event.finished and event.finish_reason == "stop" and isinstance(event.stop_reason, int):
+        return tuple(lp for lp in event.logprobs if lp.token_id != event.stop_reason)
+    return event.logprobs
+
+
+class LogprobFormatter:
+    """Turns the log-probabilities of a request's events into OpenAI's shape, chunk by chunk (``offset``: the
+    completion's characters so far, for ``text_offset``)."""
+
+    def __init__(self, tokenizer: Any, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0
+        self._text: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def format(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """OpenAI's ``logprobs`` object for these tokens (the next ones of the completion)."""
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp in logprobs], "refusal": None}
+        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        def item(token_id: int, value: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        return {**item(lp.token_id, lp.logprob), "top_logprobs": [item(t, v) for t, v in lp.top]}
