@@ -5,9 +5,11 @@ Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_toke
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``strict_max_tokens``). Fields that do not change the output (``user``, ``metadata``, ``store``, ...) are
-accepted and ignored; features llmc cannot honour (``n`` > 1, ``echo``, tools, ``response_format`` other than
-text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing (``n: 1``, ``tools: []``, null). Log
-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions' ``logprobs`` (0-20). Any other
+accepted and ignored; features llmc cannot honour (``best_of`` > 1, ``echo``, tools, ``response_format`` other
+than text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing (``best_of: 1``, ``tools: []``,
+null). ``n`` (1-16) completions of the prompt run as that many engine requests (a seeded request's choice i with
+``seed + i``). Log probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions'
+``logprobs`` (0-20). Any other
 field is a 400 too, as OpenAI's API answers it: a misspelt ``max_token`` would otherwise be dropped silently and
 the request run with the default length. Every RequestError names the client's field (``max_tokens``,
 ``messages[0].content``), never an internal one. A ``developer`` message (OpenAI's newer name for the system
@@ -33,15 +35,16 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
              "include_stop_str_in_output": "include_stop_str_in_output"}
 # Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": ()}
 # Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "parallel_tool_calls")
-COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "logprobs", "top_logprobs", *PARAM_MAP,
-                 *UNSUPPORTED, *IGNORED)
+COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs",
+                 *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+MAX_CHOICES = 16  # n: completions of one request (each is an engine request of its own)
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
 OTHER_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
                "random_seed": "seed"}
@@ -61,6 +64,7 @@ class OpenAIRequest:
     include_usage: bool = False
     strict_max_tokens: bool = False
     names: Mapping[str, str] = field(default_factory=dict)
+    n: int = 1  # completions of the prompt (choices)
 
 
 def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str, ...], defaults: SamplingParams,
@@ -79,7 +83,7 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
         params = sampling_params(body, defaults, vocab_size)
     params = params.replace(logprobs=_logprobs(body, chat))
     return OpenAIRequest(model, prompt, params, _flag(body, "stream"), _include_usage(body),
-                         _flag(body, "strict_max_tokens"), names)
+                         _flag(body, "strict_max_tokens"), names, _choices(body))
 
 
 def check_fields(body: Mapping[str, Any], chat: bool) -> None:
@@ -106,6 +110,15 @@ def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_siz
             raise RequestError(key, f"is not supported by llmc (got {_short(value)}); remove it")
     changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
     return check_param_limits(defaults.replace(**changes).validate(vocab_size))
+
+
+def _choices(body: Mapping[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise RequestError("n", f"must be an integer in [1, {MAX_CHOICES}] (the completions to return), got {n!r}")
+    return n
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:

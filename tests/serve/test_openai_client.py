@@ -57,7 +57,8 @@ def test_streams_parse_and_count_usage(client, tiny_server, offline):
 
 
 @pytest.mark.parametrize("kwargs, error, param, words", [
-    ({"n": 2}, openai.BadRequestError, "n", "n: is not supported by llmc (got 2); remove it"),
+    ({"n": 17}, openai.BadRequestError, "n", "n: must be an integer in [1, 16]"),
+    ({"extra_body": {"best_of": 2}}, openai.BadRequestError, "best_of", "best_of: is not supported by llmc (got 2)"),
     ({"response_format": {"type": "json_object"}}, openai.BadRequestError, "response_format", "not supported"),
     ({"extra_body": {"max_token": 5}}, openai.BadRequestError, "max_token", "did you mean 'max_tokens'?"),
     ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens:"),
@@ -102,6 +103,39 @@ def test_logprobs_in_openais_shapes_equal_the_engines(client, tiny_server, offli
     assert all(e.top_logprobs == [] for e in streamed)  # logprobs without top_logprobs: the tokens' own only
     plain = client.chat.completions.create(model=tiny_server.model, messages=messages, max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+def test_n_choices_are_seeded_requests_of_their_own(client, tiny_server, offline):
+    call = {"model": tiny_server.model, "messages": MESSAGES[1:], "max_tokens": 6, "temperature": 1.0, "seed": 5}
+    single = client.chat.completions.create(**call)
+    one = single.choices[0].message.content
+    reply = client.chat.completions.create(**call, n=3, logprobs=True)
+    texts = [c.message.content for c in reply.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and texts[0] == one  # choice 0: the n = 1 answer
+    for i, text in enumerate(texts):  # choice i samples with seed + i
+        expected = offline.generate([MESSAGES[1:]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5 + i))
+        assert text == expected[0].text
+    assert len(set(texts)) > 1 and all(len(c.logprobs.content) == 6 for c in reply.choices)
+    assert reply.usage.completion_tokens == 18 and reply.usage.prompt_tokens == single.usage.prompt_tokens  # once
+    stream = client.chat.completions.create(**call, n=3, stream=True, stream_options={"include_usage": True})
+    streamed = {i: "" for i in range(3)}
+    finished = set()
+    for c in stream:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+        if c.usage:
+            assert c.usage.completion_tokens == 18
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    greedy = client.completions.create(model=tiny_server.model, prompt="Snow", max_tokens=4, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text == expected_greedy(offline, "Snow", 4)
+    stats = tiny_server.engine.stats()
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def expected_greedy(offline, prompt, n: int) -> str:
+    return expected(offline, prompt, n)
 
 
 def test_a_wrong_api_key_is_an_authentication_error(serve_tiny_build):

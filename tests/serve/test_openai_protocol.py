@@ -40,14 +40,14 @@ def test_fields_that_do_not_change_the_tokens_are_accepted():
     assert req.params.max_new_tokens == 3
 
 
-@pytest.mark.parametrize("key, value", [("n", 1), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}),
+@pytest.mark.parametrize("key, value", [("best_of", 1), ("tools", []), ("tool_choice", "none"), ("logit_bias", {}),
                                         ("response_format", {"type": "text"}), ("logprobs", False),
                                         ("modalities", ["text"]), ("echo", False), ("reasoning_effort", None)])
 def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value):
     assert parse({key: value}).params == DEFAULTS
 
 
-@pytest.mark.parametrize("key, value", [("n", 2), ("n", True), ("response_format", {"type": "json_object"}),
+@pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"}),
                                         ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("suffix", "x"),
                                         ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("echo", True)])
 def test_unsupported_features_are_refused_naming_the_field(key, value):
@@ -89,3 +89,14 @@ def test_bad_log_probability_fields_name_the_field(body, chat, field, words):
     with pytest.raises(RequestError, match=words) as info:
         parse(body, chat)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("value, expected", [(None, 1), (1, 1), (4, 4), (16, 16)])
+def test_n_is_the_number_of_choices(value, expected):
+    assert parse({"n": value}).n == expected
+
+
+@pytest.mark.parametrize("value", [0, 17, True, 2.0, "3"])
+def test_n_out_of_range_names_the_field(value):
+    with pytest.raises(RequestError, match=r"n: must be an integer in \[1, 16\]"):
+        parse({"n": value})

@@ -151,7 +151,7 @@ def test_openai_endpoints(tiny_server, offline):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1] == "[DONE]"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == expected_chat
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert tiny_server.post("/v1/completions", {"prompt": "x", "n": 2})[0] == 400
+    assert tiny_server.post("/v1/completions", {"prompt": "x", "best_of": 2})[0] == 400
 
 
 def test_sixteen_concurrent_streams_match_offline(tiny_server, offline):
@@ -174,6 +174,34 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server):
     assert metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') == aborted + 1
     assert tiny_server.get("/v2/health/ready")[0] == 200
     assert tiny_server.post("/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_client_leaving_an_n_choice_stream_aborts_every_choice(tiny_server):
+    aborted = metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}')
+    events = sse(tiny_server, "/v1/completions", {"prompt": PROMPTS[5], "max_tokens": 300, "min_tokens": 300,
+                                                  "n": 3, "stream": True}, stop_after=4)
+    assert len(events) == 4 and all(e["choices"][0]["finish_reason"] is None for e in events)
+    stats = wait_idle(tiny_server.engine)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    deadline = time.time() + 5
+    while metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') < aborted + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') == aborted + 3
+
+
+def test_a_refused_choice_aborts_the_others_and_answers_503(serve_tiny_build):
+    server = start_server(serve_tiny_build, max_queue_size=1)
+    try:
+        headers: dict = {}
+        status, body = server.post("/v1/completions", {"prompt": "hi", "max_tokens": 50, "n": 8},
+                                   reply_headers=headers)
+        assert status == 503 and error_text("/v1/completions", body).startswith("the request queue is full"), body
+        assert body["error"]["code"] == "queue_full" and int(headers["Retry-After"]) >= 1
+        stats = wait_idle(server.engine)
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 1})[0] == 200
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("body, field", [
