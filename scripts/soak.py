@@ -3,10 +3,10 @@
 
 Starts ``llmc serve BUILD`` as a subprocess, warms it up (one request of every kind), records its resident
 memory (RSS) and open file descriptors, then runs CONCURRENCY client threads for the duration. Each request is
-drawn from a mix: KServe generate (JSON and SSE), OpenAI chat and streaming completions, gRPC ModelInfer and
-ModelStreamInfer (tritonclient), HTTP clients that disconnect mid-stream or before the answer, gRPC streams
-cancelled after their first response, and a few hostile requests (deep JSON, lone surrogates, malformed chat
-and /infer bodies, an oversized prompt) that must get their 4xx. Afterwards it waits for the server to drain
+drawn from a mix: KServe generate (JSON and SSE), OpenAI chat (also n = 3 choices with log-probabilities) and
+streaming completions, gRPC ModelInfer and ModelStreamInfer (tritonclient), HTTP clients that disconnect
+mid-stream or before the answer, gRPC streams cancelled after their first response, and a few hostile requests
+(deep JSON, lone surrogates, malformed chat and /infer bodies, an oversized prompt) that must get their 4xx. Afterwards it waits for the server to drain
 and checks, printing one report (``--json`` writes it too):
 
 - zero unexpected outcomes (a 5xx, a dropped connection, a wrong status, a stream without its final event);
@@ -166,6 +166,15 @@ class Client:
         status, reply = http_json(self.server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
         return "ok" if status == 200 and reply["choices"][0]["finish_reason"] else f"unexpected:{status}"
 
+    def openai_choices(self) -> str:
+        """Three choices of one chat request, each with its tokens' log-probabilities."""
+        body = {"messages": [{"role": "user", "content": self.prompt()}], "max_tokens": self.tokens(), "n": 3,
+                "temperature": 0.8, "logprobs": True, "top_logprobs": 2}
+        status, reply = http_json(self.server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        ok = status == 200 and [c["index"] for c in reply["choices"]] == [0, 1, 2] and all(
+            c["finish_reason"] and len(c["logprobs"]["content"]) >= 1 for c in reply["choices"])
+        return "ok" if ok else f"unexpected:choices-{status}"
+
     def openai_stream(self) -> str:
         return self._sse("/v1/completions", {"prompt": self.prompt(), "max_tokens": self.tokens(), "stream": True})
 
@@ -226,8 +235,9 @@ class Client:
 
 
 MIX: dict[str, tuple[float, Callable[[Client], str]]] = {  # kind -> (weight, call)
-    "generate": (0.20, Client.generate), "generate_stream": (0.15, Client.generate_stream),
+    "generate": (0.15, Client.generate), "generate_stream": (0.15, Client.generate_stream),
     "openai_chat": (0.10, Client.openai_chat), "openai_stream": (0.10, Client.openai_stream),
+    "openai_choices": (0.05, Client.openai_choices),
     "grpc_infer": (0.10, Client.grpc_infer), "grpc_stream": (0.10, Client.grpc_stream),
     "disconnect_mid_stream": (0.08, Client.disconnect_mid_stream),
     "close_before_answer": (0.05, Client.close_before_answer), "grpc_cancel": (0.07, Client.grpc_cancel),

@@ -64,7 +64,7 @@ PART = st.one_of(JSON, st.fixed_dictionaries({"type": st.sampled_from(["text", "
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "wizard"]) | JSON,
                                  "content": st.one_of(st.text(max_size=20), st.lists(PART, max_size=3), JSON)})
 OPENAI_KEYS = [*PARAM_MAP, *UNSUPPORTED, *IGNORED, "model", "prompt", "messages", "stream", "stream_options",
-               "logprobs", "top_logprobs", "strict_max_tokens", "colour"]
+               "logprobs", "top_logprobs", "n", "strict_max_tokens", "colour"]
 OPENAI_BODIES = st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON, max_size=8) | st.fixed_dictionaries(
     {"messages": st.lists(MESSAGE, max_size=3), "prompt": st.text(max_size=10) | st.lists(st.integers(), max_size=3)},
     optional={"max_tokens": JSON, "stream_options": JSON, "stop": JSON, "model": JSON, "stream": JSON})
