@@ -25,32 +25,45 @@ def _overrides(**given) -> dict:
 @click.option("--top-k", type=int, default=None, help="Sample among the k most likely tokens; 0 = off.")
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
+@click.option("--logprobs", type=int, default=None,
+              help="After the answer, list each token's log-probability and the N most likely tokens' (0-20).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append per-step and per-request metrics as JSON lines to FILE.")
 def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
-                 top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...], device: str,
-                 metrics_log: Path | None) -> None:
+                 top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
+                 logprobs: int | None, device: str, metrics_log: Path | None) -> None:
     """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
-    tokens/s to stderr. Sampling defaults come from the recipe's runtime.sampling."""
+    tokens/s to stderr (and, with --logprobs, each token's log-probability). Sampling defaults come from the
+    recipe's runtime.sampling."""
     from llmc.runtime.api import Engine
 
     engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log)
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=tuple(stop)))
+            stop=tuple(stop), logprobs=logprobs))
         request = [{"role": "user", "content": prompt}] if chat else prompt
-        last = None
+        last, token_logprobs = None, []
         for event in engine.stream(request, params):
             click.echo(event.text, nl=False)
             sys.stdout.flush()
             last = event
+            token_logprobs += event.logprobs
         click.echo()
     finally:
         engine.shutdown()
+    for lp in token_logprobs:
+        click.echo(_logprob_line(engine.tokenizer, lp), err=True)
     if last is not None and last.metrics is not None:
         click.echo(_summary(last.metrics, last.finish_reason, last.stop_reason), err=True)
+
+
+def _logprob_line(tokenizer, lp) -> str:
+    """``token  logprob  | alternative logprob ...`` (tokens decoded alone, shown with repr)."""
+    text = lambda token_id: repr(tokenizer.decode([token_id]))  # noqa: E731
+    top = "  ".join(f"{text(t)} {v:.3f}" for t, v in lp.top)
+    return f"{text(lp.token_id):>16} {lp.logprob:8.3f}" + (f"  | {top}" if top else "")
 
 
 def _summary(metrics, finish_reason: str | None, stop_reason) -> str:

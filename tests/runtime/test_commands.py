@@ -24,6 +24,21 @@ def test_generate_streams_the_api_text_and_prints_metrics(tiny_build_dir, tmp_pa
     assert log.exists() and all(json.loads(line) for line in log.read_text().splitlines())
 
 
+def test_generate_lists_each_tokens_log_probability_with_logprobs(tiny_build_dir):
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hello there", "--max-new-tokens", "5",
+                                      "--temperature", "0", "--logprobs", "2", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (expected,) = make_engine(tiny_build_dir).generate(
+        ["Hello there"], SamplingParams(max_new_tokens=5, temperature=0.0, logprobs=2))
+    assert result.stdout == expected.text + "\n"
+    lines = [line for line in result.stderr.splitlines() if " | " in line and not line.startswith("TTFT")]
+    assert len(lines) == 5 and "TTFT" in result.stderr.splitlines()[-1]
+    for line, lp in zip(lines, expected.logprobs):
+        assert f"{lp.logprob:8.3f}" in line and line.count(f"{lp.top[1][1]:.3f}") == 1
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--logprobs", "21", "--device", "cpu"])
+    assert result.exit_code != 0 and "logprobs" in str(result.exception)
+
+
 def test_generate_uses_recipe_defaults_for_flags_not_given(tiny_build_dir):
     # The tiny build's recipe sets runtime.sampling max_new_tokens=16, temperature=0 (greedy).
     result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Defaults", "--device", "cpu"])
