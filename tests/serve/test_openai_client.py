@@ -129,13 +129,9 @@ def test_n_choices_are_seeded_requests_of_their_own(client, tiny_server, offline
             assert c.usage.completion_tokens == 18
     assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
     greedy = client.completions.create(model=tiny_server.model, prompt="Snow", max_tokens=4, temperature=0, n=2)
-    assert greedy.choices[0].text == greedy.choices[1].text == expected_greedy(offline, "Snow", 4)
+    assert greedy.choices[0].text == greedy.choices[1].text == expected(offline, "Snow", 4)
     stats = tiny_server.engine.stats()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
-
-
-def expected_greedy(offline, prompt, n: int) -> str:
-    return expected(offline, prompt, n)
 
 
 def test_a_wrong_api_key_is_an_authentication_error(serve_tiny_build):

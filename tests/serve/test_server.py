@@ -176,17 +176,26 @@ def test_client_disconnect_aborts_and_frees_blocks(tiny_server):
     assert tiny_server.post("/v2/models/ensemble/generate", {"text_input": "hi", "max_tokens": 2})[0] == 200
 
 
-def test_a_client_leaving_an_n_choice_stream_aborts_every_choice(tiny_server):
-    aborted = metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}')
-    events = sse(tiny_server, "/v1/completions", {"prompt": PROMPTS[5], "max_tokens": 300, "min_tokens": 300,
-                                                  "n": 3, "stream": True}, stop_after=4)
-    assert len(events) == 4 and all(e["choices"][0]["finish_reason"] is None for e in events)
-    stats = wait_idle(tiny_server.engine)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    deadline = time.time() + 5
-    while metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') < aborted + 3 and time.time() < deadline:
-        time.sleep(0.05)
-    assert metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') == aborted + 3
+def test_a_client_leaving_an_n_choice_stream_aborts_every_choice(serve_tiny_build, monkeypatch):
+    server = start_server(serve_tiny_build)
+    try:
+        # Steps of at least 10 ms: the three 300-token choices cannot end by themselves before the server sees the
+        # client leave (the tiny model alone makes them in well under a second).
+        steps = server.engine._steps
+        execute = steps.runner.execute
+        monkeypatch.setattr(steps.runner, "execute", lambda scheduled: time.sleep(0.01) or execute(scheduled))
+        events = sse(server, "/v1/completions", {"prompt": PROMPTS[5], "max_tokens": 300, "min_tokens": 300,
+                                                 "n": 3, "stream": True}, stop_after=4)
+        assert len(events) == 4 and all(e["choices"][0]["finish_reason"] is None for e in events)
+        stats = wait_idle(server.engine, timeout=30)
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        deadline = time.time() + 5
+        while metric(server, 'llmc_requests_total{finish_reason="abort"}') < 3 and time.time() < deadline:
+            time.sleep(0.05)
+        assert metric(server, 'llmc_requests_total{finish_reason="abort"}') == 3
+        assert metric(server, 'llmc_requests_total{finish_reason="length"}') == 0
+    finally:
+        server.close()
 
 
 def test_a_refused_choice_aborts_the_others_and_answers_503(serve_tiny_build):
