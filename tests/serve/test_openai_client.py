@@ -113,8 +113,8 @@ def test_n_choices_are_seeded_requests_of_their_own(client, tiny_server, offline
     texts = [c.message.content for c in reply.choices]
     assert [c.index for c in reply.choices] == [0, 1, 2] and texts[0] == one  # choice 0: the n = 1 answer
     for i, text in enumerate(texts):  # choice i samples with seed + i
-        expected = offline.generate([MESSAGES[1:]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5 + i))
-        assert text == expected[0].text
+        seeded = offline.generate([MESSAGES[1:]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=5 + i))
+        assert text == seeded[0].text
     assert len(set(texts)) > 1 and all(len(c.logprobs.content) == 6 for c in reply.choices)
     assert reply.usage.completion_tokens == 18 and reply.usage.prompt_tokens == single.usage.prompt_tokens  # once
     stream = client.chat.completions.create(**call, n=3, stream=True, stream_options={"include_usage": True})
