@@ -29,7 +29,7 @@ def test_shellcheck_clean(script):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("script", sorted(ROOT.glob("scripts/*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("script", sorted(ROOT.glob("scripts/**/*.py")), ids=lambda p: p.name)
 def test_python_scripts_have_help(script):
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
@@ -189,3 +189,43 @@ def test_decode_steps_times_mixed_steps_of_decodes_and_a_prompt_chunk(tiny_build
     bad = subprocess.run([sys.executable, script, str(tiny_build_dir), "--device", "cpu", "--batch", "",
                           "--mixed", "2@40"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert bad.returncode != 0 and "write D@C+N@P" in bad.stderr
+
+
+def test_bench_prompt_logprobs_times_scored_and_plain_prompts(tiny_build_dir):
+    result = subprocess.run([sys.executable, "scripts/bench_prompt_logprobs.py", str(tiny_build_dir), "--prompts", "3",
+                             "--prompt-len", "40", "--rounds", "1", "--device", "cpu"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["alone_ms_p50"]) == set(report["batch_prompt_tok_s"]) == {"plain", "scored"}
+    assert report["alone_ratio"] == report["alone_ms_p50"]["scored"] / report["alone_ms_p50"]["plain"] > 0
+
+
+def lm_eval_samples(folder: Path, rows: list[list[list[str]]]) -> Path:
+    """An lm-eval ``--log_samples`` folder: one task's samples file, doc i with ``rows[i]`` as its responses."""
+    (folder / "model").mkdir(parents=True)
+    lines = [json.dumps({"doc_id": i, "filtered_resps": r}) for i, r in enumerate(rows)]
+    (folder / "model" / "samples_llmc_local_mc_2026-12-05T03-31-22.jsonl").write_text("\n".join(lines))
+    return folder
+
+
+def test_lm_eval_compare_fails_on_a_log_likelihood_or_greedy_flag_apart(tmp_path):
+    ref = lm_eval_samples(tmp_path / "ref", [[["-1.5", "False"], ["-2.0", "True"]], [["-0.5", "True"]]])
+    close = lm_eval_samples(tmp_path / "close", [[["-1.5001", "False"], ["-2.0", "True"]], [["-0.5", "True"]]])
+    far = lm_eval_samples(tmp_path / "far", [[["-1.6", "False"], ["-2.0", "True"]], [["-0.5", "True"]]])
+    flag = lm_eval_samples(tmp_path / "flag", [[["-1.5", "False"], ["-2.0", "False"]], [["-0.5", "True"]]])
+    runs = {name: subprocess.run([sys.executable, "scripts/lm_eval/compare.py", str(run), str(ref)],
+                                 capture_output=True, text=True, cwd=ROOT) for name, run in
+            (("close", close), ("far", far), ("flag", flag))}
+    assert runs["close"].returncode == 0 and json.loads(runs["close"].stdout)["requests"] == 3
+    assert runs["far"].returncode == 1 and json.loads(runs["far"].stdout)["max_abs_diff"] == pytest.approx(0.1)
+    assert runs["flag"].returncode == 1 and json.loads(runs["flag"].stdout)["greedy_flags_differing"] == 1
+
+
+def test_the_local_lm_eval_task_reads_its_own_data_file():
+    import yaml
+
+    task = yaml.safe_load((ROOT / "scripts/lm_eval/llmc_local_mc.yaml").read_text())
+    data = ROOT / task["dataset_kwargs"]["data_files"]["test"]  # lm-eval resolves it from the repository root
+    docs = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(docs) == 12 and all(0 <= d["answer"] < len(d["choices"]) and d["question"] for d in docs)

@@ -71,11 +71,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Sampled token per sequence that had ``sample=True``, keyed by request id."""
+    """Sampled token per sequence that had ``sample=True``, keyed by request id (and log-probabilities)."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # The sampled token's log-probabilities, for the sequences whose SamplingParams ask for them.
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Prompt log-probabilities of this step's prompt chunks (SamplingParams.prompt_logprobs): request id ->
+    # (the first prompt position they score, one entry per position from there), for any sequence, sampled or not.
+    prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = field(default_factory=dict)
 
 
 @runtime_checkable

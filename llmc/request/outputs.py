@@ -4,6 +4,7 @@ turns sampled token ids into them: stop ids -> incremental detokenization -> sto
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +36,8 @@ class StreamEvent:
     is the matched stop string or stop token id), "length" (max_new_tokens or max_seq_len), "abort", or
     "error" (``error`` says what failed; the request's KV blocks are freed). Concatenating every event's
     ``text`` gives the final text. ``logprobs``: one per token of ``token_ids`` when the request asked for them.
+    ``prompt_logprobs`` (the first event only, when the request asked for them): one per prompt token after the
+    first, in order (entry i is the prompt's token i + 1 given the tokens before it).
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class StreamEvent:
     metrics: RequestMetrics | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Completion:
     stop_reason: str | int | None
     metrics: RequestMetrics | None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids when the request asked for them
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first (see StreamEvent)
 
     @classmethod
     def from_events(cls, prompt: Any, events: Sequence[StreamEvent]) -> Completion:
@@ -73,6 +78,7 @@ class Completion:
             stop_reason=last.stop_reason,
             metrics=last.metrics,
             logprobs=tuple(lp for e in events for lp in e.logprobs),
+            prompt_logprobs=next((e.prompt_logprobs for e in events if e.prompt_logprobs), ()),
         )
 
 
@@ -106,6 +112,19 @@ class RequestOutput:
         self.metrics = metrics
         self.sink = sink
         self.num_generated = 0
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt positions 1, 2, ... computed so far
+        if params.prompt_logprobs is not None:  # the first token's event takes them (other requests pay nothing)
+            self.on_token = self._first_token  # type: ignore[method-assign]
+
+    def add_prompt_logprobs(self, start: int, entries: Sequence[TokenLogprob]) -> None:
+        """Log-probabilities of prompt positions ``start``, ``start + 1``, ... (a chunk's; a chunk computed again
+        after a preemption repeats positions already here: they are kept once). They go out with the first
+        event."""
+        have = 1 + len(self.prompt_logprobs)  # the next position wanted
+        if start > have:
+            raise AssertionError(f"prompt log-probabilities of {self.request_id} from position {start}, "
+                                 f"expected {have} (a chunk's were lost)")
+        self.prompt_logprobs += entries[have - start:]
 
     def on_token(self, token_id: int, now: float, logprob: TokenLogprob | None = None) -> StreamEvent:
         """Process one sampled token (and its log-probabilities, when the request asked for them): returns its
@@ -126,6 +145,13 @@ class RequestOutput:
         if lps:
             return StreamEvent(self.request_id, text, (token_id,), logprobs=lps)
         return StreamEvent(self.request_id, text, (token_id,))  # the common case, without a keyword (0.13 us less)
+
+    def _first_token(self, token_id: int, now: float, logprob: TokenLogprob | None = None) -> StreamEvent:
+        """:meth:`on_token` for the first token of a request that asked for prompt log-probabilities: its event
+        carries them; later tokens take the plain method again."""
+        del self.on_token
+        event = self.on_token(token_id, now, logprob)
+        return dataclasses.replace(event, prompt_logprobs=tuple(self.prompt_logprobs))
 
     def _feed(self, text: str) -> tuple[str, str | None]:
         """Run new text through the stop-string matcher (stops count once more than min_tokens were made,

@@ -26,7 +26,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``seed`` makes a request reproducible regardless of the batch.
     ``logprobs`` (None: off) returns each generated token's log-probability under the model (the log-softmax of
     its raw logits, before temperature, penalties and filters) and that of the ``logprobs`` most likely tokens
-    (0 to :data:`MAX_LOGPROBS`).
+    (0 to :data:`MAX_LOGPROBS`). ``prompt_logprobs`` (None: off) does the same for the prompt: each prompt token
+    after the first gets its log-probability given the tokens before it, and the ``prompt_logprobs`` most likely
+    tokens' at that position (what scoring and evaluation harnesses ask for: a continuation's log-likelihood).
+    Such a request reuses no cached prefix (every prompt position is computed).
     Penalties follow the OpenAI / vLLM semantics: ``repetition_penalty`` (multiplicative, > 1 discourages)
     applies to every token seen in the prompt or the output; ``presence_penalty`` (subtracted once) and
     ``frequency_penalty`` (subtracted per occurrence) apply to tokens of the output only. Stop tokens and stop
@@ -49,6 +52,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     # ------------------------------------------------------------------------------------------------
     # Derived flags (read by the sampler to skip work no row needs)
@@ -81,7 +85,7 @@ class SamplingParams:
     def _validate_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("seed", "logprobs"):
+            if f.name in _NULLABLE:
                 if value is not None and not _is_int(value):
                     raise RequestError(f.name, f"must be an integer or null, got {value!r}; pass e.g. "
                                                f"{f.name}={0 if f.name == 'seed' else 5}")
@@ -113,9 +117,11 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise RequestError("min_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got "
                                              f"{self.min_tokens}; lower min_tokens or raise max_new_tokens")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise RequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}] (the most likely tokens returned with "
-                                           f"each token's own log-probability), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise RequestError(name, f"must be in [0, {MAX_LOGPROBS}] (the most likely tokens returned with "
+                                         f"each token's own log-probability), got {value}")
         if self.seed is not None and not 0 <= self.seed <= _UINT64_MAX:
             raise RequestError("seed", f"must be in [0, 2**64 - 1], got {self.seed}; pass a non-negative 64-bit "
                                        f"integer")
@@ -144,7 +150,8 @@ class SamplingParams:
         """Build and validate from a plain mapping (JSON body, CLI options, recipe section).
 
         Unknown keys raise :class:`RequestError` naming the key. Lists become tuples; ``stop`` may be a single
-        string; ``None`` values keep the default (except ``seed`` and ``logprobs``, where it is the default).
+        string; ``None`` values keep the default (except ``seed`` and the log-probability counts, where it is the
+        default).
         """
         if not isinstance(d, Mapping):
             raise RequestError("sampling", f"must be a mapping of parameter names to values, got {type(d).__name__}")
@@ -153,7 +160,7 @@ class SamplingParams:
         for key, value in d.items():
             if key not in names:
                 raise RequestError(str(key), f"unknown sampling parameter; valid ones are: {', '.join(sorted(names))}")
-            if value is None and key not in ("seed", "logprobs"):
+            if value is None and key not in _NULLABLE:
                 continue
             if key == "stop" and isinstance(value, str):
                 value = (value,)
@@ -179,6 +186,7 @@ class SamplingParams:
         return type(self).from_dict(merged)
 
 
+_NULLABLE = ("seed", "logprobs", "prompt_logprobs")  # None is a value of these (off / unseeded), not "the default"
 _FLOAT_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if isinstance(f.default, float))
 
 

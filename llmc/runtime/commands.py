@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -27,32 +28,42 @@ def _overrides(**given) -> dict:
 @click.option("--stop", multiple=True, help="Stop string (repeatable); it is cut from the output.")
 @click.option("--logprobs", type=int, default=None,
               help="After the answer, list each token's log-probability and the N most likely tokens' (0-20).")
+@click.option("--prompt-logprobs", type=int, default=None,
+              help="After the answer, list each prompt token's log-probability given the tokens before it, the N "
+                   "most likely tokens' (0-20) and the prompt's perplexity.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append per-step and per-request metrics as JSON lines to FILE.")
 def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
                  top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
-                 logprobs: int | None, device: str, metrics_log: Path | None) -> None:
+                 logprobs: int | None, prompt_logprobs: int | None, device: str, metrics_log: Path | None) -> None:
     """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
-    tokens/s to stderr (and, with --logprobs, each token's log-probability). Sampling defaults come from the
-    recipe's runtime.sampling."""
+    tokens/s to stderr (and, with --logprobs / --prompt-logprobs, each token's log-probability). Sampling
+    defaults come from the recipe's runtime.sampling."""
     from llmc.runtime.api import Engine
 
     engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log)
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=tuple(stop), logprobs=logprobs))
+            stop=tuple(stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         request = [{"role": "user", "content": prompt}] if chat else prompt
-        last, token_logprobs = None, []
+        last, token_logprobs, scored = None, [], []
         for event in engine.stream(request, params):
             click.echo(event.text, nl=False)
             sys.stdout.flush()
             last = event
             token_logprobs += event.logprobs
+            scored += event.prompt_logprobs
         click.echo()
     finally:
         engine.shutdown()
+    if scored:
+        for lp in scored:
+            click.echo(_logprob_line(engine.tokenizer, lp), err=True)
+        mean = sum(lp.logprob for lp in scored) / len(scored)
+        click.echo(f"prompt: {len(scored)} tokens after the first, mean log-probability {mean:.4f}, perplexity "
+                   f"{math.exp(-mean):.3f}", err=True)
     for lp in token_logprobs:
         click.echo(_logprob_line(engine.tokenizer, lp), err=True)
     if last is not None and last.metrics is not None:

@@ -13,8 +13,9 @@ first, and a sequence's blocks are freed tail first so a shared prompt head outl
 Blocks are registered only after their tokens are computed (:meth:`BlockManager.commit`), so a sequence
 never skips tokens whose KV entries do not exist yet.
 
-Two running totals say how much the prefix cache served: ``queried_tokens`` (tokens of every allocated sequence,
-re-admissions after a preemption included) and ``hit_tokens`` (those found in cached blocks, not computed).
+Two running totals say how much the prefix cache served: ``queried_tokens`` (tokens of every allocated sequence
+that looked the cache up, re-admissions after a preemption included) and ``hit_tokens`` (those found in cached
+blocks, not computed).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[str, _SeqBlocks] = {}
-        self.queried_tokens = 0  # tokens of every allocate() call, looked up in the prefix cache when enabled
+        self.queried_tokens = 0  # tokens of the allocate() calls that looked up the prefix cache (when enabled)
         self.hit_tokens = 0  # of those, tokens found in cached blocks (their KV entries were not computed again)
 
     # ----------------------------------------------------------------------------------------- queries
@@ -102,13 +103,14 @@ class BlockManager:
         return self._blocks[block_id].ref_count
 
     # -------------------------------------------------------------------------------------- allocation
-    def _prefix_hits(self, token_ids: tuple[int, ...]) -> list[int]:
-        """Block ids of the longest cached prefix of ``token_ids`` (full blocks only).
+    def _prefix_hits(self, token_ids: tuple[int, ...], reuse: bool = True) -> list[int]:
+        """Block ids of the longest cached prefix of ``token_ids`` (full blocks only; none when ``reuse`` is
+        False: a sequence whose every position must be computed).
 
         Never covers every token: the last token must be computed to produce logits, and the block it
         lands in must be private because the runner writes to it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not reuse:
             return []
         hits: list[int] = []
         parent: int | None = None
@@ -131,23 +133,24 @@ class BlockManager:
         revived = sum(1 for b in hits if self._blocks[b].ref_count == 0)
         return fresh + revived
 
-    def can_allocate(self, token_ids: tuple[int, ...] | list[int]) -> bool:
+    def can_allocate(self, token_ids: tuple[int, ...] | list[int], reuse: bool = True) -> bool:
         """Whether a new sequence with these tokens fits now (prefix-cache hits need no new block)."""
         token_ids = tuple(token_ids)
-        return self._new_blocks_needed(token_ids, self._prefix_hits(token_ids)) <= len(self._free)
+        return self._new_blocks_needed(token_ids, self._prefix_hits(token_ids, reuse)) <= len(self._free)
 
-    def allocate(self, seq_id: str, token_ids: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    def allocate(self, seq_id: str, token_ids: tuple[int, ...] | list[int], reuse: bool = True) -> tuple[int, ...]:
         """Reserve slots for every token of a new sequence; returns its block table.
 
-        Leading full blocks found in the prefix cache are shared (see :meth:`num_cached_tokens`).
+        Leading full blocks found in the prefix cache are shared (see :meth:`num_cached_tokens`) unless ``reuse``
+        is False (the sequence's blocks still enter the cache once computed).
         """
         assert seq_id not in self._seqs, f"sequence {seq_id!r} already has blocks"
         token_ids = tuple(token_ids)
-        hits = self._prefix_hits(token_ids)
+        hits = self._prefix_hits(token_ids, reuse)
         assert self._new_blocks_needed(token_ids, hits) <= len(self._free), "allocate without can_allocate"
         for b in hits:
             self._take(b)
-        self.queried_tokens += len(token_ids)
+        self.queried_tokens += len(token_ids) if reuse else 0
         self.hit_tokens += len(hits) * self.block_size
         fresh = [self._pop_free() for _ in range(self.blocks_for(len(token_ids)) - len(hits))]
         self._seqs[seq_id] = _SeqBlocks(

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.request.metrics import MetricsLog, StepMetrics
-from llmc.request.outputs import RequestOutput, StreamEvent, TokenLogprob
+from llmc.request.outputs import RequestOutput, StreamEvent
 from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
 
@@ -98,7 +98,7 @@ class StepCycle:
             if scheduled.sequences:
                 result = run_compute(self.runner.execute, scheduled)
             with self._lock:
-                events = self.process(self.scheduler.update(result), result.logprobs)
+                events = self.process(self.scheduler.update(result), result)
                 self._record_step(scheduled, start)
         except Exception as exc:
             log.exception("engine step failed")
@@ -150,7 +150,7 @@ class StepCycle:
         """Wait for a launched step and turn its tokens into events (finished requests leave)."""
         result = inflight.pending.result()
         with self._lock:
-            return self.process(self.scheduler.fill(inflight.ticket, result), result.logprobs)
+            return self.process(self.scheduler.fill(inflight.ticket, result), result)
 
     def _needs_token_values(self) -> bool:
         """Whether a running request samples with penalties (they read the values of earlier tokens)."""
@@ -169,11 +169,15 @@ class StepCycle:
             if self._metrics_log is not None:
                 self._metrics_log.flush()
 
-    def process(self, new_tokens: dict[str, int], logprobs: Mapping[str, TokenLogprob] | None = None
-                ) -> list[StreamEvent]:
-        """Turn sampled tokens (and their log-probabilities, where asked for) into events; finished requests leave
-        the scheduler (blocks freed). Under the lock."""
-        logprobs = logprobs or {}
+    def process(self, new_tokens: dict[str, int], result: ModelRunnerOutput | None = None) -> list[StreamEvent]:
+        """Turn sampled tokens (and the step's log-probabilities, where asked for: ``result``) into events;
+        finished requests leave the scheduler (blocks freed). Under the lock."""
+        logprobs = result.logprobs if result is not None else {}
+        if result is not None and result.prompt_logprobs:
+            for request_id, (start, entries) in result.prompt_logprobs.items():
+                output = self._outputs.get(request_id)
+                if output is not None:
+                    output.add_prompt_logprobs(start, entries)
         now = self.clock()
         events = []
         for request_id, token in new_tokens.items():

@@ -57,40 +57,64 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
                                state.vocab_size)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
-    prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
+    prepared = [await prepare(request, p, req.params, req.strict_max_tokens, req.names) for p in req.prompts]
     tokenizer = state.client.engine.tokenizer
-    choices = [_Choice(i, state.client.stream(prepared, choice_params(req.params, i)), tokenizer, chat,
-                       req.params.logprobs) for i in range(req.n)]
+    choices = [_Choice(k * req.n + i, state.client.stream(one, choice_params(req.params, i)), tokenizer, chat, req,
+                       _echo_text(tokenizer, prompt, one) if req.echo else None)
+               for k, (prompt, one) in enumerate(zip(req.prompts, prepared)) for i in range(req.n)]
     async with AsyncExitStack() as stack:
         for c in choices:
             await stack.enter_async_context(aclosing(c.events))
         with client_names(req.names):  # all submitted at once; admission errors surface here, before any byte
             firsts = await _all([anext(c.events) for c in choices])
+        for c, first, one in zip(choices, firsts, (one for one in prepared for _ in range(req.n))):
+            c.start(first, one.token_ids)
         if req.stream:
             return await _stream(request, choices, firsts, meta, chat, req, prepared)
         finals = await _all([c.collect(first) for c, first in zip(choices, firsts)])
-    body = {**meta, "choices": [c.whole(chat) for c in choices], "usage": _usage(finals)}
-    if prepared.warnings():
-        body["warnings"] = prepared.warnings()
+    body = {**meta, "choices": [c.whole(chat) for c in choices], "usage": _usage(finals, prepared, req)}
+    if _warnings(prepared):
+        body["warnings"] = _warnings(prepared)
     return web.json_response(body)
 
 
+def _echo_text(tokenizer: Any, prompt: Any, prepared: PreparedPrompt) -> str:
+    """The text an echoed prompt returns: a text prompt as sent, a token-id prompt decoded."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(list(prepared.token_ids))
+
+
+def _warnings(prepared: Sequence[PreparedPrompt]) -> list[str]:
+    return [w for one in prepared for w in one.warnings()]
+
+
 class _Choice:
-    """One of a request's ``n`` completions: its engine stream, its text so far and the log-probabilities not yet
-    sent (``asked``: ``SamplingParams.logprobs``; None: none were asked for)."""
+    """One of a request's completions: its engine stream, its text so far and the log-probabilities not yet sent
+    (``asked``: ``SamplingParams.logprobs``; None: none were asked for). ``echo``: the prompt's text, which goes
+    first (with its tokens' log-probabilities, when asked for); ``score_only``: the generated token is left out."""
 
     def __init__(self, index: int, events: AsyncIterator[StreamEvent], tokenizer: Any, chat: bool,
-                 asked: int | None):
-        self.index, self.events, self.asked = index, events, asked
+                 req: OpenAIRequest, echo: str | None = None):
+        self.index, self.events, self.asked = index, events, req.params.logprobs
+        self.echo, self.score_only = echo, req.score_only
         self.parts: list[str] = []
         self.finish_reason: str | None = None
         self.pending: list[TokenLogprob] = []
         self.formatter = LogprobFormatter(tokenizer, chat)
+        self.prompt_logprobs: dict[str, Any] | None = None  # an echoed prompt's, until sent
 
-    def take(self, event: StreamEvent) -> None:
-        self.parts.append(event.text)
-        self.pending += event_logprobs(event)
+    def start(self, first: StreamEvent, prompt_ids: Sequence[int]) -> None:
+        """Before any event is taken: the echoed prompt's log-probabilities (the first event carries them)."""
+        if self.echo is not None and self.asked is not None:
+            self.prompt_logprobs = self.formatter.format_prompt(prompt_ids, first.prompt_logprobs)
+
+    def take(self, event: StreamEvent) -> str:
+        """Take an event; returns its text for the response."""
+        text = "" if self.score_only else event.text
+        self.parts.append(text)
+        if not self.score_only:
+            self.pending += event_logprobs(event)
         self.finish_reason = event.finish_reason
+        return text
 
     async def collect(self, event: StreamEvent) -> StreamEvent:
         """Take ``event`` and the stream's next ones up to the finished one (returned)."""
@@ -108,14 +132,20 @@ class _Choice:
             await queue.put((self, event))
 
     def logprobs(self) -> dict[str, Any] | None:
-        """The pending tokens' log-probabilities in OpenAI's shape (None when not asked for); then none pend."""
-        out = self.formatter.format(self.pending) if self.asked is not None else None
+        """The pending tokens' log-probabilities in OpenAI's shape, after an echoed prompt's not sent yet (None
+        when not asked for); then none pend."""
+        if self.asked is None:
+            return None
+        out = self.formatter.format(self.pending)
         self.pending = []
+        if self.prompt_logprobs is not None:
+            head, self.prompt_logprobs = self.prompt_logprobs, None
+            out = {key: head[key] + out[key] for key in out}
         return out
 
     def whole(self, chat: bool) -> dict[str, Any]:
         """The choice of a response that is not streamed."""
-        text = "".join(self.parts)
+        text = (self.echo or "") + "".join(self.parts)
         choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
                                   "logprobs": self.logprobs()}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -154,36 +184,37 @@ def _first(errors: BaseExceptionGroup) -> BaseException:
     return errors.exceptions[0]
 
 
-def _usage(finals: Sequence[StreamEvent]) -> dict[str, int]:
-    """The prompt's tokens once, every choice's generated tokens."""
-    metrics = [e.metrics for e in finals if e.metrics is not None]
-    prompt = metrics[0].prompt_tokens if metrics else 0
-    completion = sum(m.generated_tokens for m in metrics)
+def _usage(finals: Sequence[StreamEvent], prepared: Sequence[PreparedPrompt], req: OpenAIRequest
+           ) -> dict[str, int]:
+    """Each prompt's tokens once, every choice's generated tokens (none returned with ``max_tokens: 0``)."""
+    prompt = sum(len(one.token_ids) for one in prepared)
+    completion = 0 if req.score_only else sum(e.metrics.generated_tokens for e in finals if e.metrics is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequence[StreamEvent],
-                  meta: dict[str, Any], chat: bool, req: OpenAIRequest, prepared: PreparedPrompt
+                  meta: dict[str, Any], chat: bool, req: OpenAIRequest, prepared: Sequence[PreparedPrompt]
                   ) -> web.StreamResponse:
     """SSE chunks (``chat.completion.chunk`` / ``text_completion``) of one choice each, in the order the choices'
     tokens arrive, then ``data: [DONE]``. A chunk carries the log-probabilities of its choice's tokens since that
     choice's previous chunk (a token whose text is held back, e.g. part of a multi-byte character, goes with the
-    next chunk)."""
+    next chunk). With ``echo`` each choice's first chunk is its prompt."""
     meta = {**meta, "object": "chat.completion.chunk" if chat else "text_completion"}
     response = await start_sse(request)
+    warnings = _warnings(prepared)
 
-    def chunk(c: _Choice, event: StreamEvent | None) -> dict[str, Any]:
-        """``event``'s chunk (None: the chat's opening chunk, the role)."""
-        text, finish = (event.text, event.finish_reason if event.finished else None) if event else (None, None)
-        lps = c.logprobs() if event else None
+    def chunk(c: _Choice, event: StreamEvent | None, text: str | None = None) -> dict[str, Any]:
+        """``event``'s chunk with its ``text`` (None: the chat's opening chunk, the role, or an echoed prompt)."""
+        finish = event.finish_reason if event is not None and event.finished else None
+        lps = c.logprobs() if event is not None or c.echo is not None else None
         if chat:
             delta = {"role": "assistant", "content": ""} if event is None else ({"content": text} if text else {})
             choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
             choice = {"index": c.index, "text": text or "", "finish_reason": finish, "logprobs": lps}
         out = {**meta, "choices": [choice]}
-        if finish is not None and prepared.warnings():
-            out["warnings"] = prepared.warnings()
+        if finish is not None and warnings:
+            out["warnings"] = warnings
         return out
 
     queue: asyncio.Queue[tuple[_Choice, StreamEvent]] = asyncio.Queue()
@@ -192,19 +223,19 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
     async def send() -> None:
         while len(finals) < len(choices):
             c, event = await queue.get()
-            c.take(event)
-            if event.text or event.finished:
-                await send_sse(response, chunk(c, event))
+            text = c.take(event)
+            if text or event.finished:
+                await send_sse(response, chunk(c, event, text))
             if event.finished:
                 finals.append(event)
 
     try:
-        if chat:
-            for c in choices:
-                await send_sse(response, chunk(c, None))
+        for c in choices:
+            if chat or c.echo is not None:
+                await send_sse(response, chunk(c, None, c.echo))
         await _all([send(), *(c.forward(first, queue) for c, first in zip(choices, firsts))])
         if req.include_usage:
-            await send_sse(response, {**meta, "choices": [], "usage": _usage(finals)})
+            await send_sse(response, {**meta, "choices": [], "usage": _usage(finals, prepared, req)})
     except LlmcError as exc:
         status, code = error_status(exc)  # the status the headers could no longer carry
         await send_sse(response, openai_error(str(exc), status, getattr(exc, "field", None), code))

@@ -3,9 +3,10 @@
 Chat (``"logprobs": true``, ``"top_logprobs": N``): ``{"content": [{"token", "logprob", "bytes", "top_logprobs":
 [{"token", "logprob", "bytes"}]}], "refusal": null}``. Completions (``"logprobs": N``): ``{"tokens",
 "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}``, offsets counted from the start of the
-completion. A token's text is that token decoded alone (a piece of a multi-byte character decodes to U+FFFD, as in
-other servers; ``bytes`` are that text's UTF-8). The token that ended a request as a stop id has no entry: it is
-not part of the output's text.
+returned text; with ``echo`` the prompt's tokens come first, the first one's log-probability and alternatives null
+(nothing comes before it). A token's text is that token decoded alone (a piece of a multi-byte character decodes
+to U+FFFD, as in other servers; ``bytes`` are that text's UTF-8). The token that ended a request as a stop id has
+no entry: it is not part of the output's text.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ class LogprobFormatter:
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}
+
+    def format_prompt(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """The completions ``logprobs`` object of an echoed prompt (``logprobs``: one per token after the first),
+        before the completion's own."""
+        first, start = self.token_text(token_ids[0]), self.offset
+        self.offset += len(first)
+        rest = self.format(logprobs)
+        return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [start, *rest["text_offset"]]}
 
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
         def item(token_id: int, value: float) -> dict[str, Any]:

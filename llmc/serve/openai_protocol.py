@@ -5,11 +5,14 @@ Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_toke
 ``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
 ``strict_max_tokens``). ``n`` (1-16) completions of the prompt run as that many engine requests (a seeded
-request's choice i with ``seed + i``). Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs``
-(0-20), completions' ``logprobs`` (0-20). Fields that do not change the output (``user``, ``metadata``,
-``store``, ...) are accepted and ignored; features llmc cannot honour (``best_of`` > 1, ``echo``, tools,
-``response_format`` other than text, a non-empty ``logit_bias``) are a 400 unless they ask for nothing
-(``best_of: 1``, ``tools: []``, null). Any other field is a 400 too, as OpenAI's API answers it: a misspelt
+request's choice i with ``seed + i``); a completions ``prompt`` may be a list of prompts (choice ``k * n + i`` is
+prompt k's choice i). Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions'
+``logprobs`` (0-20). Completions' ``echo: true`` puts the prompt before the completion, and with ``logprobs`` its
+tokens' log-probabilities (the first token's is null), which is how evaluation harnesses (lm-eval's
+``local-completions``) score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that
+do not change the output (``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot
+honour (``best_of`` > 1, chat's ``echo``, tools, ``response_format`` other than text, a non-empty ``logit_bias``)
+are a 400 unless they ask for nothing (``best_of: 1``, ``tools: []``, null). Any other field is a 400 too, as OpenAI's API answers it: a misspelt
 ``max_token`` would otherwise be dropped silently and the request run with the default length. Every RequestError
 names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A ``developer``
 message (OpenAI's newer name for the system instructions) reaches the chat template as ``system``.
@@ -34,16 +37,17 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
              "include_stop_str_in_output": "include_stop_str_in_output"}
 # Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "suffix": ("",),
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": ()}
 # Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "parallel_tool_calls")
-COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs",
+COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs", "echo",
                  *PARAM_MAP, *UNSUPPORTED, *IGNORED)
 MAX_CHOICES = 16  # n: completions of one request (each is an engine request of its own)
+MAX_COMPLETIONS = 256  # prompts x n in one completions request
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
 OTHER_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
                "random_seed": "seed"}
@@ -53,17 +57,26 @@ ROLE_ALIASES = {"developer": "system"}
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A parsed OpenAI request. ``prompt``: text or token ids (completions) or ``{"role", "content"}`` string
-    messages (chat). ``names``: llmc's internal names -> this request's field names, for later errors."""
+    """A parsed OpenAI request. ``prompts``: texts or token-id lists (completions) or one list of ``{"role",
+    "content"}`` string messages (chat). ``names``: llmc's internal names -> this request's field names, for later
+    errors. ``echo``: the prompt goes before each completion; ``score_only`` (``max_tokens: 0`` with echo): the one
+    token the engine generates is not returned."""
 
     model: str
-    prompt: Any
+    prompts: tuple[Any, ...]
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
     strict_max_tokens: bool = False
     names: Mapping[str, str] = field(default_factory=dict)
-    n: int = 1  # completions of the prompt (choices)
+    n: int = 1  # completions of each prompt (choices)
+    echo: bool = False
+    score_only: bool = False
+
+    @property
+    def prompt(self) -> Any:
+        """The first (for chat: the only) prompt."""
+        return self.prompts[0]
 
 
 def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str, ...], defaults: SamplingParams,
@@ -77,12 +90,34 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     model = body.get("model") or served[0]
     if not isinstance(model, str) or model not in served:
         raise UnknownModelError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
-    prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
+    prompts = (parse_messages(body.get("messages")),) if chat else parse_prompts(body.get("prompt"))
+    n, echo = _choices(body), _echo(body, chat)
+    if len(prompts) * n > MAX_COMPLETIONS:
+        raise RequestError("n", f"{len(prompts)} prompts x n={n} make {len(prompts) * n} completions; at most "
+                                f"{MAX_COMPLETIONS} in one request: send the prompts in several requests")
+    score_only = not chat and _is_zero(body.get(tokens_field))
+    if score_only:
+        if not echo:
+            raise RequestError(tokens_field, 'must be >= 1; 0 is accepted with "echo": true (the prompt alone, '
+                                             'scored with logprobs)')
+        body = {**body, tokens_field: 1}  # the engine makes one token, which the response leaves out
     with client_names(names):
         params = sampling_params(body, defaults, vocab_size)
-    params = params.replace(logprobs=_logprobs(body, chat))
-    return OpenAIRequest(model, prompt, params, _flag(body, "stream"), _include_usage(body),
-                         _flag(body, "strict_max_tokens"), names, _choices(body))
+    logprobs = _logprobs(body, chat)
+    params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    return OpenAIRequest(model, prompts, params, _flag(body, "stream"), _include_usage(body),
+                         _flag(body, "strict_max_tokens"), names, n, echo, score_only)
+
+
+def _is_zero(value: Any) -> bool:
+    return type(value) is int and value == 0
+
+
+def _echo(body: Mapping[str, Any], chat: bool) -> bool:
+    echo = _flag(body, "echo")
+    if echo and chat:
+        raise RequestError("echo", "is not supported by /v1/chat/completions; /v1/completions echoes a prompt")
+    return echo
 
 
 def check_fields(body: Mapping[str, Any], chat: bool) -> None:
@@ -154,13 +189,19 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_prompt(prompt: Any) -> str | list[int]:
-    """A completions ``prompt``: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        return prompt
-    raise RequestError("prompt", "must be a string or a list of token ids (one prompt per request)")
+def parse_prompts(prompt: Any) -> tuple[str | list[int], ...]:
+    """A completions ``prompt``: a string, a list of token ids, or a non-empty list of either (several prompts)."""
+    if _one_prompt(prompt):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
+        return tuple(prompt)
+    raise RequestError("prompt", "must be a string, a list of token ids, or a list of prompts (strings or token-id "
+                                 "lists)")
+
+
+def _one_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                       and all(type(t) is int for t in prompt))
 
 
 def parse_messages(messages: Any) -> list[dict[str, str]]:

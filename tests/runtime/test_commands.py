@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -37,6 +38,20 @@ def test_generate_lists_each_tokens_log_probability_with_logprobs(tiny_build_dir
         assert f"{lp.logprob:8.3f}" in line and line.count(f"{lp.top[1][1]:.3f}") == 1
     result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--logprobs", "21", "--device", "cpu"])
     assert result.exit_code != 0 and "logprobs" in str(result.exception)
+
+
+def test_generate_scores_the_prompt_with_prompt_logprobs(tiny_build_dir):
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "The river runs to the sea",
+                                      "--max-new-tokens", "2", "--prompt-logprobs", "1", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (expected,) = make_engine(tiny_build_dir).generate(
+        ["The river runs to the sea"], SamplingParams(max_new_tokens=2, temperature=0.0, prompt_logprobs=1))
+    lines = result.stderr.splitlines()
+    scored = len(expected.prompt_logprobs)
+    assert scored >= 5 and all(f"{lp.logprob:8.3f}" in line for line, lp in zip(lines, expected.prompt_logprobs))
+    mean = sum(lp.logprob for lp in expected.prompt_logprobs) / scored
+    assert lines[scored] == (f"prompt: {scored} tokens after the first, mean log-probability {mean:.4f}, "
+                             f"perplexity {math.exp(-mean):.3f}")
 
 
 def test_generate_uses_recipe_defaults_for_flags_not_given(tiny_build_dir):

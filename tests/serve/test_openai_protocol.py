@@ -49,12 +49,42 @@ def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value)
 
 @pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"}),
                                         ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("suffix", "x"),
-                                        ("reasoning_effort", "low"), ("audio", {"voice": "x"}), ("echo", True)])
+                                        ("reasoning_effort", "low"), ("audio", {"voice": "x"})])
 def test_unsupported_features_are_refused_naming_the_field(key, value):
     with pytest.raises(RequestError) as info:
         parse({key: value})
     assert info.value.field == key and "is not supported by llmc" in info.value.message
     assert set(UNSUPPORTED) >= {key}
+
+
+def test_echo_is_a_completions_field_that_asks_for_the_prompts_logprobs():
+    req = parse({"echo": True, "logprobs": 1, "max_tokens": 0}, chat=False)
+    assert req.echo and req.score_only and req.params.max_new_tokens == 1  # one token made, none returned
+    assert req.params.prompt_logprobs == req.params.logprobs == 1
+    assert parse({"echo": True}, chat=False).params.prompt_logprobs is None  # the text alone: nothing scored
+    assert parse({"logprobs": 2}, chat=False).params.prompt_logprobs is None
+    with pytest.raises(RequestError, match="echo: is not supported by /v1/chat/completions") as info:
+        parse({"echo": True})
+    assert info.value.field == "echo"
+    with pytest.raises(RequestError, match='max_tokens: must be >= 1; 0 is accepted with "echo": true'):
+        parse({"max_tokens": 0}, chat=False)
+    with pytest.raises(RequestError, match="max_tokens"):  # chat: the plain bound
+        parse({"max_tokens": 0})
+
+
+@pytest.mark.parametrize("prompt, count", [("hi", 1), ([1, 2, 3], 1), (["a", "b"], 2), ([[1, 2], [3]], 2),
+                                           (["a", [4, 5]], 2)])
+def test_a_completions_prompt_may_be_a_list_of_prompts(prompt, count):
+    req = parse_openai_request({"prompt": prompt}, False, SERVED, DEFAULTS, 100)
+    assert len(req.prompts) == count and req.prompt == req.prompts[0]
+
+
+@pytest.mark.parametrize("body, words", [({"prompt": []}, "must be a string"), ({"prompt": [[]]}, "must be a string"),
+                                         ({"prompt": [1, "a"]}, "must be a string"),
+                                         ({"prompt": ["a"] * 20, "n": 16}, "20 prompts x n=16 make 320")])
+def test_a_bad_prompt_list_is_refused(body, words):
+    with pytest.raises(RequestError, match=words):
+        parse_openai_request(body, False, SERVED, DEFAULTS, 100)
 
 
 def test_a_developer_message_reaches_the_template_as_system():

@@ -18,7 +18,7 @@ Mapping (llmc field -> TensorRT-LLM kwarg), checked against ``tensorrt_llm/runti
 - ``seed`` -> ``random_seed`` (generate renames it to SamplingConfig's ``seed``), ``min_p`` -> ``min_p``,
   ``min_tokens`` -> ``min_tokens``: each only when set (all three are in generate's accepted list);
 - ``ignore_eos`` has no generate kwarg and is refused with a RequestError when set (rather than ignored);
-  so is ``logprobs``, which this backend does not return yet.
+  so are ``logprobs`` and ``prompt_logprobs``, which this backend does not return yet.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from llmc.request.params import SamplingParams
 UNSUPPORTED_DEFAULTS = {
     "ignore_eos": (False, "ModelRunnerCpp has no such sampling option in TensorRT-LLM 1.0 - 1.2"),
     "logprobs": (None, "llmc's tensorrt_llm backend does not return log-probabilities yet"),
+    "prompt_logprobs": (None, "llmc's tensorrt_llm backend does not return log-probabilities yet"),
 }
 
 

@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from llmc.checkpoint.convert import torch_dtype
-from llmc.engine.torch import attention, cpu_ext
+from llmc.engine.torch import attention, cpu_ext, prompt_logprobs
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
+from llmc.engine.torch.prompt_logprobs import PromptRows
 from llmc.engine.torch.sampler import LogprobRows, Sampler, token_logprobs
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import PLACEHOLDER, ModelRunnerOutput, ScheduledSequence, SchedulerOutput
@@ -132,7 +133,8 @@ class TorchModelRunner:
         self._check_blocks(seqs)
         fill = _placeholder_fill(seqs, previous)
         sampled = tuple(s for s in seqs if s.sample)
-        if self.graphs is not None and self.graphs.can_run(seqs):
+        score = prompt_logprobs.wanted(seqs)  # prompt log-probabilities need every row's hidden state: eager
+        if self.graphs is not None and not score and self.graphs.can_run(seqs):
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs, fill)
                 if not sampled:  # prompt chunks that end no prompt
@@ -151,12 +153,13 @@ class TorchModelRunner:
                 hidden = self.pieces.run(input_ids, meta)  # [T, H]
             else:
                 hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
+            scored = prompt_logprobs.prompt_rows(self.model.compute_logits, hidden, seqs) if score else None
             if not sampled:
-                return PendingStep(())
+                return PendingStep((), prompt=scored)
             logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
             token_ids = self.sampler(logits, list(sampled))  # [S] on device
             logprobs = token_logprobs(logits, token_ids, sampled)  # None unless a request asks for them
-        return PendingStep(sampled, token_ids, logprobs)
+        return PendingStep(sampled, token_ids, logprobs, scored)
 
     def capture_pieces(self, budget: int) -> list[int]:
         """CUDA with the decode graphs: capture the steps a mixed-step ``budget`` (``serving.mixed_step_tokens``;
@@ -246,11 +249,12 @@ def _placeholder_fill(seqs: tuple[ScheduledSequence, ...], previous: PendingStep
 
 
 class PendingStep:
-    """A launched step's sampled ids: on CUDA an asynchronous copy to pinned host memory and its event;
-    ``device_ids`` and ``row_of`` (request id -> row) let the next step take them on the device."""
+    """A launched step's sampled ids (and log-probabilities; ``prompt``: its prompt chunks' own): on CUDA an
+    asynchronous copy to pinned host memory and its event; ``device_ids`` and ``row_of`` (request id -> row) let
+    the next step take the ids on the device."""
 
     def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None,
-                 logprobs: LogprobRows | None = None):
+                 logprobs: LogprobRows | None = None, prompt: PromptRows | None = None):
         self._ids = tuple(s.request_id for s in seqs)
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
@@ -258,25 +262,29 @@ class PendingStep:
         self.row_of = {rid: i for i, rid in enumerate(self._ids)}
         self._result: ModelRunnerOutput | None = None
         self._logprobs = logprobs
+        self._prompt = prompt
         # the tensors result() reads: on CUDA, copies to page-locked host memory behind the step's kernels
         self._lp_host = (logprobs.chosen, logprobs.top_logprobs, logprobs.top_ids) if logprobs else ()
-        if token_ids is not None and token_ids.is_cuda:
-            self._host = _to_host(token_ids)
+        self._prompt_host = prompt.tensors() if prompt else ()
+        if (token_ids is not None and token_ids.is_cuda) or (prompt is not None and prompt.chosen.is_cuda):
+            self._host = _to_host(token_ids) if token_ids is not None else None
             self._lp_host = tuple(_to_host(t) for t in self._lp_host)
+            self._prompt_host = tuple(_to_host(t) for t in self._prompt_host)
             self._event = torch.cuda.Event()
             self._event.record()
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the step; the sampled token of every sequence that samples."""
         if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()  # releases the GIL while the GPU finishes
+            prompt = self._prompt.entries(self._prompt_host) if self._prompt is not None else {}
             if self._host is None:
-                self._result = ModelRunnerOutput()
+                self._result = ModelRunnerOutput(prompt_logprobs=prompt)
             else:
-                if self._event is not None:
-                    self._event.synchronize()  # releases the GIL while the GPU finishes
                 ids = self._host.tolist()
                 self._result = ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, ids, strict=True)),
-                                                 logprobs=self._token_logprobs(ids))
+                                                 logprobs=self._token_logprobs(ids), prompt_logprobs=prompt)
         return self._result
 
     def _token_logprobs(self, ids: list[int]) -> dict[str, TokenLogprob]:

@@ -114,10 +114,10 @@ class Sampler:
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=self.device)
         batch = _gather_params(seqs, self.device)
-        raw = _sanitize(logits.to(self.device, torch.float32))  # [S, V]
+        raw = sanitize(logits.to(self.device, torch.float32))  # [S, V]
         logits = self._mask_min_tokens(raw, seqs)
         if any(s.params.uses_penalties for s in seqs):
-            logits = _sanitize(apply_penalties(logits, seqs, self.device))
+            logits = sanitize(apply_penalties(logits, seqs, self.device))
         fallback = self._argmax(raw)  # [S] greedy on the unfiltered logits
         chosen = fallback if logits is raw else self._argmax(logits)  # [S] the greedy answer
         if batch.any_sampled:
@@ -196,13 +196,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         return None
     counts = tuple(seqs[i].params.logprobs for i in rows)
     index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-    lp = torch.log_softmax(_sanitize(logits.index_select(0, index)), dim=-1)  # [R, V]
+    lp = torch.log_softmax(sanitize(logits.index_select(0, index)), dim=-1)  # [R, V]
     chosen = lp.gather(1, token_ids.to(lp.device).long().index_select(0, index).view(-1, 1)).squeeze(1)
     top_logprobs, top_ids = lp.topk(max(counts), dim=-1)  # [R, k], most likely first
     return LogprobRows(rows, counts, chosen, top_logprobs, top_ids)
 
 
-def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+def sanitize(logits: torch.Tensor) -> torch.Tensor:
     """A new float32 tensor with NaN -> -inf and +inf -> the largest finite float32."""
     return torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
 

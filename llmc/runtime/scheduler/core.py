@@ -10,7 +10,8 @@ Each :meth:`Scheduler.schedule` call builds one :class:`SchedulerOutput` under a
    while prompts arrive); a step without decodes takes the full budget (time to first token);
 2. then waiting requests are admitted (queue order, see :class:`WaitingQueue`) while the budget, the
    sequence cap and the free blocks allow; prompt tokens found in the prefix cache count as computed and
-   the rest is prefilled in chunks of the remaining budget.
+   the rest is prefilled in chunks of the remaining budget (a request that asks for its prompt's
+   log-probabilities reuses no cached prefix: every prompt position is computed).
 
 When a running sequence needs a new block and none is free, the least important running sequence that is
 not yet scheduled this step (lowest priority, then latest arrival; possibly the sequence itself) is
@@ -206,10 +207,11 @@ class Scheduler:
             if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
                 break  # preempted while its last token was on the way: recompute once it is known
             tokens = request.all_token_ids
-            if not bm.can_allocate(tokens):
+            reuse = request.params.prompt_logprobs is None  # prompt log-probabilities: every position computed
+            if not bm.can_allocate(tokens, reuse):
                 break  # head-of-line: keep queue order rather than letting small requests overtake
             self.waiting.remove(request)
-            bm.allocate(request.request_id, tokens)
+            bm.allocate(request.request_id, tokens, reuse)
             request.num_computed = bm.num_cached_tokens(request.request_id)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

@@ -301,3 +301,36 @@ def test_logprobs_from_graph_steps_equal_eager_and_cpu_steps(tmp_path):
         for lp, ref in zip(ours, cpu):
             assert lp.logprob == pytest.approx(ref.logprob, abs=1e-3)
             assert [t for t, _ in lp.top] == [t for t, _ in ref.top] and lp.top[0][0] == lp.token_id
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_cuda_equal_the_cpu_runners(tmp_path):
+    """Prompt chunks whose request asks for its prompt's log-probabilities run eagerly (the graphs compute the
+    sampled rows' logits only), their rows' log-probabilities leave through page-locked copies (also from steps
+    that sample nothing), and they must equal the CPU runner's."""
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2)
+    results = []
+    for runner in (TorchModelRunner(build, device="cuda", num_blocks=64),
+                   TorchModelRunner(build, device="cpu", num_blocks=64)):
+        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=16, params=params)
+        sched.add("a", list(range(100, 137)), max_new=3)  # three chunks: two sample nothing
+        sched.add("b", list(range(300, 305)), max_new=3)
+        scored: dict[str, list] = {"a": [], "b": []}
+        for step in range(6):
+            out = runner.execute(sched.schedule(step))
+            sched.update(out.sampled_token_ids)
+            for rid, (start, entries) in out.prompt_logprobs.items():
+                assert start == len(scored[rid]) + 1
+                scored[rid] += entries
+        results.append(scored)
+    cuda, cpu = results
+    assert [len(cuda[r]) for r in "ab"] == [36, 4]
+    for rid in "ab":
+        assert [lp.token_id for lp in cuda[rid]] == [lp.token_id for lp in cpu[rid]]
+        for lp, ref in zip(cuda[rid], cpu[rid]):
+            assert lp.logprob == pytest.approx(ref.logprob, abs=1e-3)
+            assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
