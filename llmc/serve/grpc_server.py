@@ -4,6 +4,8 @@ Implements ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, M
 with the whole text) and ModelStreamInfer (decoupled streaming: one response per text delta, then a final
 response carrying the ``triton_final_response`` parameter; an empty one when the request enabled
 ``triton_enable_empty_final_response``, as tritonclient's ``enable_empty_final_response=True`` does).
+With ``return_log_probs`` every text response and the final one also carry ``cum_log_probs`` [1, 1] and
+``output_log_probs`` [1, 1, n] (FP32 raw contents) for all tokens so far (:mod:`llmc.serve.ensemble_logprobs`).
 Errors: INVALID_ARGUMENT (bad request), UNAVAILABLE (queue full / draining, with a retry hint),
 DEADLINE_EXCEEDED (request timeout), NOT_FOUND (unknown model), UNAUTHENTICATED (API key).
 """
@@ -22,6 +24,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from llmc import __version__
 from llmc.errors import LlmcError, QueueFullError, RequestError, ServeError
 from llmc.serve.engine_client import PreparedPrompt, RequestTimeoutError, ServerDrainingError
+from llmc.serve.ensemble_logprobs import EnsembleLogprobs
 from llmc.serve.protocol import ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict, \
     parse_generate_fields
 from llmc.serve.state import ServerState
@@ -122,17 +125,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = self._parse(request)
             prepared = await self._prepare(request, req)
             parts = [] if req.exclude_input_in_output else [req.prompt]
+            logprobs = EnsembleLogprobs(req.return_log_probs)
             async with aclosing(self.state.client.stream(prepared, req.params)) as events:
                 with client_names(ENSEMBLE_NAMES):
                     event = await anext(events)
                 parts.append(event.text)
+                logprobs.add(event)
                 while not event.finished:
                     event = await anext(events)
                     parts.append(event.text)
+                    logprobs.add(event)
         except LlmcError as exc:
             await context.abort(*status_of(exc))
         return _response(request, "".join(parts), final=True, finish_reason=event.finish_reason,
-                         warnings=prepared.warnings())
+                         warnings=prepared.warnings(), logprobs=logprobs)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Any:
         """Bidirectional stream: every incoming request runs concurrently; responses interleave."""
@@ -168,15 +174,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             req = self._parse(request)
             prepared = await self._prepare(request, req)
             prefix = "" if req.exclude_input_in_output else req.prompt
+            logprobs = EnsembleLogprobs(req.return_log_probs)
             async with aclosing(self.state.client.stream(prepared, req.params)) as events:
                 with client_names(ENSEMBLE_NAMES):
                     event = await anext(events)
                 while True:
                     text, prefix = prefix + event.text, ""
+                    logprobs.add(event)
                     if not req.stream and not event.finished:
                         prefix = text
                     else:
-                        for response in _stream_responses(request, text, event, empty_final, prepared.warnings()):
+                        for response in _stream_responses(request, text, event, empty_final, prepared.warnings(),
+                                                          logprobs):
                             await out.put(pb.ModelStreamInferResponse(infer_response=response))
                     if event.finished:
                         break
@@ -190,23 +199,29 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def _stream_responses(request: pb.ModelInferRequest, text: str, event: Any, empty_final: bool,
-                      warnings: list[str]) -> list[Any]:
-    """The responses for one event: text (not final) then an empty final one, or text marked final."""
+                      warnings: list[str], logprobs: EnsembleLogprobs) -> list[Any]:
+    """The responses for one event: text (not final) then an empty final one, or text marked final. The "empty"
+    final one carries the log-probabilities (and nothing else) when the request asked for them."""
     if not event.finished:
-        return [_response(request, text, final=False)] if text else []
+        return [_response(request, text, final=False, logprobs=logprobs)] if text else []
     if empty_final:
-        head = [_response(request, text, final=False)] if text else []
-        return head + [_response(request, None, final=True, finish_reason=event.finish_reason, warnings=warnings)]
-    return [_response(request, text, final=True, finish_reason=event.finish_reason, warnings=warnings)]
+        head = [_response(request, text, final=False, logprobs=logprobs)] if text else []
+        return head + [_response(request, None, final=True, finish_reason=event.finish_reason, warnings=warnings,
+                                 logprobs=logprobs)]
+    return [_response(request, text, final=True, finish_reason=event.finish_reason, warnings=warnings,
+                      logprobs=logprobs)]
 
 
 def _response(request: pb.ModelInferRequest, text: str | None, final: bool, finish_reason: str | None = None,
-              warnings: list[str] | None = None) -> pb.ModelInferResponse:
+              warnings: list[str] | None = None, logprobs: EnsembleLogprobs | None = None) -> pb.ModelInferResponse:
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version or "1",
                                      id=request.id)
     if text is not None:
         response.outputs.add(name="text_output", datatype="BYTES", shape=[1, 1])
         response.raw_output_contents.append(serialize_bytes([text.encode("utf-8")]))
+    for name, array in logprobs.tensors() if logprobs is not None else ():
+        response.outputs.add(name=name, datatype="FP32", shape=list(array.shape))
+        response.raw_output_contents.append(array.astype("<f4").tobytes())
     response.parameters["triton_final_response"].bool_param = final
     if finish_reason is not None:
         response.parameters["finish_reason"].string_param = finish_reason

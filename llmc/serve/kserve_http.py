@@ -16,6 +16,7 @@ from llmc import __version__
 from llmc.errors import LlmcError
 from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
+from llmc.serve.ensemble_logprobs import EnsembleLogprobs
 from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict,
                                  parse_generate_fields)
 from llmc.serve.state import STATE_KEY, ServerState, prepare, read_body, read_json, send_sse, served_model, start_sse
@@ -62,21 +63,28 @@ async def _first(events: AsyncIterator[StreamEvent]) -> StreamEvent:
         return await anext(events)
 
 
-async def _whole_text(request: web.Request, req: GenerateRequest) -> tuple[str, StreamEvent, PreparedPrompt]:
-    """Run a request to its end: (the whole text, with the prompt unless excluded; the final event; its prompt)."""
+async def _whole_text(request: web.Request,
+                      req: GenerateRequest) -> tuple[str, StreamEvent, PreparedPrompt, EnsembleLogprobs]:
+    """Run a request to its end: (the whole text, with the prompt unless excluded; the final event; its prompt;
+    its log-probabilities, held only when the request asked for them)."""
     parts = [] if req.exclude_input_in_output else [req.prompt]
+    logprobs = EnsembleLogprobs(req.return_log_probs)
     prepared, events = await _open(request, req)
     async with aclosing(events):
         event = await _first(events)
         parts.append(event.text)
+        logprobs.add(event)
         while not event.finished:
             event = await anext(events)
             parts.append(event.text)
-    return "".join(parts), event, prepared
+            logprobs.add(event)
+    return "".join(parts), event, prepared, logprobs
 
 
-def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt) -> dict[str, Any]:
-    body: dict[str, Any] = {"model_name": name, "model_version": "1", "text_output": text}
+def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt,
+                   logprobs: EnsembleLogprobs) -> dict[str, Any]:
+    body: dict[str, Any] = {"model_name": name, "model_version": "1", "text_output": text,
+                            **logprobs.json_fields()}
     if event.finished:
         m = event.metrics
         body.update(finish_reason=event.finish_reason, stop_reason=event.stop_reason,
@@ -89,14 +97,16 @@ def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedP
 async def generate(request: web.Request) -> web.Response:
     """``POST /v2/models/<m>/generate``: one JSON response with the whole text."""
     name, state = served_model(request), request.app[STATE_KEY]
-    text, event, prepared = await _whole_text(request, _parse(state, await read_json(request)))
-    return web.json_response(_generate_body(name, text, event, prepared))
+    text, event, prepared, logprobs = await _whole_text(request, _parse(state, await read_json(request)))
+    return web.json_response(_generate_body(name, text, event, prepared, logprobs))
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     """``POST /v2/models/<m>/generate_stream``: server-sent events, one ``data: {...}`` per text delta.
 
-    Errors before the first event are plain JSON responses; later ones a final ``data: {"error": ...}``."""
+    Errors before the first event are plain JSON responses; later ones a final ``data: {"error": ...}``. With
+    ``return_log_probs`` every event carries the log-probabilities of all tokens so far (tensorrtllm_backend's
+    streaming semantics, :mod:`llmc.serve.ensemble_logprobs`)."""
     name, state = served_model(request), request.app[STATE_KEY]
     req = _parse(state, await read_json(request))
     prepared, events = await _open(request, req)
@@ -104,21 +114,24 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
         first = await _first(events)
         response = await start_sse(request)
         prefix = "" if req.exclude_input_in_output else req.prompt
+        logprobs = EnsembleLogprobs(req.return_log_probs)
         try:
-            async for text, event in _chunks(first, events, req.stream, prefix):
-                await send_sse(response, _generate_body(name, text, event, prepared))
+            async for text, event in _chunks(first, events, req.stream, prefix, logprobs):
+                await send_sse(response, _generate_body(name, text, event, prepared, logprobs))
         except LlmcError as exc:
             await send_sse(response, {"error": str(exc)})
     await response.write_eof()
     return response
 
 
-async def _chunks(event: StreamEvent, events: AsyncIterator[StreamEvent], stream: bool,
-                  prefix: str) -> AsyncIterator[tuple[str, StreamEvent]]:
-    """(text, event) pairs to send: every non-empty delta and the final event when streaming, else one."""
+async def _chunks(event: StreamEvent, events: AsyncIterator[StreamEvent], stream: bool, prefix: str,
+                  logprobs: EnsembleLogprobs) -> AsyncIterator[tuple[str, StreamEvent]]:
+    """(text, event) pairs to send: every non-empty delta and the final event when streaming, else one.
+    ``logprobs`` takes every event, sent or not, before its pair is yielded."""
     text = prefix
     while True:
         text += event.text
+        logprobs.add(event)
         if event.finished or (stream and text):
             yield text, event
             text = ""
@@ -133,13 +146,14 @@ async def infer(request: web.Request) -> web.Response:
     name, state = served_model(request), request.app[STATE_KEY]
     request_id, tensors = parse_infer_body(await read_body(request),
                                            request.headers.get("Inference-Header-Content-Length"))
-    text, event, prepared = await _whole_text(request, _parse(state, tensors_to_fields(tensors), allow_extras=False))
+    req = _parse(state, tensors_to_fields(tensors), allow_extras=False)
+    text, event, prepared, logprobs = await _whole_text(request, req)
     out = {"name": "text_output", "datatype": "BYTES", "shape": [1, 1], "data": [text]}
     parameters: dict[str, Any] = {"finish_reason": event.finish_reason}
     if prepared.warnings():
         parameters["warnings"] = "; ".join(prepared.warnings())
-    return web.json_response({"model_name": name, "model_version": "1", "id": request_id, "outputs": [out],
-                              "parameters": parameters})
+    return web.json_response({"model_name": name, "model_version": "1", "id": request_id,
+                              "outputs": [out, *logprobs.infer_outputs()], "parameters": parameters})
 
 
 def add_kserve_routes(app: web.Application) -> None:

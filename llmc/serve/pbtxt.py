@@ -47,6 +47,16 @@ def render_inputs(specs: Iterable[FieldSpec]) -> str:
     return ",\n".join(lines)
 
 
+def render_outputs(specs: Iterable[FieldSpec]) -> str:
+    """``output [...]`` entries for ensemble-style tensors (Triton outputs have no ``optional``: a model may leave
+    one out of a response, as the log-probability outputs are unless the request asked for them)."""
+    lines = []
+    for spec in specs:
+        dims = ", ".join(str(d) for d in spec.dims)
+        lines.append(f'  {{ name: "{spec.name}" data_type: {_TRITON_TYPES[spec.datatype]} dims: [ {dims} ] }}')
+    return ",\n".join(lines)
+
+
 def parse_config(text: str, source: str = "config.pbtxt") -> Any:
     """Parse config.pbtxt text into Triton's ``ModelConfig``; BuildError with the parser's message."""
     from google.protobuf import text_format

@@ -2,7 +2,9 @@
 
 Every entry point that speaks the ensemble's vocabulary (KServe v2 HTTP generate, gRPC ModelInfer /
 ModelStreamInfer, the ``llmc`` Python-backend model) parses through :func:`parse_generate_fields`, so the field
-names, types and defaults are identical everywhere (triton.md, "Ensemble inputs").
+names, types and defaults are identical everywhere (triton.md, "Ensemble inputs"). The optional input
+``return_log_probs`` and the outputs ``cum_log_probs`` / ``output_log_probs`` are tensorrtllm_backend's
+(:mod:`llmc.serve.ensemble_logprobs` fills them).
 """
 
 from __future__ import annotations
@@ -50,14 +52,18 @@ ENSEMBLE_INPUTS: tuple[FieldSpec, ...] = (
     FieldSpec("random_seed", "UINT64", (1,), "uint", "seed"),
     FieldSpec("stream", "BOOL", (1,), "bool"),
     FieldSpec("exclude_input_in_output", "BOOL", (1,), "bool"),
+    FieldSpec("return_log_probs", "BOOL", (1,), "bool"),  # sets SamplingParams.logprobs = 0
 )
-ENSEMBLE_OUTPUTS: tuple[FieldSpec, ...] = (FieldSpec("text_output", "BYTES", (-1,), "string"),)
+# cum_log_probs [beams] and output_log_probs [beams, tokens]: only in responses to return_log_probs: true.
+ENSEMBLE_OUTPUTS: tuple[FieldSpec, ...] = (FieldSpec("text_output", "BYTES", (-1,), "string"),
+                                           FieldSpec("cum_log_probs", "FP32", (-1,), "float"),
+                                           FieldSpec("output_log_probs", "FP32", (-1, -1), "float"))
 # llmc extras accepted by the HTTP generate endpoints (JSON only): SamplingParams fields without an ensemble name.
 EXTRA_PARAMS = ("min_p", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stop_token_ids")
 SPECS = {spec.name: spec for spec in ENSEMBLE_INPUTS}
 # llmc's internal names (SamplingParams fields, the engine's "prompt") -> the ensemble's names, for errors.
 ENSEMBLE_NAMES = {"prompt": "text_input", "max_new_tokens": "max_tokens", "min_tokens": "min_length",
-                  "seed": "random_seed", "stop": "stop_words"}
+                  "seed": "random_seed", "stop": "stop_words", "logprobs": "return_log_probs"}
 # JSON request bodies nest a few levels (messages -> content parts); deeper ones are refused before any walk.
 MAX_JSON_DEPTH = 32
 # Stop strings are matched on every generated token inside the engine's step, so their number and length
@@ -82,6 +88,7 @@ class GenerateRequest:
     exclude_input_in_output: bool = True
     request_id: str | None = None
     strict_max_tokens: bool = False  # 400 instead of a cap when max_tokens exceeds what the prompt leaves room for
+    return_log_probs: bool = False  # responses carry cum_log_probs and output_log_probs
 
 
 def loads_json_object(raw: bytes, what: str = "body") -> dict[str, Any]:
@@ -184,7 +191,8 @@ def parse_generate_fields(fields: Mapping[str, Any], defaults: SamplingParams, v
     """Translate ensemble fields (already decoded to Python values) into a :class:`GenerateRequest`.
 
     Scalars may arrive as one-element lists (tensor form). ``end_id`` joins the stop token ids, ``min_length``
-    becomes ``min_tokens``, ``random_seed`` becomes ``seed``; ``bad_words`` must be empty (the torch engine
+    becomes ``min_tokens``, ``random_seed`` becomes ``seed``, ``return_log_probs: true`` sets ``logprobs = 0``
+    (each generated token's own log-probability, no alternatives); ``bad_words`` must be empty (the torch engine
     has no bad-word filter); ``pad_id`` is accepted and unused. With ``allow_extras``, the JSON-only llmc
     extras (:data:`EXTRA_PARAMS`), ``id``/``request_id`` and ``strict_max_tokens`` are accepted. Unknown
     fields, missing required fields and wrong types raise RequestError naming the ensemble's field (never an
@@ -220,6 +228,8 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
         decoded[name] = value = _coerce(spec, raw)
         if spec.param is not None:
             changes[spec.param] = value
+    if decoded.get("return_log_probs"):
+        changes["logprobs"] = 0
     if decoded.get("bad_words"):
         raise RequestError("bad_words", "is not supported by llmc's engines; remove it or send an empty list")
     if "end_id" in decoded:
@@ -234,7 +244,8 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
     if not prompt:
         raise RequestError("text_input", "is empty; send at least one character")
     return GenerateRequest(prompt, params, bool(decoded.get("stream", False)),
-                           bool(decoded.get("exclude_input_in_output", True)), request_id, strict)
+                           bool(decoded.get("exclude_input_in_output", True)), request_id, strict,
+                           bool(decoded.get("return_log_probs", False)))
 
 
 def _pop_request_id(values: dict[str, Any]) -> str | None:

@@ -31,6 +31,9 @@ def test_fields_map_onto_sampling_params():
     ({"text_input": "x", "max_tokens": 1, "top_p": 2.0}, "top_p"),
     ({"text_input": "x", "max_tokens": 1, "min_p": 0.1}, "min_p"),
     ({"text_input": "x", "max_tokens": 1, "stop_token_ids": False}, "stop_token_ids"),  # found by the fuzzer
+    ({"text_input": "x", "max_tokens": 1, "return_log_probs": "true"}, "return_log_probs"),
+    ({"text_input": "x", "max_tokens": 1, "return_log_probs": 1}, "return_log_probs"),
+    ({"text_input": "x", "max_tokens": 1, "return_log_probs": [True, True]}, "return_log_probs"),
 ])
 def test_bad_fields_name_the_field(fields, field):
     with pytest.raises(RequestError) as info:
@@ -61,3 +64,25 @@ def test_null_extras_keep_their_defaults():
     """Found by the fuzzer: ``"stop_token_ids": null`` reached ``list(None)``."""
     req = parse_generate_fields({"text_input": "x", "max_tokens": 1, "stop_token_ids": None, "min_p": None}, DEFAULTS)
     assert req.params.stop_token_ids == (2,) and req.params.min_p == 0.0
+
+
+def test_return_log_probs_asks_for_each_tokens_log_prob_only_when_true():
+    base = {"text_input": "hi", "max_tokens": 3}
+    on = parse_generate_fields({**base, "return_log_probs": [True]}, DEFAULTS, allow_extras=False)
+    assert on.return_log_probs and on.params.logprobs == 0  # the token's own log-probability, no alternatives
+    for fields in (base, {**base, "return_log_probs": False}, {**base, "return_log_probs": None}):
+        off = parse_generate_fields(fields, DEFAULTS, allow_extras=False)
+        assert not off.return_log_probs and off.params == parse_generate_fields(base, DEFAULTS).params
+        assert off.params.logprobs is None
+
+
+def test_return_log_probs_on_a_tensorrt_llm_build_is_refused_under_its_ensemble_name():
+    """llmc's tensorrt_llm backend returns no log-probabilities: its refusal names the ensemble's field."""
+    from llmc.engine.tensorrt_llm.sampling import refuse_unsupported
+    from llmc.serve.protocol import ENSEMBLE_NAMES, client_names
+
+    req = parse_generate_fields({"text_input": "hi", "max_tokens": 3, "return_log_probs": True}, DEFAULTS)
+    with pytest.raises(RequestError) as info, client_names(ENSEMBLE_NAMES):
+        refuse_unsupported(req.params)
+    assert info.value.field == "return_log_probs"
+    assert "is not supported by the tensorrt_llm backend" in str(info.value) and "backend: torch" in str(info.value)

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2
 from llmc.errors import BuildError
 from llmc.manifest import read_manifest
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config
-from llmc.serve.protocol import ENSEMBLE_INPUTS
+from llmc.serve.protocol import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from llmc.serve.repo import TRTLLM_MODELS, generate_model_repo
 
 
@@ -34,13 +34,25 @@ def _params(config):
     return {k: v.string_value for k, v in config.parameters.items()}
 
 
+def _tensors(tensors):
+    """(name, Triton type, dims) of a parsed config's inputs or outputs."""
+    return [(t.name, model_config_pb2.DataType.Name(t.data_type), list(t.dims)) for t in tensors]
+
+
+def _specs(specs):
+    names = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "UINT64": "TYPE_UINT64",
+             "FP32": "TYPE_FP32"}
+    return [(s.name, names[s.datatype], list(s.dims)) for s in specs]
+
+
 def test_torch_repo_is_one_decoupled_python_model(serve_tiny_build, tmp_path):
     repo = generate_model_repo(serve_tiny_build, tmp_path / "repo")
     assert sorted(p.name for p in repo.iterdir()) == ["tiny"]
     config = _parse_file(repo / "tiny" / "config.pbtxt")
     assert config.backend == "python" and config.model_transaction_policy.decoupled
     assert [i.name for i in config.input] == [s.name for s in ENSEMBLE_INPUTS]
-    assert [o.name for o in config.output] == ["text_output"]
+    assert [o.name for o in config.output] == ["text_output", "cum_log_probs", "output_log_probs"]
+    assert _tensors(config.output) == _specs(ENSEMBLE_OUTPUTS) and _tensors(config.input) == _specs(ENSEMBLE_INPUTS)
     assert _params(config)["build_dir"] == str(serve_tiny_build.absolute())
     assert (repo / "tiny" / "1" / "model.py").is_file()
 
@@ -70,6 +82,27 @@ def test_trtllm_repo_filled_from_recipe(serve_tiny_build, tmp_path):
     assert pre["tokenizer_dir"] == str(serve_tiny_build.absolute() / "tokenizer")
     assert configs["preprocessing"].instance_group[0].count == 3
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+    assert check_ensemble(repo) == []
+
+
+def test_trtllm_repo_wires_return_log_probs_to_the_backend_and_back(serve_tiny_build, tmp_path):
+    """tensorrtllm_backend's contract: the ensemble's return_log_probs input goes to the tensorrt_llm model, whose
+    cum_log_probs [-1] / output_log_probs [-1, -1] FP32 outputs are the ensemble's (and the BLS model's)."""
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo", recipe=_trt_recipe(serve_tiny_build),
+                               eos_token_ids=(2,))
+    configs = {name: _parse_file(repo / name / "config.pbtxt") for name in TRTLLM_MODELS}
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert _tensors(configs[name].input) == _specs(ENSEMBLE_INPUTS), name
+        assert _tensors(configs[name].output) == _specs(ENSEMBLE_OUTPUTS), name
+    trt = configs["tensorrt_llm"]
+    assert ("return_log_probs", "TYPE_BOOL", [1]) in _tensors(trt.input)
+    outputs = {n: (t, d) for n, t, d in _tensors(trt.output)}
+    assert outputs["cum_log_probs"] == ("TYPE_FP32", [-1]) and outputs["output_log_probs"] == ("TYPE_FP32", [-1, -1])
+    assert _params(trt)["normalize_log_probs"] == "false"
+    (step,) = [s for s in configs["ensemble"].ensemble_scheduling.step if s.model_name == "tensorrt_llm"]
+    assert step.input_map["return_log_probs"] == "return_log_probs"
+    assert step.output_map["cum_log_probs"] == "cum_log_probs"
+    assert step.output_map["output_log_probs"] == "output_log_probs"
     assert check_ensemble(repo) == []
 
 

@@ -77,7 +77,7 @@ def test_health_and_metadata_with_tritonclient_http(tiny_server):
     assert client.is_model_ready(tiny_server.model) and client.is_model_ready("ensemble")
     meta = client.get_model_metadata(tiny_server.model)
     assert {i["name"] for i in meta["inputs"]} >= {"text_input", "max_tokens", "stream"}
-    assert [o["name"] for o in meta["outputs"]] == ["text_output"]
+    assert [o["name"] for o in meta["outputs"]] == ["text_output", "cum_log_probs", "output_log_probs"]
     assert tiny_server.get("/v2/models/nope")[0] == 404
 
 

@@ -2,12 +2,15 @@
 
 One request -> a stream of responses (one per text delta; ``stream: false`` -> one response), then the
 final flag. Tensors and their meaning are the TensorRT-LLM ensemble's (``llmc.serve.protocol``), parsed by
-the same code as ``llmc serve``. ``triton_python_backend_utils`` is imported lazily.
+the same code as ``llmc serve``; with ``return_log_probs`` each text response, and the last one of the request,
+also carries ``cum_log_probs`` / ``output_log_probs`` for all tokens so far (``llmc.serve.ensemble_logprobs``).
+``triton_python_backend_utils`` is imported lazily.
 """
 
 
 import numpy as np
 
+from llmc.serve.ensemble_logprobs import EnsembleLogprobs
 from llmc.serve.protocol import ENSEMBLE_INPUTS, parse_generate_fields
 from llmc.serve.triton_model import input_arrays, model_parameters
 
@@ -51,19 +54,23 @@ class TritonPythonModel:
     def _sink(sender, req, pb_utils):
         """The engine callback for one request (runs on the engine's step thread)."""
         held = [] if req.exclude_input_in_output else [req.prompt]
+        logprobs = EnsembleLogprobs(req.return_log_probs)
 
         def text_response(text):
             out = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
-            return pb_utils.InferenceResponse(output_tensors=[out])
+            extra = [pb_utils.Tensor(name, array) for name, array in logprobs.tensors()]
+            return pb_utils.InferenceResponse(output_tensors=[out, *extra])
 
         def sink(event):
             held.append(event.text)
+            logprobs.add(event)
             if event.finish_reason == "error":
                 sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(event.error)),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
             text = "".join(held)
-            if (req.stream or event.finished) and text:
+            # The last response of a request that asked for log-probabilities goes out even without text.
+            if (req.stream or event.finished) and (text or (event.finished and logprobs.enabled)):
                 sender.send(text_response(text))
                 held.clear()
             if event.finished:

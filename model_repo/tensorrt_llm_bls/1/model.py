@@ -1,7 +1,9 @@
 """llmc BLS model (decoupled Triton Python backend): one model doing tokenize -> tensorrt_llm -> detokenize.
 
 It calls the ``tensorrt_llm`` model through BLS (streaming), owns one ``IncrementalDetokenizer`` per
-request for exactly the request's lifetime, and sends one response per text delta, then the final flag.
+request for exactly the request's lifetime, and sends one response per text delta, then the final flag. With
+``return_log_probs`` the backend's ``cum_log_probs`` / ``output_log_probs`` (all tokens so far in each of its
+responses) go out with every text response and with the final one, as the ensemble returns them.
 Logic from ``llmc.serve.tokenization``; ``triton_python_backend_utils`` is imported lazily.
 """
 
@@ -16,7 +18,9 @@ from llmc.serve.triton_model import input_arrays, model_parameters
 PASSTHROUGH = {"max_tokens": "request_output_len", "temperature": "temperature", "top_k": "runtime_top_k",
                "top_p": "runtime_top_p", "repetition_penalty": "repetition_penalty",
                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-               "min_length": "min_tokens", "random_seed": "seed", "stream": "streaming"}
+               "min_length": "min_tokens", "random_seed": "seed", "stream": "streaming",
+               "return_log_probs": "return_log_probs"}
+LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 
 
 def trtllm_inputs(pre, arrays):
@@ -58,23 +62,32 @@ class TritonPythonModel:
             pre = self.pre.preprocess([arrays["text_input"].reshape(-1)[0].decode()], words(arrays["stop_words"]),
                                       words(arrays["bad_words"]), ints(arrays["end_id"]), ints(arrays["pad_id"]))
             inputs = [pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in trtllm_inputs(pre, arrays).items()]
+            wants_logprobs = arrays["return_log_probs"] is not None and bool(arrays["return_log_probs"].any())
+            outputs = ["output_ids", "sequence_length", *(LOGPROB_OUTPUTS if wants_logprobs else ())]
             infer = pb_utils.InferenceRequest(model_name=self.trtllm_name, inputs=inputs,
-                                              requested_output_names=["output_ids", "sequence_length"])
+                                              requested_output_names=outputs)
             key, prompt = f"bls-{id(request)}", pre["INPUT_ID"][0].tolist()
+            logprobs = {}  # the backend's latest log-probability arrays (all tokens so far)
             for response in infer.exec(decoupled=True):
                 if response.has_error():
                     raise RuntimeError(response.error().message())
                 ids_t = pb_utils.get_output_tensor_by_name(response, "output_ids")
                 if ids_t is None:  # the backend's empty final response
                     continue
+                for name in LOGPROB_OUTPUTS if wants_logprobs else ():
+                    tensor = pb_utils.get_output_tensor_by_name(response, name)
+                    if tensor is not None:
+                        logprobs[name] = tensor.as_numpy()
                 lengths = pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy()
                 ids = [int(t) for t in ids_t.as_numpy()[0, 0, : int(lengths[0, 0])]]
                 text = self.detok.decode_delta(key, ids, prompt)
+                extra = [pb_utils.Tensor(name, array) for name, array in logprobs.items()]
                 if text:
                     out = pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[out, *extra]))
             tail = self.detok.decode_delta(key, [], prompt, final=True)
             out = [pb_utils.Tensor("text_output", np.array([[tail.encode("utf-8")]], dtype=np.object_))] if tail else []
+            out += [pb_utils.Tensor(name, array) for name, array in logprobs.items()]
             sender.send(pb_utils.InferenceResponse(output_tensors=out) if out else None, flags=final)
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc))),
