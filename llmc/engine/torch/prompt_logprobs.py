@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.engine.torch.sampler import sanitize
+from llmc.engine.torch.sampler import sanitize_
 from llmc.engine.types import ScheduledSequence
 from llmc.request.outputs import TokenLogprob
 
-SLICE_ROWS = 256  # prompt rows a logits pass takes at once
+# Prompt rows a logits pass takes at once. H200, the 8B shape's lm_head, 2,047 rows: 6.9 ms for the pass (3.1 of
+# them the GEMM) at 256 rows a slice, 6.2 at 1,024; 256 keeps a slice's float32 logits at 131 MB.
+SLICE_ROWS = 256
 
 
 def wanted(seqs: Sequence[ScheduledSequence]) -> bool:
@@ -83,10 +85,12 @@ def prompt_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: 
     wanted_ids = torch.tensor(targets, dtype=torch.long).to(hidden.device, non_blocking=True)
     chosen, top_lps, top_ids = [], [], []
     for i in range(0, len(index), SLICE_ROWS):
-        logits = sanitize(compute_logits(hidden.index_select(0, rows[i:i + SLICE_ROWS])))  # [r, V] float32
+        logits = compute_logits(hidden.index_select(0, rows[i:i + SLICE_ROWS]))  # [r, V] float32, a new tensor
+        sanitize_(logits)
         norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # log-softmax = logits - norm (one pass less)
         chosen.append((logits.gather(1, wanted_ids[i:i + SLICE_ROWS, None]) - norm).squeeze(1))
-        values, ids = logits.topk(k, dim=-1)
+        # the most likely token alone: a max (topk's selection took 3.3 of 10.2 ms for 2,047 rows of the 8B shape)
+        values, ids = logits.max(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)
         top_lps.append(values - norm)
         top_ids.append(ids)
     return PromptRows(tuple(spans), tuple(targets), torch.cat(chosen), torch.cat(top_lps), torch.cat(top_ids))
