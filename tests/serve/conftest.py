@@ -117,3 +117,19 @@ def tiny_server(serve_tiny_build):
     server = start_server(serve_tiny_build)
     yield server
     server.close()
+
+
+@pytest.fixture(scope="module")
+def offline(serve_tiny_build):
+    """The tiny build in an offline engine (CPU): what the server's answers must equal."""
+    from llmc.runtime.api import Engine
+
+    return Engine.from_dir(serve_tiny_build, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    """OpenAI's own client against the module's tiny server."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_server.http + "/v1", api_key="unused", max_retries=0, timeout=60)

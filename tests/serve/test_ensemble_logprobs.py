@@ -13,18 +13,12 @@ import numpy as np
 import pytest
 
 from llmc.request.params import SamplingParams
-from llmc.runtime.api import Engine
 from llmc.serve.repo import template_root
 
 PROMPTS = ["Tell me about rivers and lakes", "Write about the quiet mountains", "Stories of old trains"]
 N = 8
 DATATYPES = {np.dtype(np.object_): "BYTES", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
              np.dtype(np.bool_): "BOOL"}
-
-
-@pytest.fixture(scope="module")
-def offline(serve_tiny_build):
-    return Engine.from_dir(serve_tiny_build, device="cpu")
 
 
 def reference(offline, prompt, n=N, **params):

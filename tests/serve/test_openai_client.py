@@ -8,20 +8,9 @@ import openai
 import pytest
 
 from llmc.request.params import SamplingParams
-from llmc.runtime.api import Engine
 from tests.serve.conftest import start_server
 
 MESSAGES = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Say hi"}]
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(serve_tiny_build):
-    return Engine.from_dir(serve_tiny_build, device="cpu")
 
 
 def expected(offline, prompt, n: int) -> str:

@@ -7,23 +7,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import openai
 import pytest
 
 from llmc.request.params import SamplingParams
-from llmc.runtime.api import Engine
 
 PROMPT = "Tell me about rivers and the sea"
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(serve_tiny_build):
-    return Engine.from_dir(serve_tiny_build, device="cpu")
 
 
 def scored(offline, prompt, k):

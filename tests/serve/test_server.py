@@ -14,17 +14,11 @@ import numpy as np
 import pytest
 
 from llmc.request.params import SamplingParams
-from llmc.runtime.api import Engine
 from scripts.client_grpc_stream import stream_once
 from tests.serve.conftest import error_text, start_server
 
 PROMPTS = [f"Request {i}: tell me about {w}" for i, w in enumerate(
     "cats dogs rivers mountains stars code music bread rain snow fire glass trains maps books tea".split())]
-
-
-@pytest.fixture(scope="module")
-def offline(serve_tiny_build):
-    return Engine.from_dir(serve_tiny_build, device="cpu")
 
 
 def greedy(offline, prompts, n):
