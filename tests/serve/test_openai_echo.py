@@ -78,3 +78,15 @@ def test_lm_evals_loglikelihood_requests_score_each_continuation(tiny_server, of
     assert out["usage"]["prompt_tokens"] == sum(len(full) for _, full in batch)
     stats = tiny_server.engine.stats()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_each_of_n_streamed_choices_starts_with_the_echoed_prompt(client, tiny_server, offline):
+    ref = scored(offline, PROMPT, 1)
+    chunks = list(client.completions.create(model=tiny_server.model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                            n=2, logprobs=1, echo=True, stream=True, extra_body={"ignore_eos": True}))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].text == PROMPT and mine[0].logprobs.token_logprobs[0] is None
+        assert mine[0].logprobs.token_logprobs[1:] == pytest.approx([lp.logprob for lp in ref.prompt_logprobs],
+                                                                    abs=1e-5)
+        assert "".join(c.text for c in mine) == PROMPT + ref.text
