@@ -2,11 +2,12 @@
 """Soak test of ``llmc serve``: N minutes of mixed traffic at concurrency 32, then checks that nothing leaked.
 
 Starts ``llmc serve BUILD`` as a subprocess, warms it up (one request of every kind), records its resident
-memory (RSS) and open file descriptors, then runs CONCURRENCY client threads for the duration. Each request is
-drawn from a mix: KServe generate (JSON and SSE), OpenAI chat (also n = 3 choices with log-probabilities) and
-streaming completions, gRPC ModelInfer and ModelStreamInfer (tritonclient), HTTP clients that disconnect
-mid-stream or before the answer, gRPC streams cancelled after their first response, and a few hostile requests
-(deep JSON, lone surrogates, malformed chat and /infer bodies, an oversized prompt) that must get their 4xx. Afterwards it waits for the server to drain
+memory (RSS) and open file descriptors, then runs CONCURRENCY client threads for the duration. Each request is drawn
+from a mix: KServe generate (JSON and SSE), OpenAI chat (also n = 3 choices with log-probabilities), streaming
+completions and prompts scored as lm-eval's loglikelihood requests are (echo, logprobs, max_tokens 0), gRPC
+ModelInfer and ModelStreamInfer (tritonclient), HTTP clients that disconnect mid-stream or before the answer, gRPC
+streams cancelled after their first response, and a few hostile requests (deep JSON, lone surrogates, malformed chat
+and /infer bodies, an oversized prompt) that must get their 4xx. Afterwards it waits for the server to drain
 and checks, printing one report (``--json`` writes it too):
 
 - zero unexpected outcomes (a 5xx, a dropped connection, a wrong status, a stream without its final event);
@@ -175,6 +176,16 @@ class Client:
             c["finish_reason"] and len(c["logprobs"]["content"]) >= 1 for c in reply["choices"])
         return "ok" if ok else f"unexpected:choices-{status}"
 
+    def openai_score(self) -> str:
+        """Two prompts scored as lm-eval's loglikelihood requests are (echo, their tokens' log-probabilities, no
+        completion): each prompt comes back with a null first entry and a log-probability <= 0 for every other."""
+        body = {"prompt": [self.prompt(), self.prompt()], "max_tokens": 0, "echo": True, "logprobs": 1}
+        status, reply = http_json(self.server.port, "POST", "/v1/completions", json.dumps(body).encode())
+        ok = status == 200 and len(reply["choices"]) == 2 and all(
+            c["logprobs"]["token_logprobs"][0] is None and all(v <= 0 for v in c["logprobs"]["token_logprobs"][1:])
+            for c in reply["choices"]) and reply["usage"]["completion_tokens"] == 0
+        return "ok" if ok else f"unexpected:score-{status}"
+
     def openai_stream(self) -> str:
         return self._sse("/v1/completions", {"prompt": self.prompt(), "max_tokens": self.tokens(), "stream": True})
 
@@ -237,7 +248,7 @@ class Client:
 MIX: dict[str, tuple[float, Callable[[Client], str]]] = {  # kind -> (weight, call)
     "generate": (0.15, Client.generate), "generate_stream": (0.15, Client.generate_stream),
     "openai_chat": (0.10, Client.openai_chat), "openai_stream": (0.10, Client.openai_stream),
-    "openai_choices": (0.05, Client.openai_choices),
+    "openai_choices": (0.05, Client.openai_choices), "openai_score": (0.05, Client.openai_score),
     "grpc_infer": (0.10, Client.grpc_infer), "grpc_stream": (0.10, Client.grpc_stream),
     "disconnect_mid_stream": (0.08, Client.disconnect_mid_stream),
     "close_before_answer": (0.05, Client.close_before_answer), "grpc_cancel": (0.07, Client.grpc_cancel),
