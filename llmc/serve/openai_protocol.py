@@ -2,20 +2,20 @@
 ``/v1/chat/completions``.
 
 Request fields map onto :class:`~llmc.request.params.SamplingParams` (``max_tokens`` -> ``max_new_tokens``,
-``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``strict_max_tokens``). ``n`` (1-16) completions of the prompt run as that many engine requests (a seeded
-request's choice i with ``seed + i``); a completions ``prompt`` may be a list of prompts (choice ``k * n + i`` is
-prompt k's choice i). Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions'
-``logprobs`` (0-20). Completions' ``echo: true`` puts the prompt before the completion, and with ``logprobs`` its
-tokens' log-probabilities (the first token's is null), which is how evaluation harnesses (lm-eval's
-``local-completions``) score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that
-do not change the output (``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot
-honour (``best_of`` > 1, chat's ``echo``, tools, ``response_format`` other than text, a non-empty ``logit_bias``)
-are a 400 unless they ask for nothing (``best_of: 1``, ``tools: []``, null). Any other field is a 400 too, as OpenAI's API answers it: a misspelt
-``max_token`` would otherwise be dropped silently and the request run with the default length. Every RequestError
-names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A ``developer``
-message (OpenAI's newer name for the system instructions) reaches the chat template as ``system``.
+``seed``, ``stop``, penalties, ``top_p``; llmc extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``strict_max_tokens``).
+``n`` (1-16) completions of the prompt run as that many engine requests (a seeded request's choice i with
+``seed + i``); a completions ``prompt`` may be a list of prompts (choice ``k * n + i`` is prompt k's choice i).
+Log-probabilities: chat's ``logprobs: true`` with ``top_logprobs`` (0-20), completions' ``logprobs`` (0-20).
+Completions' ``echo: true`` puts the prompt before the completion, and with ``logprobs`` its tokens'
+log-probabilities (the first token's is null), which is how evaluation harnesses (lm-eval's ``local-completions``)
+score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that do not change the output
+(``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot honour (``best_of`` > 1,
+chat's ``echo``, tools, ``response_format`` other than text, a non-empty ``logit_bias``) are a 400 unless they ask
+for nothing (``best_of: 1``, ``tools: []``, null). Any other field is a 400 too, as OpenAI's API answers it: a
+misspelt ``max_token`` would otherwise be dropped silently and the request run with the default length. Every
+RequestError names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A
+``developer`` message (OpenAI's newer name for the system instructions) reaches the chat template as ``system``.
 """
 
 from __future__ import annotations
