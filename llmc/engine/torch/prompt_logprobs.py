@@ -6,8 +6,8 @@ prompt token ``p + 1`` (the last prompt position scores the first generated toke
 log-probability, ``SamplingParams.logprobs``). The logits layer runs over those rows in slices of
 :data:`SLICE_ROWS` (a 2,048-token chunk of a 128k-token vocabulary would be 1 GB of float32 logits at once); each
 slice's log-softmax is float32 over the raw logits, as for generated tokens (as ``logits - logsumexp``: the
-full log-softmax is never written). Steps with such a chunk run eagerly
-(the captured graphs compute the logits of the sampled rows only); other steps pay one pass over their sequences.
+full log-softmax is never written). Steps with such a chunk run eagerly (the captured graphs compute the logits of
+the sampled rows only); other steps pay one pass over their sequences.
 """
 
 from __future__ import annotations
