@@ -82,6 +82,14 @@ class Completion:
         )
 
 
+def output_logprobs(event: StreamEvent) -> tuple[TokenLogprob, ...]:
+    """The event's log-probabilities of output tokens: less the stop id's that ended the request (that token is
+    not part of the output's text)."""
+    if event.finished and event.finish_reason == "stop" and isinstance(event.stop_reason, int):
+        return tuple(lp for lp in event.logprobs if lp.token_id != event.stop_reason)
+    return event.logprobs
+
+
 class RequestOutput:
     """The output side of one request (owned by the engine, used under its lock).
 

@@ -29,15 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from llmc.request.outputs import StreamEvent
+from llmc.request.outputs import StreamEvent, output_logprobs
 
 CUM_LOG_PROBS, OUTPUT_LOG_PROBS = "cum_log_probs", "output_log_probs"
-
-
-def ends_on_stop_id(event: StreamEvent) -> bool:
-    """True when ``event`` is the last of a request that a stop token id ended (its token is not output text)."""
-    return (event.finished and event.finish_reason == "stop" and isinstance(event.stop_reason, int)
-            and not isinstance(event.stop_reason, bool))
 
 
 class EnsembleLogprobs:
@@ -58,9 +52,7 @@ class EnsembleLogprobs:
         """Take the log-probabilities of ``event``'s tokens (a terminating stop id's is left out of both)."""
         if not self.enabled or not event.logprobs:
             return
-        values = [lp.logprob for lp in event.logprobs]
-        if ends_on_stop_id(event):
-            values = values[:-1]
+        values = [lp.logprob for lp in output_logprobs(event)]
         self.output.extend(values)
         self.cum += sum(values)
 

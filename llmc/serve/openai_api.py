@@ -17,10 +17,10 @@ from typing import Any
 from aiohttp import web
 
 from llmc.errors import LlmcError, UnknownModelError
-from llmc.request.outputs import StreamEvent, TokenLogprob
+from llmc.request.outputs import StreamEvent, TokenLogprob, output_logprobs
 from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import PreparedPrompt
-from llmc.serve.openai_logprobs import LogprobFormatter, event_logprobs
+from llmc.serve.openai_logprobs import LogprobFormatter
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.protocol import client_names
 from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
@@ -73,8 +73,9 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
             return await _stream(request, choices, firsts, meta, chat, req, prepared)
         finals = await _all([c.collect(first) for c, first in zip(choices, firsts)])
     body = {**meta, "choices": [c.whole(chat) for c in choices], "usage": _usage(finals, prepared, req)}
-    if _warnings(prepared):
-        body["warnings"] = _warnings(prepared)
+    warnings = _warnings(prepared)
+    if warnings:
+        body["warnings"] = warnings
     return web.json_response(body)
 
 
@@ -112,7 +113,7 @@ class _Choice:
         text = "" if self.score_only else event.text
         self.parts.append(text)
         if not self.score_only:
-            self.pending += event_logprobs(event)
+            self.pending += output_logprobs(event)
         self.finish_reason = event.finish_reason
         return text
 

@@ -14,14 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llmc.request.outputs import StreamEvent, TokenLogprob
-
-
-def event_logprobs(event: StreamEvent) -> tuple[TokenLogprob, ...]:
-    """The event's log-probabilities, less the stop id's that ended the request."""
-    if event.finished and event.finish_reason == "stop" and isinstance(event.stop_reason, int):
-        return tuple(lp for lp in event.logprobs if lp.token_id != event.stop_reason)
-    return event.logprobs
+from llmc.request.outputs import TokenLogprob
 
 
 class LogprobFormatter:

@@ -36,24 +36,16 @@ def _pbtxt_value(value: Any) -> str:
     return str(value)
 
 
-def render_inputs(specs: Iterable[FieldSpec]) -> str:
-    """``input [...]`` entries for ensemble-style tensors (the batch dim is implied by max_batch_size)."""
+def render_inputs(specs: Iterable[FieldSpec], outputs: bool = False) -> str:
+    """``input [...]`` entries for ensemble-style tensors (the batch dim is implied by max_batch_size); with
+    ``outputs``, ``output [...]`` entries (Triton outputs have no ``optional``: a model may leave one out of a
+    response, as the log-probability outputs are unless the request asked for them)."""
     lines = []
     for spec in specs:
         dims = ", ".join(str(d) for d in spec.dims)
-        optional = "" if spec.required else " optional: true"
+        optional = "" if spec.required or outputs else " optional: true"
         lines.append(f'  {{ name: "{spec.name}" data_type: {_TRITON_TYPES[spec.datatype]} dims: [ {dims} ]'
                      f'{optional} }}')
-    return ",\n".join(lines)
-
-
-def render_outputs(specs: Iterable[FieldSpec]) -> str:
-    """``output [...]`` entries for ensemble-style tensors (Triton outputs have no ``optional``: a model may leave
-    one out of a response, as the log-probability outputs are unless the request asked for them)."""
-    lines = []
-    for spec in specs:
-        dims = ", ".join(str(d) for d in spec.dims)
-        lines.append(f'  {{ name: "{spec.name}" data_type: {_TRITON_TYPES[spec.datatype]} dims: [ {dims} ] }}')
     return ",\n".join(lines)
 
 

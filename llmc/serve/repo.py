@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from llmc.errors import BuildError
 from llmc.recipe import Recipe
-from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config, render_inputs, render_outputs
+from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config, render_inputs
 from llmc.serve.protocol import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from llmc.serve.trtllm_backend import check_trtllm_model
 
@@ -103,7 +103,7 @@ def template_values(recipe: Recipe, eos: Sequence[int], build_path: Path, engine
         "postprocessing_instance_count": count,
         "bls_instance_count": count,
         "ensemble_inputs": render_inputs(ENSEMBLE_INPUTS),
-        "ensemble_outputs": render_outputs(ENSEMBLE_OUTPUTS),
+        "ensemble_outputs": render_inputs(ENSEMBLE_OUTPUTS, outputs=True),
     }
 
 
