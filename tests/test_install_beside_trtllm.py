@@ -1,7 +1,8 @@
 """llmc's core installs and runs beside TensorRT-LLM 1.2 (issue 16).
 
-TensorRT-LLM 1.2.0 and 1.2.1 require ``transformers==4.57.3`` and ``numpy<2`` (their PyPI metadata); installing
-llmc into NVIDIA's TensorRT-LLM environment must not replace them. So llmc's core (build folders, engines,
+TensorRT-LLM 1.2.0 and 1.2.1 require ``transformers==4.57.3`` and ``numpy<2`` (their PyPI metadata) and pin
+``llguidance==0.7.29`` (its requirements.txt); installing llmc into NVIDIA's TensorRT-LLM environment must not
+replace them. So llmc's core (build folders, engines,
 runtime, serving, the TensorRT-LLM backend) takes transformers 4.53 - 5.17 and only the ``quant`` extra
 (llm-compressor) needs transformers 5.15+. This test proves it in a separate venv that has llmc's core with those
 two pins and no llm-compressor: pip resolves it, the TensorRT-LLM contract tests and the runtime tests pass
@@ -34,7 +35,9 @@ from llmc.source.load import default_cache_dir
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-TRT_LLM_PINS = ("transformers==4.57.3", "numpy<2")  # tensorrt_llm 1.2.0 / 1.2.1 Requires-Dist
+# tensorrt_llm 1.2.0 / 1.2.1 Requires-Dist; llguidance as TensorRT-LLM's requirements.txt pins it (structured outputs
+# run on it in the runtime tests below)
+TRT_LLM_PINS = ("transformers==4.57.3", "numpy<2", "llguidance==0.7.29")
 READY = "llmc-compat-ready"
 PROBE_TEXTS = ("Hello , world ! It's 3.14 - isn't it?", "  leading spaces and\ttabs\n\nnew lines", "naïve café 東京 🙂",
                "<|im_start|>user\nhi<|im_end|>")

@@ -201,6 +201,18 @@ def test_bench_prompt_logprobs_times_scored_and_plain_prompts(tiny_build_dir):
     assert report["alone_ratio"] == report["alone_ms_p50"]["scored"] / report["alone_ms_p50"]["plain"] > 0
 
 
+def test_bench_structured_times_free_and_constrained_requests(tiny_build_dir):
+    result = subprocess.run([sys.executable, "scripts/bench_structured.py", str(tiny_build_dir), "--concurrency", "1,2",
+                             "--new-tokens", "6", "--prompt-len", "8", "--rounds", "1", "--device", "cpu"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report["tgs"]) == {"free", "regex", "json"} and set(report["tgs"]["free"]) == {"1", "2"}
+    for fmt in ("regex", "json"):
+        assert report["ratio_to_free"][fmt]["1"] == report["tgs"][fmt]["1"] / report["tgs"]["free"]["1"] > 0
+        assert all(us > 0 for us in report["mask_us_per_token"][fmt].values())
+
+
 def lm_eval_samples(folder: Path, rows: list[list[list[str]]]) -> Path:
     """An lm-eval ``--log_samples`` folder: one task's samples file, doc i with ``rows[i]`` as its responses."""
     (folder / "model").mkdir(parents=True)

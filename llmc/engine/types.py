@@ -49,6 +49,9 @@ class ScheduledSequence:
     # Tokens the penalties see: the prompt and the tokens generated so far (in order).
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
+    # The token ids the request's output format allows next (SamplingParams.structured), for a sequence that samples:
+    # int32 [ceil(vocab / 32)] on the host, bit i % 32 of word i // 32 set for an allowed id i; None: any id.
+    token_mask: Any = field(default=None, compare=False)
 
     @property
     def is_decode(self) -> bool:

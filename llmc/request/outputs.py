@@ -13,6 +13,7 @@ from llmc.request.detokenize import IncrementalDetokenizer
 from llmc.request.metrics import RequestMetrics
 from llmc.request.params import SamplingParams
 from llmc.request.stop import StopStringMatcher, check_stop_token
+from llmc.request.structured import Constraint
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -108,6 +109,7 @@ class RequestOutput:
         metrics: RequestMetrics,
         sink: Callable[[StreamEvent], None] | None = None,
         byte_token_ids: frozenset[int] | None = None,
+        constraint: Constraint | None = None,
     ):
         self.request_id = request_id
         self.params = params
@@ -120,6 +122,7 @@ class RequestOutput:
         self.metrics = metrics
         self.sink = sink
         self.num_generated = 0
+        self.constraint = constraint  # the compiled output format (params.structured); it sees every token
         self.prompt_logprobs: list[TokenLogprob] = []  # prompt positions 1, 2, ... computed so far
         if params.prompt_logprobs is not None:  # the first token's event takes them (other requests pay nothing)
             self.on_token = self._first_token  # type: ignore[method-assign]
@@ -136,19 +139,26 @@ class RequestOutput:
 
     def on_token(self, token_id: int, now: float, logprob: TokenLogprob | None = None) -> StreamEvent:
         """Process one sampled token (and its log-probabilities, when the request asked for them): returns its
-        event (finished when a stop or a length limit hit)."""
+        event (finished when a stop or a length limit hit, or the output format is complete; an "error" event when
+        the format does not allow the token, which the sampler's mask rules out)."""
         self.num_generated += 1
         self.metrics.record_token(now)
         lps = (logprob,) if logprob is not None else ()
+        if self.constraint is not None and not self.constraint.accept(token_id):
+            self.metrics.record_finished(now)
+            return StreamEvent(self.request_id, "", (token_id,), True, "error", None, self.metrics,
+                               f"token {token_id} is not allowed by the request's output format (structured): "
+                               f"{self.constraint.error or 'rejected'}", lps)
         if check_stop_token(token_id, self.num_generated, self.params, self.eos_token_ids):
             text, matched = self._flush()
             return self._finish(now, text, (token_id,), "stop", matched if matched is not None else token_id, lps)
         text, matched = self._feed(self.detokenizer.add(token_id))
         if matched is not None:
             return self._finish(now, text, (token_id,), "stop", matched, lps)
-        if self.num_prompt + self.num_generated >= self.max_total:
+        complete = self.constraint is not None and self.constraint.complete  # its format admits no further token
+        if complete or self.num_prompt + self.num_generated >= self.max_total:
             tail, matched = self._flush()
-            reason = "stop" if matched is not None else "length"
+            reason = "length" if matched is None and not complete else "stop"
             return self._finish(now, text + tail, (token_id,), reason, matched, lps)
         if lps:
             return StreamEvent(self.request_id, text, (token_id,), logprobs=lps)

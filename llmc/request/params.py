@@ -14,9 +14,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from llmc.errors import RequestError
+from llmc.request.structured import KINDS, OutputFormat
 
 _UINT64_MAX = 2**64 - 1
 MAX_LOGPROBS = 20  # the most alternatives a token's log-probabilities come with (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 100.0  # |bias| bound of logit_bias (OpenAI's: -100 bans a token, 100 all but forces it)
+MAX_LOGIT_BIAS_IDS = 300  # token ids one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class SamplingParams:
     after the first gets its log-probability given the tokens before it, and the ``prompt_logprobs`` most likely
     tokens' at that position (what scoring and evaluation harnesses ask for: a continuation's log-likelihood).
     Such a request reuses no cached prefix (every prompt position is computed).
+    ``structured`` (None: off) constrains the output to a format (:class:`~llmc.request.structured.OutputFormat`:
+    a JSON schema, any JSON object, a regular expression, one of a list of strings, a grammar): tokens the format
+    does not allow next are never sampled, and the request ends ("stop") once the output is complete.
+    ``logit_bias``: ``(token id, bias)`` pairs added to those tokens' logits before penalties and sampling (bias in
+    [-100, 100], OpenAI's; -100 in effect bans a token).
     Penalties follow the OpenAI / vLLM semantics: ``repetition_penalty`` (multiplicative, > 1 discourages)
     applies to every token seen in the prompt or the output; ``presence_penalty`` (subtracted once) and
     ``frequency_penalty`` (subtracted per occurrence) apply to tokens of the output only. Stop tokens and stop
@@ -53,6 +61,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: OutputFormat | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # The Python API's natural spellings: a format as a mapping, a bias as {token id: bias}
+        if self.structured is not None and (not isinstance(self.structured, OutputFormat)
+                                            or self.structured.kind not in KINDS):
+            object.__setattr__(self, "structured", OutputFormat.from_dict(self.structured))
+        if not isinstance(self.logit_bias, tuple) or any(not isinstance(p, tuple) for p in self.logit_bias):
+            object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
 
     # ------------------------------------------------------------------------------------------------
     # Derived flags (read by the sampler to skip work no row needs)
@@ -68,6 +86,11 @@ class SamplingParams:
         """True when any of the repetition / presence / frequency penalties changes the logits."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def shapes_logits(self) -> bool:
+        """True when the request changes its logits before sampling (penalties, a logit bias, an output format)."""
+        return self.uses_penalties or bool(self.logit_bias) or self.structured is not None
+
     # ------------------------------------------------------------------------------------------------
     # Validation
     # ------------------------------------------------------------------------------------------------
@@ -80,6 +103,7 @@ class SamplingParams:
         self._validate_types()
         self._validate_ranges()
         self._validate_stops(vocab_size)
+        self._validate_logit_shaping(vocab_size)
         return self
 
     def _validate_types(self) -> None:
@@ -141,6 +165,27 @@ class SamplingParams:
                 raise RequestError("stop_token_ids", f"unknown token id {t!r}: ids must be integers in {bound}; "
                                                      f"remove it or look the id up with the model's tokenizer")
 
+    def _validate_logit_shaping(self, vocab_size: int | None) -> None:
+        if self.structured is not None and (not isinstance(self.structured, OutputFormat)
+                                            or self.structured.kind not in KINDS):
+            raise RequestError("structured", f"must be an output format such as {{\"type\": \"json_object\"}}, got "
+                                             f"{self.structured!r}")
+        if not isinstance(self.logit_bias, tuple):
+            raise RequestError("logit_bias", f"must map token ids to biases, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_IDS:
+            raise RequestError("logit_bias", f"biases {len(self.logit_bias)} token ids; at most {MAX_LOGIT_BIAS_IDS}")
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size) or token in seen:
+                bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+                raise RequestError("logit_bias", f"has token id {token!r}: ids must be distinct integers in {bound}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= \
+                    MAX_LOGIT_BIAS:
+                raise RequestError("logit_bias", f"has bias {bias!r} for token {token}: biases are numbers in "
+                                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            seen.add(token)
+
     # ------------------------------------------------------------------------------------------------
     # Conversion
     # ------------------------------------------------------------------------------------------------
@@ -151,7 +196,8 @@ class SamplingParams:
 
         Unknown keys raise :class:`RequestError` naming the key. Lists become tuples; ``stop`` may be a single
         string; ``None`` values keep the default (except ``seed`` and the log-probability counts, where it is the
-        default).
+        default). ``structured`` takes :meth:`OutputFormat.from_dict`'s mapping; ``logit_bias`` a mapping of token
+        ids (integers or their decimal strings, as JSON keys are) to biases, or a list of ``[id, bias]`` pairs.
         """
         if not isinstance(d, Mapping):
             raise RequestError("sampling", f"must be a mapping of parameter names to values, got {type(d).__name__}")
@@ -162,7 +208,9 @@ class SamplingParams:
                 raise RequestError(str(key), f"unknown sampling parameter; valid ones are: {', '.join(sorted(names))}")
             if value is None and key not in _NULLABLE:
                 continue
-            if key == "stop" and isinstance(value, str):
+            if key in ("structured", "logit_bias"):
+                pass  # __post_init__ reads their mappings
+            elif key == "stop" and isinstance(value, str):
                 value = (value,)
             elif isinstance(value, list):
                 value = tuple(value)
@@ -176,6 +224,10 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "logit_bias":
+                value = {str(token): bias for token, bias in value}
+            elif isinstance(value, OutputFormat):
+                value = value.to_dict()
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -188,6 +240,23 @@ class SamplingParams:
 
 _NULLABLE = ("seed", "logprobs", "prompt_logprobs")  # None is a value of these (off / unseeded), not "the default"
 _FLOAT_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams) if isinstance(f.default, float))
+
+
+def _bias_pairs(value: Any) -> Any:
+    """``logit_bias`` as sorted ``(id, bias)`` pairs (from a mapping or pairs; the value as given if neither, for
+    validation to name it). Decimal-string ids become integers."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, (list, tuple)):
+        return value
+    pairs = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            return value
+        token, bias = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        pairs.append((token, float(bias) if _is_int(bias) else bias))
+    return tuple(sorted(pairs, key=lambda p: p[0] if _is_int(p[0]) else -1))
 
 
 def _is_int(value: Any) -> bool:

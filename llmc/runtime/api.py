@@ -35,6 +35,7 @@ from llmc.request.inputs import Prompt, check_prompt_length, max_prompt_chars, p
 from llmc.request.metrics import MetricsLog, PromptTiming, RequestMetrics
 from llmc.request.outputs import Completion, RequestOutput, StreamEvent
 from llmc.request.params import SamplingParams
+from llmc.request.structured import Grammars
 from llmc.runtime.engine_loop import EngineLoop
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.compute import run_compute
@@ -73,6 +74,7 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.default_params = recipe.runtime.sampling
         self._byte_token_ids = byte_fallback_token_ids(tokenizer)
+        self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_token_ids)  # SamplingParams.structured
         self.max_prompt_chars = max_prompt_chars(tokenizer, recipe.engine.max_input_len)
         self.clock = clock
         limits = recipe.engine
@@ -156,8 +158,9 @@ class Engine:
         metrics = RequestMetrics(arrival_time=timing.arrival_time, prompt_tokens=len(ids),
                                  template_time=timing.template_time, tokenize_time=timing.tokenize_time,
                                  queued_time=self.clock())
+        constraint = self.grammars.compile(params.structured) if params.structured is not None else None
         output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
-                               self.recipe.engine.max_seq_len, metrics, sink, self._byte_token_ids)
+                               self.recipe.engine.max_seq_len, metrics, sink, self._byte_token_ids, constraint)
         with self._lock:
             if request_id in self._outputs:
                 raise RequestError("request_id", f"{request_id!r} is already in flight; use a unique id")

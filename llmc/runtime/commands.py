@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -31,22 +32,33 @@ def _overrides(**given) -> dict:
 @click.option("--prompt-logprobs", type=int, default=None,
               help="After the answer, list each prompt token's log-probability given the tokens before it, the N "
                    "most likely tokens' (0-20) and the prompt's perplexity.")
+@click.option("--json-schema", "json_schema", default=None,
+              help="Constrain the answer to a JSON schema: inline JSON or the path of a .json file.")
+@click.option("--json-object", is_flag=True, help="Constrain the answer to a JSON object (any).")
+@click.option("--regex", default=None, help="Constrain the whole answer to match a regular expression (Rust syntax).")
+@click.option("--choice", multiple=True, help="Constrain the answer to one of these strings (repeatable).")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Constrain the answer to a context-free grammar (a file in llguidance's Lark syntax).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append per-step and per-request metrics as JSON lines to FILE.")
 def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
                  top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
-                 logprobs: int | None, prompt_logprobs: int | None, device: str, metrics_log: Path | None) -> None:
+                 logprobs: int | None, prompt_logprobs: int | None, json_schema: str | None, json_object: bool,
+                 regex: str | None, choice: tuple[str, ...], grammar: Path | None, device: str,
+                 metrics_log: Path | None) -> None:
     """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
     tokens/s to stderr (and, with --logprobs / --prompt-logprobs, each token's log-probability). Sampling
-    defaults come from the recipe's runtime.sampling."""
+    defaults come from the recipe's runtime.sampling. --json-schema, --json-object, --regex, --choice and --grammar
+    (one of them) constrain the answer to that format."""
     from llmc.runtime.api import Engine
 
+    structured = output_format(json_schema, json_object, regex, choice, grammar)
     engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log)
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            stop=tuple(stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+            stop=tuple(stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured))
         request = [{"role": "user", "content": prompt}] if chat else prompt
         last, token_logprobs, scored = None, [], []
         for event in engine.stream(request, params):
@@ -68,6 +80,37 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int 
         click.echo(_logprob_line(engine.tokenizer, lp), err=True)
     if last is not None and last.metrics is not None:
         click.echo(_summary(last.metrics, last.finish_reason, last.stop_reason), err=True)
+
+
+def output_format(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],
+                  grammar: Path | None) -> dict | None:
+    """``SamplingParams.structured`` from generate's format flags (None when none is given); UsageError for two."""
+    given = {"--json-schema": json_schema, "--json-object": json_object or None, "--regex": regex,
+             "--choice": choice or None, "--grammar": grammar}
+    named = [flag for flag, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise click.UsageError(f"{' and '.join(named)} each set the answer's format; pass one of them")
+    if json_schema is not None:
+        text = json_schema
+        if not json_schema.lstrip().startswith(("{", "true", "false")):
+            path = Path(json_schema)
+            if not path.is_file():
+                raise click.BadParameter(f"{json_schema!r} is neither inline JSON nor a file", param_hint="--json-schema")
+            text = path.read_text(encoding="utf-8")
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--json-schema") from None
+        return {"type": "json_schema", "schema": schema}
+    if json_object:
+        return {"type": "json_object"}
+    if regex is not None:
+        return {"type": "regex", "pattern": regex}
+    if choice:
+        return {"type": "choice", "choices": list(choice)}
+    if grammar is not None:
+        return {"type": "grammar", "grammar": grammar.read_text(encoding="utf-8")}
+    return None
 
 
 def _logprob_line(tokenizer, lp) -> str:

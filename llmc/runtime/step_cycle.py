@@ -16,8 +16,9 @@ mixed-step budget (``serving.mixed_step_tokens``) makes of decodes and prompt ch
 next. After any other step with prompt tokens (up to ``engine.max_num_tokens`` of them: hundreds of milliseconds)
 the engine waits for it first, so requests that arrived while it ran join the very next step (planned ahead, they
 would wait a whole prefill step longer; waiting costs the GPU well under a millisecond next to such a step).
-Penalties read earlier tokens' values: while a running request uses them, the engine waits for step n before
-planning step n + 1.
+Penalties and output formats (structured outputs: each sampled token's allowed ids follow from the tokens before it)
+read earlier tokens' values: while a running request uses them, the engine waits for step n before planning
+step n + 1.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
@@ -25,6 +26,7 @@ while the model runs (callers add and abort requests during a step).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -93,7 +95,7 @@ class StepCycle:
         scheduled: SchedulerOutput | None = None
         try:
             with self._lock:
-                scheduled = self.scheduler.schedule()
+                scheduled = self._constrain(self.scheduler.schedule())
             result = ModelRunnerOutput()
             if scheduled.sequences:
                 result = run_compute(self.runner.execute, scheduled)
@@ -120,7 +122,7 @@ class StepCycle:
                 events += self._collect(inflight)
                 inflight = None
             with self._lock:
-                scheduled = self.scheduler.schedule()
+                scheduled = self._constrain(self.scheduler.schedule())
             pending = None
             if scheduled.sequences:
                 pending = run_compute(self.runner.launch, scheduled, inflight.pending if inflight else None)
@@ -153,9 +155,25 @@ class StepCycle:
             return self.process(self.scheduler.fill(inflight.ticket, result), result)
 
     def _needs_token_values(self) -> bool:
-        """Whether a running request samples with penalties (they read the values of earlier tokens)."""
+        """Whether a running request samples with penalties or an output format (they read the values of earlier
+        tokens)."""
         with self._lock:
-            return any(r.params.uses_penalties for r in self.scheduler.running)
+            return any(r.params.uses_penalties or r.params.structured is not None for r in self.scheduler.running)
+
+    def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
+        """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
+        (``SamplingParams.structured``), computed from its constraint, which has seen every earlier token (the
+        engine waits for a step's tokens before planning the next while such a request runs). Under the lock."""
+        seqs = scheduled.sequences
+        if not any(s.sample and s.params.structured is not None for s in seqs):
+            return scheduled
+        constrained = []
+        for s in seqs:
+            output = self._outputs.get(s.request_id)
+            if s.sample and output is not None and output.constraint is not None:
+                s = dataclasses.replace(s, token_mask=output.constraint.mask())
+            constrained.append(s)
+        return dataclasses.replace(scheduled, sequences=tuple(constrained))
 
     @property
     def overlapped_steps(self) -> bool:

@@ -11,8 +11,10 @@ Completions' ``echo: true`` puts the prompt before the completion, and with ``lo
 log-probabilities (the first token's is null), which is how evaluation harnesses (lm-eval's ``local-completions``)
 score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that do not change the output
 (``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot honour (``best_of`` > 1,
-chat's ``echo``, tools, ``response_format`` other than text, a non-empty ``logit_bias``) are a 400 unless they ask
-for nothing (``best_of: 1``, ``tools: []``, null). Any other field is a 400 too, as OpenAI's API answers it: a
+chat's ``echo``, tools) are a 400 unless they ask for nothing (``best_of: 1``, ``tools: []``, null). Structured
+outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's ``structured`` (the
+same plus ``regex``, ``choice`` and ``grammar`` formats, :class:`~llmc.request.structured.OutputFormat`);
+``logit_bias`` adds its biases to the logits. Any other field is a 400 too, as OpenAI's API answers it: a
 misspelt ``max_token`` would otherwise be dropped silently and the request run with the default length. Every
 RequestError names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A
 ``developer`` message (OpenAI's newer name for the system instructions) reaches the chat template as ``system``.
@@ -38,14 +40,14 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
 # Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "logit_bias": ({},),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": ()}
 # Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "parallel_tool_calls")
 COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs", "echo",
-                 *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+                 "response_format", "structured", "logit_bias", *PARAM_MAP, *UNSUPPORTED, *IGNORED)
 MAX_CHOICES = 16  # n: completions of one request (each is an engine request of its own)
 MAX_COMPLETIONS = 256  # prompts x n in one completions request
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
@@ -104,9 +106,45 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     with client_names(names):
         params = sampling_params(body, defaults, vocab_size)
     logprobs = _logprobs(body, chat)
-    params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+    structured, names["structured"] = _output_format(body)
+    with client_names(names):
+        params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None, structured=structured,
+                                logit_bias=_logit_bias(body)).validate(vocab_size)
     return OpenAIRequest(model, prompts, params, _flag(body, "stream"), _include_usage(body),
                          _flag(body, "strict_max_tokens"), names, n, echo, score_only)
+
+
+def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
+    """``SamplingParams.structured`` from OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``
+    with ``json_schema.schema``) or llmc's ``structured`` (any :class:`~llmc.request.structured.OutputFormat`: also
+    ``regex``, ``choice``, ``grammar``), and the client's name of that field (for errors)."""
+    fmt, extension = body.get("response_format"), body.get("structured")
+    if fmt is not None and fmt != {"type": "text"}:
+        if extension is not None:
+            raise RequestError("structured", "and response_format both set an output format; send one of them")
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise RequestError("response_format", f'must be {{"type": "text"}}, {{"type": "json_object"}} or '
+                                                  f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": '
+                                                  f'{{...}}}}}}, got {_short(fmt)}; llmc\'s "structured" field '
+                                                  f'also takes regex, choice and grammar formats')
+        if fmt["type"] == "json_object":
+            return {"type": "json_object"}, "response_format"
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise RequestError("response_format.json_schema", f'must be an object with the JSON schema under '
+                                                              f'"schema", got {_short(spec)}')
+        return {"type": "json_schema", "schema": spec["schema"]}, "response_format"
+    return extension, "structured"
+
+
+def _logit_bias(body: Mapping[str, Any]) -> Any:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys -> bias in [-100, 100]); validated by SamplingParams."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise RequestError("logit_bias", f'must map token ids to biases, e.g. {{"50256": -100}}, got {_short(bias)}')
+    return bias
 
 
 def _is_zero(value: Any) -> bool:

@@ -4,7 +4,9 @@ Every entry point that speaks the ensemble's vocabulary (KServe v2 HTTP generate
 ModelStreamInfer, the ``llmc`` Python-backend model) parses through :func:`parse_generate_fields`, so the field
 names, types and defaults are identical everywhere (triton.md, "Ensemble inputs"). The optional input
 ``return_log_probs`` and the outputs ``cum_log_probs`` / ``output_log_probs`` are tensorrtllm_backend's
-(:mod:`llmc.serve.ensemble_logprobs` fills them).
+(:mod:`llmc.serve.ensemble_logprobs` fills them), and so are the guided-decoding inputs ``guided_decoding_guide_type``
+(``json``, ``json_schema``, ``regex``, ``ebnf_grammar``) and ``guided_decoding_guide`` (the schema, pattern or
+grammar), which set ``SamplingParams.structured``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,13 @@ ENSEMBLE_INPUTS: tuple[FieldSpec, ...] = (
     FieldSpec("stream", "BOOL", (1,), "bool"),
     FieldSpec("exclude_input_in_output", "BOOL", (1,), "bool"),
     FieldSpec("return_log_probs", "BOOL", (1,), "bool"),  # sets SamplingParams.logprobs = 0
+    FieldSpec("guided_decoding_guide_type", "BYTES", (1,), "string"),  # with the guide: SamplingParams.structured
+    FieldSpec("guided_decoding_guide", "BYTES", (1,), "string"),
 )
+# tensorrtllm_backend's guide types (tensorrt_llm/1/model.py get_guided_decoding_params_from_request, c2e65b88) ->
+# llmc's output format kinds and the key its guide goes under (None: the type takes no guide).
+GUIDE_TYPES = {"json": ("json_object", None), "json_schema": ("json_schema", "schema"), "regex": ("regex", "pattern"),
+               "ebnf_grammar": ("ebnf", "grammar")}
 # cum_log_probs [beams] and output_log_probs [beams, tokens]: only in responses to return_log_probs: true.
 ENSEMBLE_OUTPUTS: tuple[FieldSpec, ...] = (FieldSpec("text_output", "BYTES", (-1,), "string"),
                                            FieldSpec("cum_log_probs", "FP32", (-1,), "float"),
@@ -63,7 +71,8 @@ EXTRA_PARAMS = ("min_p", "ignore_eos", "include_stop_str_in_output", "skip_speci
 SPECS = {spec.name: spec for spec in ENSEMBLE_INPUTS}
 # llmc's internal names (SamplingParams fields, the engine's "prompt") -> the ensemble's names, for errors.
 ENSEMBLE_NAMES = {"prompt": "text_input", "max_new_tokens": "max_tokens", "min_tokens": "min_length",
-                  "seed": "random_seed", "stop": "stop_words", "logprobs": "return_log_probs"}
+                  "seed": "random_seed", "stop": "stop_words", "logprobs": "return_log_probs",
+                  "structured": "guided_decoding_guide"}
 # JSON request bodies nest a few levels (messages -> content parts); deeper ones are refused before any walk.
 MAX_JSON_DEPTH = 32
 # Stop strings are matched on every generated token inside the engine's step, so their number and length
@@ -230,6 +239,9 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
             changes[spec.param] = value
     if decoded.get("return_log_probs"):
         changes["logprobs"] = 0
+    structured = _guided_format(decoded.get("guided_decoding_guide_type"), decoded.get("guided_decoding_guide"))
+    if structured is not None:
+        changes["structured"] = structured
     if decoded.get("bad_words"):
         raise RequestError("bad_words", "is not supported by llmc's engines; remove it or send an empty list")
     if "end_id" in decoded:
@@ -246,6 +258,30 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
     return GenerateRequest(prompt, params, bool(decoded.get("stream", False)),
                            bool(decoded.get("exclude_input_in_output", True)), request_id, strict,
                            bool(decoded.get("return_log_probs", False)))
+
+
+def _guided_format(guide_type: str | None, guide: str | None) -> dict[str, Any] | None:
+    """``SamplingParams.structured`` from tensorrtllm_backend's guided-decoding inputs (:data:`GUIDE_TYPES`); an
+    unknown type is an error here (the C++ backend would silently decode without a guide)."""
+    if guide_type is None:
+        if guide:
+            raise RequestError("guided_decoding_guide", "needs guided_decoding_guide_type (json, json_schema, regex "
+                                                        "or ebnf_grammar)")
+        return None
+    if guide_type not in GUIDE_TYPES:
+        raise RequestError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got "
+                                                         f"{guide_type!r}")
+    kind, key = GUIDE_TYPES[guide_type]
+    if key is None:
+        return {"type": kind}
+    if not guide:
+        raise RequestError("guided_decoding_guide", f"is required with guided_decoding_guide_type {guide_type!r}")
+    if kind != "json_schema":
+        return {"type": kind, key: guide}
+    try:
+        return {"type": kind, key: json.loads(guide)}
+    except ValueError as exc:
+        raise RequestError("guided_decoding_guide", f"must be a JSON schema as JSON text ({exc})") from None
 
 
 def _pop_request_id(values: dict[str, Any]) -> str | None:

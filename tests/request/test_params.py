@@ -8,6 +8,7 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
+from llmc.request.structured import OutputFormat
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,14 @@ from llmc.request.params import SamplingParams
         ({"top_k": 2.0}, "top_k"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"temperature": "hot"}, "temperature"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": "big"}}, "logit_bias"),
+        ({"logit_bias": {"3": float("nan")}}, "logit_bias"),
+        ({"logit_bias": "3"}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"structured": OutputFormat("xml")}, "structured"),
     ],
 )
 def test_validate_names_the_field(changes, field):
@@ -117,3 +126,16 @@ def test_derived_flags():
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     assert SamplingParams(presence_penalty=-0.5).uses_penalties
     assert SamplingParams(frequency_penalty=0.2).uses_penalties
+
+
+def test_logit_bias_takes_json_keys_or_pairs_and_is_bounded_by_the_vocabulary():
+    p = SamplingParams(logit_bias={"7": -100, 3: 2})
+    assert p.logit_bias == ((3, 2.0), (7, -100.0)) and p.shapes_logits
+    assert SamplingParams.from_dict({"logit_bias": [[7, -100], [3, 2.0]]}) == p
+    assert SamplingParams.from_dict(p.to_dict()) == p and p.to_dict()["logit_bias"] == {"3": 2.0, "7": -100.0}
+    p.validate(vocab_size=8)
+    with pytest.raises(RequestError, match=r"token id 7: ids must be distinct integers in \[0, 7\)"):
+        p.validate(vocab_size=7)
+    with pytest.raises(RequestError, match="distinct"):
+        SamplingParams(logit_bias=[(3, 1.0), (3, 2.0)]).validate()
+    assert not SamplingParams().shapes_logits and SamplingParams(structured={"type": "json_object"}).shapes_logits

@@ -84,3 +84,37 @@ def test_generate_bad_input_is_one_error_line(tiny_build_dir, tmp_path, capsys):
         main(["generate", str(tmp_path), "Hi", "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "manifest.json" in err
+
+
+@pytest.mark.parametrize("flags, fmt", [
+    (["--choice", "red", "--choice", "blue"], {"type": "choice", "choices": ["red", "blue"]}),
+    (["--regex", "[0-9]{3}"], {"type": "regex", "pattern": "[0-9]{3}"}),
+    (["--json-schema", '{"enum": ["on", "off"]}'], {"type": "json_schema", "schema": {"enum": ["on", "off"]}}),
+    (["--json-schema", "SCHEMA_FILE"], {"type": "json_schema", "schema": {"enum": ["on", "off"]}}),
+    (["--grammar", "GRAMMAR_FILE"], {"type": "grammar", "grammar": 'start: "x" "y"?\n'}),
+])
+def test_generate_format_flags_constrain_the_answer_as_the_api_does(tiny_build_dir, tmp_path, flags, fmt):
+    (tmp_path / "s.json").write_text('{"enum": ["on", "off"]}')
+    (tmp_path / "g.lark").write_text('start: "x" "y"?\n')
+    flags = [{"SCHEMA_FILE": str(tmp_path / "s.json"), "GRAMMAR_FILE": str(tmp_path / "g.lark")}.get(f, f)
+             for f in flags]
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Pick:", "--max-new-tokens", "12",
+                                      "--temperature", "0", "--device", "cpu", *flags])
+    assert result.exit_code == 0, result.output
+    (expected,) = make_engine(tiny_build_dir).generate(
+        ["Pick:"], SamplingParams(max_new_tokens=12, temperature=0.0, structured=fmt))
+    assert result.stdout == expected.text + "\n" and expected.finish_reason == "stop"
+    assert "finish: stop" in result.stderr
+
+
+def test_generate_format_flags_refuse_two_formats_and_bad_schemas(tiny_build_dir, tmp_path, capsys):
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "x", "--regex", "a", "--json-object"])
+    assert result.exit_code == 2 and "--json-object and --regex each set the answer's format" in result.output
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "x", "--json-schema", "{bad"])
+    assert result.exit_code == 2 and "--json-schema" in result.output and "not valid JSON" in result.output
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "x", "--json-schema", str(tmp_path / "no")])
+    assert result.exit_code == 2 and "neither inline JSON nor a file" in result.output
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_build_dir), "Hi", "--regex", "(", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: structured: is not a valid regex format")

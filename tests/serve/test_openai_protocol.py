@@ -6,6 +6,7 @@ import pytest
 
 from llmc.errors import RequestError, UnknownModelError
 from llmc.request.params import SamplingParams
+from llmc.request.structured import OutputFormat
 from llmc.serve.openai_protocol import IGNORED, UNSUPPORTED, parse_openai_request
 
 DEFAULTS = SamplingParams(max_new_tokens=16)
@@ -47,8 +48,7 @@ def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value)
     assert parse({key: value}).params == DEFAULTS
 
 
-@pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("response_format", {"type": "json_object"}),
-                                        ("logit_bias", {"50": 100}), ("tool_choice", "auto"), ("suffix", "x"),
+@pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("tool_choice", "auto"), ("suffix", "x"),
                                         ("reasoning_effort", "low"), ("audio", {"voice": "x"})])
 def test_unsupported_features_are_refused_naming_the_field(key, value):
     with pytest.raises(RequestError) as info:
@@ -130,3 +130,15 @@ def test_n_is_the_number_of_choices(value, expected):
 def test_n_out_of_range_names_the_field(value):
     with pytest.raises(RequestError, match=r"n: must be an integer in \[1, 16\]"):
         parse({"n": value})
+
+
+def test_response_format_and_logit_bias_map_onto_the_sampling_params():
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    req = parse({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+                 "logit_bias": {"50": -100, "7": 5}})
+    assert req.params.structured == OutputFormat.from_dict({"type": "json_schema", "schema": schema})
+    assert req.params.logit_bias == ((7, 5.0), (50, -100.0)) and req.names["structured"] == "response_format"
+    assert parse({"response_format": {"type": "json_object"}}).params.structured == OutputFormat("json_object")
+    regex = parse({"structured": {"type": "regex", "pattern": "a|b"}})
+    assert regex.params.structured == OutputFormat("regex", "a|b") and regex.names["structured"] == "structured"
+    assert parse({"response_format": {"type": "text"}}).params.structured is None

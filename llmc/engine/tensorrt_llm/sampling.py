@@ -18,7 +18,8 @@ Mapping (llmc field -> TensorRT-LLM kwarg), checked against ``tensorrt_llm/runti
 - ``seed`` -> ``random_seed`` (generate renames it to SamplingConfig's ``seed``), ``min_p`` -> ``min_p``,
   ``min_tokens`` -> ``min_tokens``: each only when set (all three are in generate's accepted list);
 - ``ignore_eos`` has no generate kwarg and is refused with a RequestError when set (rather than ignored);
-  so are ``logprobs`` and ``prompt_logprobs``, which this backend does not return yet.
+  so are ``logprobs`` and ``prompt_logprobs``, which this backend does not return yet, ``structured`` (output
+  formats: ``ModelRunnerCpp`` has no guided-decoding argument in 1.0 - 1.2) and ``logit_bias``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ UNSUPPORTED_DEFAULTS = {
     "ignore_eos": (False, "ModelRunnerCpp has no such sampling option in TensorRT-LLM 1.0 - 1.2"),
     "logprobs": (None, "llmc's tensorrt_llm backend does not return log-probabilities yet"),
     "prompt_logprobs": (None, "llmc's tensorrt_llm backend does not return log-probabilities yet"),
+    "structured": (None, "TensorRT-LLM's ModelRunnerCpp takes no guided decoding; the build's Triton model "
+                         "repository takes guided_decoding_guide inputs"),
+    "logit_bias": ((), "llmc's tensorrt_llm backend does not pass a logit bias to TensorRT-LLM yet"),
 }
 
 

@@ -2,8 +2,10 @@
 
 Pipeline per row (each stage skipped when no row in the batch needs it):
 
-1. sanitize: float32, NaN -> -inf, +inf -> the largest finite float;
-2. ``min_tokens``: stop ids (request ids, plus eos unless ``ignore_eos``) get -inf while fewer than
+1. sanitize: float32, NaN -> -inf, +inf -> the largest finite float; then a row with an output format
+   (``ScheduledSequence.token_mask``) gets -inf on every token its format does not allow next (before anything
+   else, so no later stage and no fallback can pick such a token);
+2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: stop ids (request ids, plus eos unless ``ignore_eos``) get -inf while fewer than
    ``min_tokens`` tokens were generated (consistent with :func:`llmc.request.stop.check_stop_token`);
 3. penalties (OpenAI / vLLM semantics): repetition over prompt + output ids, presence and frequency over
    output ids, counted on the device with ``scatter_add`` from padded id tensors;
@@ -29,6 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from llmc.engine.types import ScheduledSequence
@@ -115,7 +118,8 @@ class Sampler:
             return torch.empty(0, dtype=torch.long, device=self.device)
         batch = _gather_params(seqs, self.device)
         raw = sanitize(logits.to(self.device, torch.float32))  # [S, V]
-        logits = self._mask_min_tokens(raw, seqs)
+        _apply_token_masks(raw, seqs)
+        logits = self._mask_min_tokens(_add_logit_bias(raw, seqs), seqs)
         if any(s.params.uses_penalties for s in seqs):
             logits = sanitize(apply_penalties(logits, seqs, self.device))
         fallback = self._argmax(raw)  # [S] greedy on the unfiltered logits
@@ -132,9 +136,10 @@ class Sampler:
         return torch.where(alive, chosen, fallback)
 
     def plain_greedy(self, seqs: Sequence[ScheduledSequence]) -> bool:
-        """True when every row's token is the argmax of its raw logits: greedy, no penalties, and no stop id
-        masked by ``min_tokens`` at this step (what :meth:`__call__` would return without computing anything else)."""
-        return all(s.params.greedy and not s.params.uses_penalties and len(s.output_token_ids) >= s.params.min_tokens
+        """True when every row's token is the argmax of its raw logits: greedy, no penalties, logit bias or output
+        format, and no stop id masked by ``min_tokens`` at this step (what :meth:`__call__` would return without
+        computing anything else)."""
+        return all(s.params.greedy and not s.params.shapes_logits and len(s.output_token_ids) >= s.params.min_tokens
                    for s in seqs)
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
@@ -171,6 +176,44 @@ class Sampler:
             g.manual_seed(mix_seed(s.params.seed, len(s.output_token_ids)))
             uniform[i].uniform_(generator=g)
         return uniform.clamp_min_(_TINY).log_().neg_()
+
+
+def _apply_token_masks(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> None:
+    """-inf, in place, on the tokens each masked row's output format does not allow (``token_mask``: bit ``i % 32``
+    of int32 word ``i // 32`` for token ``i``); ids past the mask's ``32 * words`` are not allowed either. Allowed
+    ids at -inf (NaN logits) become the lowest finite float, so such a row still picks an allowed token."""
+    rows = [i for i, s in enumerate(seqs) if s.token_mask is not None]
+    if not rows:
+        return
+    words = torch.from_numpy(np.stack([seqs[i].token_mask for i in rows])).to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [R, 32 * words]
+    vocab = logits.shape[1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+    masked = logits.index_select(0, index).clamp_min_(-_FLOAT_MAX)  # allowed ids stay finite: never a collapsed row
+    logits.index_copy_(0, index, masked.masked_fill_(~allowed[:, :vocab], float("-inf")))
+
+
+def _add_logit_bias(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias`` (a new tensor; ``logits`` itself when no row has one). A token
+    already at -inf (its output format forbids it) stays there."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = logits.shape[1]
+    for i, s in enumerate(seqs):
+        for token, bias in s.params.logit_bias:
+            if token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if not rows:
+        return logits
+    index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+    bias = torch.tensor(values, dtype=torch.float32).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), bias, accumulate=True)
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,9 @@ def test_metrics_are_filled(tokenizer):
 
 
 @pytest.mark.parametrize("params, field", [(SamplingParams(ignore_eos=True), "ignore_eos"),
-                                           (SamplingParams(logprobs=2), "logprobs")])
+                                           (SamplingParams(logprobs=2), "logprobs"),
+                                           (SamplingParams(structured={"type": "json_object"}), "structured"),
+                                           (SamplingParams(logit_bias={"3": 1}), "logit_bias")])
 def test_options_the_backend_cannot_honour_are_refused(tokenizer, params, field):
     runner, cls = make_runner(tokenizer, [[5]])
     with pytest.raises(RequestError, match="is not supported by the tensorrt_llm backend") as exc:

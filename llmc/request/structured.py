@@ -1,0 +1,193 @@
+"""Structured outputs: a request's output constrained to a JSON schema, any JSON object, a regular expression, one of
+a list of strings, or a context-free grammar (Lark or EBNF syntax) (``SamplingParams.structured``).
+
+:class:`OutputFormat` is the request's description (validated for shape without any library). :class:`Grammars`
+(one per engine) compiles it against the engine's tokenizer with llguidance (a Rust library: compiling a JSON schema
+takes about a millisecond; its tokenizer index, built once per engine on the first structured request, about 0.3 s
+for SmolLM2's 49,152 tokens) into a :class:`Constraint`: before each token the request samples, the constraint
+computes which token ids may come next (a bitmask of 32-bit words, bit ``i % 32`` of word ``i // 32`` for token
+``i``: llguidance's layout), the sampler sets every other token's logit to -inf on the device, and the sampled
+token advances the constraint. The end-of-sequence ids are allowed once the output is complete; a constraint that
+admits no further token ends its request ("stop").
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llmc.errors import RequestError
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "ebnf")
+_FIELD = "structured"
+_SPEC_KEY = {"json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar", "ebnf": "grammar"}
+_EXAMPLE = ('{"type": "json_schema", "schema": {...}}, {"type": "json_object"}, {"type": "regex", "pattern": "..."}, '
+            '{"type": "choice", "choices": ["yes", "no"]}, {"type": "grammar", "grammar": "start: ..."} (Lark syntax), '
+            '{"type": "ebnf", "grammar": "root ::= ..."} (GBNF / EBNF syntax)')
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What a request's output must be. ``kind``: one of :data:`KINDS`; ``spec``: the JSON schema as JSON text
+    (``json_schema``), the regular expression (``regex``, Rust ``regex`` syntax, matched against the whole output),
+    the choices as a JSON list (``choice``), the grammar (``grammar``: llguidance's Lark syntax; ``ebnf``: the
+    ``root ::= ...`` syntax of llama.cpp's GBNF and XGrammar's EBNF, which Triton's ``ebnf_grammar`` guides use), ""
+    for ``json_object``."""
+
+    kind: str
+    spec: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> OutputFormat:
+        """From ``{"type": kind, <its key>: value}`` (the keys: ``schema``, ``pattern``, ``choices``, ``grammar``);
+        RequestError naming ``structured`` (or ``structured.<key>``) for anything else."""
+        if isinstance(d, OutputFormat):
+            return d
+        if not isinstance(d, Mapping) or d.get("type") not in KINDS:
+            raise RequestError(_FIELD, f"must be an object with a type in {', '.join(KINDS)}, got {_short(d)}; e.g. "
+                                       f"{_EXAMPLE}")
+        kind = d["type"]
+        key = _SPEC_KEY.get(kind)
+        extra = set(d) - {"type", key}
+        if extra:
+            raise RequestError(f"{_FIELD}.{sorted(extra)[0]}", f"is not a field of a {kind!r} format; it takes "
+                                                               f"{'nothing but type' if key is None else repr(key)}")
+        if key is None:
+            return cls(kind)
+        value = d.get(key)
+        where = f"{_FIELD}.{key}"
+        if kind == "json_schema":
+            if not isinstance(value, (Mapping, bool)):
+                raise RequestError(where, f"must be a JSON schema (an object), got {_short(value)}")
+            return cls(kind, json.dumps(value))  # key order kept: properties come in that order
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+                raise RequestError(where, f"must be a non-empty list of non-empty strings, got {_short(value)}")
+            return cls(kind, json.dumps(list(value)))
+        if not isinstance(value, str) or not value:
+            raise RequestError(where, f"must be a non-empty string, got {_short(value)}")
+        return cls(kind, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mapping :meth:`from_dict` reads (``from_dict(f.to_dict()) == f``)."""
+        key = _SPEC_KEY.get(self.kind)
+        if key is None:
+            return {"type": self.kind}
+        value = json.loads(self.spec) if self.kind in ("json_schema", "choice") else self.spec
+        return {"type": self.kind, key: value}
+
+    def grammar(self, llguidance: Any) -> str:
+        """llguidance's grammar text for this format."""
+        matcher = llguidance.LLMatcher
+        if self.kind == "json_object":
+            return matcher.grammar_from_json_schema({"type": "object"})
+        if self.kind == "json_schema":
+            return matcher.grammar_from_json_schema(self.spec)
+        if self.kind == "regex":
+            return matcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":  # JSON string literals are Lark string literals
+            return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
+        if self.kind == "ebnf":
+            return llguidance.grammar_from("ebnf", self.spec)  # converted to Lark; ValueError when it cannot be
+        return matcher.grammar_from_lark(self.spec)
+
+
+class Constraint:
+    """One request's compiled format and how far its output got (used by the thread that runs the steps)."""
+
+    def __init__(self, matcher: Any, words: int):
+        self._matcher = matcher
+        self._words = words
+
+    def mask(self) -> np.ndarray:
+        """The token ids allowed next: int32 ``[ceil(vocab / 32)]``, bit ``i % 32`` of word ``i // 32``."""
+        out = np.zeros(self._words, dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        return out
+
+    def accept(self, token_id: int) -> bool:
+        """Advance over a sampled token; False when the format does not allow it (the constraint is then broken)."""
+        return bool(self._matcher.consume_token(token_id))
+
+    @property
+    def complete(self) -> bool:
+        """True when no further token is allowed (the output is a whole match; only an end id could follow)."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+
+class Grammars:
+    """Compiles :class:`OutputFormat` values for one engine: its tokenizer (a Hugging Face fast tokenizer), the
+    model's vocabulary size (the logits' width; ids past the tokenizer's are never allowed) and its end ids."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._index: Any = None  # llguidance's tokenizer, built on first use
+        self._lock = threading.Lock()
+
+    def compile(self, fmt: OutputFormat) -> Constraint:
+        """A fresh constraint for ``fmt``; RequestError naming ``structured`` when the format is invalid (a schema
+        llguidance does not support, a bad regular expression or grammar)."""
+        llguidance = _llguidance()
+        index = self._tokenizer_index(llguidance)
+        try:
+            grammar = fmt.grammar(llguidance)
+        except ValueError as exc:
+            raise RequestError(_FIELD, f"is not a valid {fmt.kind} format: {exc}") from None
+        try:
+            matcher = llguidance.LLMatcher(index, grammar, log_level=0)
+        except (ValueError, RuntimeError) as exc:  # versions that raise instead of entering the error state
+            raise RequestError(_FIELD, f"is not a valid {fmt.kind} format: {_first_lines(str(exc))}") from None
+        if matcher.is_error():
+            raise RequestError(_FIELD, f"is not a valid {fmt.kind} format: {_first_lines(matcher.get_error())}")
+        return Constraint(matcher, (self.vocab_size + 31) // 32)
+
+    def _tokenizer_index(self, llguidance: Any) -> Any:
+        with self._lock:
+            if self._index is None:
+                backend = getattr(self._hf, "backend_tokenizer", None)
+                if backend is None:
+                    raise RequestError(_FIELD, f"needs a fast (Rust) tokenizer; this engine's is "
+                                               f"{type(self._hf).__name__}")
+                backend = copy.copy(backend)  # its JSON without the padding and truncation a caller may have set
+                backend.no_padding()
+                backend.no_truncation()
+                ends = self.eos_token_ids or None
+                try:
+                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=ends)
+                except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first recorded
+                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=ends[0] if ends else None)
+            return self._index
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # a core dependency; missing only from a broken install
+        raise RequestError(_FIELD, f"structured outputs need the llguidance package ({exc}); install it: "
+                                   f"pip install 'llguidance>=0.7.11,<2'") from None
+    return llguidance
+
+
+def _first_lines(text: str) -> str:
+    """llguidance's message without its source excerpt: the first line and the lines that say ``error:``."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    kept = lines[:1] + [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(kept)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

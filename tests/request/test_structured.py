@@ -1,0 +1,101 @@
+"""Output formats (``SamplingParams.structured``): parsing and errors, and the constraints compiled against the
+embedded SmolLM2 tokenizer: which ids a mask allows, end ids, completion, padded vocabularies."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from llmc.errors import RequestError
+from llmc.request.params import SamplingParams
+from llmc.request.structured import KINDS, Grammars, OutputFormat
+from llmc.tokenizer import load_tokenizer
+
+SCHEMA = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},
+          "required": ["zeta", "alpha"]}
+EXAMPLES = [{"type": "json_object"}, {"type": "json_schema", "schema": SCHEMA}, {"type": "regex", "pattern": "a+"},
+            {"type": "choice", "choices": ["red", "green"]}, {"type": "grammar", "grammar": 'start: "x"'},
+            {"type": "ebnf", "grammar": 'root ::= "x"'}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_hf_dir):
+    return load_tokenizer(smollm2_hf_dir)
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    return Grammars(tokenizer, len(tokenizer), [2])
+
+
+def allowed(constraint) -> set[int]:
+    bits = np.unpackbits(constraint.mask().view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def test_every_kind_round_trips_and_a_schema_keeps_its_key_order():
+    assert {e["type"] for e in EXAMPLES} == set(KINDS)
+    for example in EXAMPLES:
+        fmt = OutputFormat.from_dict(example)
+        assert fmt.to_dict() == example and OutputFormat.from_dict(fmt.to_dict()) == fmt
+        params = SamplingParams(structured=example)
+        assert SamplingParams.from_dict(json.loads(json.dumps(params.to_dict()))) == params
+    assert list(json.loads(OutputFormat.from_dict(EXAMPLES[1]).spec)["properties"]) == ["zeta", "alpha"]
+
+
+@pytest.mark.parametrize("value, field, words", [
+    ({"type": "xml"}, "structured", "must be an object with a type in json_object, json_schema"),
+    ("json", "structured", "must be an object"),
+    ({"type": "regex"}, "structured.pattern", "must be a non-empty string"),
+    ({"type": "choice", "choices": []}, "structured.choices", "non-empty list of non-empty strings"),
+    ({"type": "choice", "choices": ["a", 3]}, "structured.choices", "non-empty list"),
+    ({"type": "json_schema", "schema": "{}"}, "structured.schema", "must be a JSON schema (an object)"),
+    ({"type": "json_object", "schema": {}}, "structured.schema", "takes nothing but type"),
+    ({"type": "regex", "pattern": "a", "flags": "i"}, "structured.flags", "takes 'pattern'"),
+])
+def test_malformed_formats_name_their_field(value, field, words):
+    with pytest.raises(RequestError) as info:
+        SamplingParams.from_dict({"structured": value})
+    assert info.value.field == field and words in info.value.message
+
+
+def test_a_choice_allows_exactly_the_tokens_that_start_a_choice_then_ends_complete(tokenizer, grammars):
+    constraint = grammars.compile(OutputFormat.from_dict({"type": "choice", "choices": ["red", "green"]}))
+    first = allowed(constraint)
+    want = {i for i in range(len(tokenizer)) if (text := tokenizer.decode([i])) and ("red".startswith(text)
+                                                                                    or "green".startswith(text))}
+    assert first == want and 2 not in first
+    for token in tokenizer.encode("green", add_special_tokens=False):
+        assert not constraint.complete and constraint.accept(token)
+    assert constraint.complete
+    assert not constraint.accept(tokenizer.encode("x", add_special_tokens=False)[0])  # nothing may follow
+
+
+def test_end_ids_are_allowed_once_the_output_could_end(tokenizer, grammars):
+    constraint = grammars.compile(OutputFormat.from_dict({"type": "regex", "pattern": "[0-9]+"}))
+    assert 2 not in allowed(constraint)  # at least one digit first
+    assert constraint.accept(tokenizer.encode("7", add_special_tokens=False)[0])
+    after = allowed(constraint)
+    assert 2 in after and not constraint.complete  # more digits or the end
+    assert tokenizer.encode("a", add_special_tokens=False)[0] not in after
+    assert constraint.accept(2) and constraint.complete
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_allowed(tokenizer):
+    padded = Grammars(tokenizer, len(tokenizer) + 64, [2])
+    constraint = padded.compile(OutputFormat.from_dict({"type": "json_object"}))
+    assert constraint.mask().shape == (-(-(len(tokenizer) + 64) // 32),)
+    assert max(allowed(constraint)) < len(tokenizer)
+
+
+@pytest.mark.parametrize("value, words", [
+    ({"type": "regex", "pattern": "("}, "not a valid regex format"),
+    ({"type": "ebnf", "grammar": "root ::= missing"}, "not a valid ebnf format"),
+    ({"type": "grammar", "grammar": "start: ("}, "not a valid grammar format"),
+])
+def test_formats_that_do_not_compile_name_the_field_without_a_source_dump(grammars, value, words):
+    with pytest.raises(RequestError) as info:
+        grammars.compile(OutputFormat.from_dict(value))
+    assert info.value.field == "structured" and words in info.value.message and "\n" not in info.value.message

@@ -1,0 +1,133 @@
+"""Structured outputs through the engine (``SamplingParams.structured``) and ``logit_bias``: each constrained greedy
+token is transformers' best allowed token, sampled outputs match their formats, a complete format ends its request,
+batches mix constrained and free requests, preemption, the overlapped step path, errors at admission."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from llmc.errors import RequestError
+from llmc.request.params import SamplingParams
+from llmc.request.structured import Grammars, OutputFormat
+from tests.runtime.engine_helpers import assert_all_blocks_free, hf_greedy, hf_model, make_engine
+
+ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+          "required": ["answer", "n"], "additionalProperties": False}
+FORMATS = [{"type": "json_schema", "schema": ANSWER}, {"type": "regex", "pattern": "[0-9]{3}-[a-z]{2}"},
+           {"type": "choice", "choices": ["red", "green", "blue"]}, {"type": "grammar",
+                                                                      "grammar": 'start: "(" num ("," num)* ")"\n'
+                                                                                 'num: /[0-9]/'}]
+
+
+@torch.no_grad()
+def hf_constrained_greedy(engine, hf_dir, prompt_ids, fmt: dict, max_new_tokens: int) -> list[int]:
+    """The reference: transformers' logits at each step, the best token among those the format allows (its
+    constraint's bitmask unpacked with NumPy), the constraint advanced by hand; stops where the format is complete
+    or an end id is taken."""
+    model = hf_model(hf_dir)
+    constraint = Grammars(engine.tokenizer, engine.runner.vocab_size, engine.eos_token_ids).compile(
+        OutputFormat.from_dict(fmt))
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        allowed = np.unpackbits(constraint.mask().view(np.uint8), bitorder="little")[:logits.shape[0]].astype(bool)
+        token = int(torch.where(torch.from_numpy(allowed), logits, -torch.inf).argmax())
+        out.append(token)
+        ids.append(token)
+        assert constraint.accept(token)
+        if constraint.complete or token in engine.eos_token_ids:
+            break
+    return out
+
+
+def matches(fmt: dict, text: str) -> bool:
+    if fmt["type"] == "json_schema":
+        value = json.loads(text)
+        return set(value) == {"answer", "n"} and value["answer"] in ("yes", "no") and type(value["n"]) is int
+    if fmt["type"] == "regex":
+        return re.fullmatch(fmt["pattern"], text) is not None
+    if fmt["type"] == "choice":
+        return text in fmt["choices"]
+    return re.fullmatch(r"\([0-9](,[0-9])*\)", text) is not None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_constrained_greedy_tokens_are_the_best_allowed_ones_beside_a_free_request(tiny_build_dir, tiny_hf_dir,
+                                                                                   overlap):
+    engine = make_engine(tiny_build_dir, overlap=overlap)
+    prompts = ["Answer in JSON:", "A code:", "Pick a colour:", "A tuple:", "Once upon a time"]
+    params = [SamplingParams(max_new_tokens=24, temperature=0.0, structured=f) for f in FORMATS]
+    params.append(SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    completions = engine.generate(prompts, params)
+    for prompt, fmt, completion in zip(prompts, FORMATS, completions):
+        ids = engine.tokenize(prompt)
+        assert list(completion.token_ids) == hf_constrained_greedy(engine, tiny_hf_dir, ids, fmt, 24), fmt
+        if completion.finish_reason == "stop":
+            assert matches(fmt, completion.text), (fmt, completion.text)
+    free = completions[-1]
+    assert list(free.token_ids) == hf_greedy(tiny_hf_dir, list(engine.tokenize(prompts[-1])), 12)
+    assert [c.finish_reason for c in completions[1:4]] == ["stop"] * 3  # formats with a bounded length complete
+    if overlap:  # while a constrained request runs, each step's tokens are known before the next is planned
+        order = [entry for entry in engine.runner.log if entry[0] in ("launch", "result")]
+        assert all(b == ("result", a[1]) for a, b in zip(order, order[1:]) if a[0] == "launch")
+    assert_all_blocks_free(engine)
+
+
+def test_sampled_outputs_match_their_formats_and_end_when_complete(tiny_build_dir):
+    engine = make_engine(tiny_build_dir)
+    fmts = FORMATS[1:3] * 4
+    params = [SamplingParams(max_new_tokens=24, temperature=1.0, seed=i, structured=f) for i, f in enumerate(fmts)]
+    completions = engine.generate(["Say something:"] * len(fmts), params)
+    for fmt, completion in zip(fmts, completions):
+        assert completion.finish_reason == "stop" and completion.stop_reason is None, completion
+        assert matches(fmt, completion.text), (fmt, completion.text)
+    assert len({c.text for c in completions}) > 2  # sampled, not one answer
+    assert_all_blocks_free(engine)
+
+
+def test_a_preempted_constrained_request_keeps_its_format_and_its_tokens(tiny_build_dir):
+    """12 blocks of 8 tokens for three growing requests: preemption recomputes a request from its tokens so far,
+    while its constraint keeps its state; the outputs equal an unpressed engine's."""
+    fmt = {"type": "regex", "pattern": "[a-z ]{100,400}"}
+    params = SamplingParams(max_new_tokens=48, temperature=0.0, structured=fmt)
+    prompts = ["one two three four five six", "seven eight nine ten eleven", "twelve thirteen fourteen fifteen"]
+    roomy = make_engine(tiny_build_dir).generate(prompts, params)
+    tight = make_engine(tiny_build_dir, num_blocks=12)
+    got = tight.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in roomy]
+    assert sum(c.metrics.num_preemptions for c in got) > 0
+    assert all(re.fullmatch("[a-z ]*", c.text) and len(c.token_ids) == 48 for c in got)
+    assert_all_blocks_free(tight)
+
+
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "regex", "pattern": "[a-"}, "not a valid regex format"),
+    ({"type": "grammar", "grammar": "start: missing_rule"}, "not a valid grammar format"),
+    ({"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "strng"}}}},
+     "not a valid json_schema format"),
+])
+def test_invalid_formats_are_refused_at_admission_naming_the_field(tiny_build_dir, fmt, words):
+    engine = make_engine(tiny_build_dir)
+    with pytest.raises(RequestError) as info:
+        engine.add_request("hello", SamplingParams(max_new_tokens=4, structured=fmt))
+    assert info.value.field == "structured" and words in info.value.message
+    assert not engine.scheduler.has_unfinished()
+    assert engine.generate(["hello"], SamplingParams(max_new_tokens=2, temperature=0.0))[0].finish_reason == "length"
+
+
+def test_logit_bias_bans_the_greedy_token_and_forces_another(tiny_build_dir, tiny_hf_dir):
+    engine = make_engine(tiny_build_dir)
+    ids = list(engine.tokenize("Once upon a time"))
+    logits = hf_model(tiny_hf_dir)(torch.tensor([ids])).logits[0, -1]
+    best, second = logits.topk(2).indices.tolist()
+    greedy = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    banned, forced = engine.generate(["Once upon a time"] * 2, [greedy.replace(logit_bias={str(best): -100}),
+                                                                 greedy.replace(logit_bias={"7": 100})])
+    assert banned.token_ids == (second,) and forced.token_ids == (7,)
+    with pytest.raises(RequestError, match="logit_bias"):
+        engine.add_request("x", greedy.replace(logit_bias={str(engine.runner.vocab_size): 1}))
