@@ -186,6 +186,21 @@ class Client:
             for c in reply["choices"]) and reply["usage"]["completion_tokens"] == 0
         return "ok" if ok else f"unexpected:score-{status}"
 
+    def openai_json(self) -> str:
+        """A chat answer constrained to a JSON schema (structured outputs): it parses and follows the schema."""
+        schema = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+                  "required": ["ok", "n"], "additionalProperties": False}
+        body = {"messages": [{"role": "user", "content": self.prompt()}], "max_tokens": 64, "temperature": 0.8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}}
+        status, reply = http_json(self.server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+        if status != 200:
+            return f"unexpected:json-{status}"
+        choice = reply["choices"][0]
+        if choice["finish_reason"] == "length":  # an integer may run past 64 tokens; the text is still a prefix
+            return "ok" if choice["message"]["content"].startswith("{") else "unexpected:json-prefix"
+        value = json.loads(choice["message"]["content"])
+        return "ok" if set(value) == {"ok", "n"} and value["ok"] in ("yes", "no") else "unexpected:json-schema"
+
     def openai_stream(self) -> str:
         return self._sse("/v1/completions", {"prompt": self.prompt(), "max_tokens": self.tokens(), "stream": True})
 
@@ -249,6 +264,7 @@ MIX: dict[str, tuple[float, Callable[[Client], str]]] = {  # kind -> (weight, ca
     "generate": (0.15, Client.generate), "generate_stream": (0.15, Client.generate_stream),
     "openai_chat": (0.10, Client.openai_chat), "openai_stream": (0.10, Client.openai_stream),
     "openai_choices": (0.05, Client.openai_choices), "openai_score": (0.05, Client.openai_score),
+    "openai_json": (0.05, Client.openai_json),
     "grpc_infer": (0.10, Client.grpc_infer), "grpc_stream": (0.10, Client.grpc_stream),
     "disconnect_mid_stream": (0.08, Client.disconnect_mid_stream),
     "close_before_answer": (0.05, Client.close_before_answer), "grpc_cancel": (0.07, Client.grpc_cancel),

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from llmc.engine.types import ModelRunnerOutput, SchedulerOutput, StepRunner
 from llmc.request.metrics import MetricsLog, StepMetrics
 from llmc.request.outputs import RequestOutput, StreamEvent
+from llmc.request.structured import Constraint
 from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
 
@@ -164,16 +165,19 @@ class StepCycle:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
         (``SamplingParams.structured``), computed from its constraint, which has seen every earlier token (the
         engine waits for a step's tokens before planning the next while such a request runs). Under the lock."""
-        seqs = scheduled.sequences
+        seqs = list(scheduled.sequences)
         if not any(s.sample and s.params.structured is not None for s in seqs):
             return scheduled
-        constrained = []
-        for s in seqs:
+        rows, constraints = [], []
+        for i, s in enumerate(seqs):
             output = self._outputs.get(s.request_id)
             if s.sample and output is not None and output.constraint is not None:
-                s = dataclasses.replace(s, token_mask=output.constraint.mask())
-            constrained.append(s)
-        return dataclasses.replace(scheduled, sequences=tuple(constrained))
+                rows.append(i)
+                constraints.append(output.constraint)
+        masks = Constraint.masks(constraints)  # in parallel on llguidance's threads
+        for j, i in enumerate(rows):
+            seqs[i] = dataclasses.replace(seqs[i], token_mask=masks[j])
+        return dataclasses.replace(scheduled, sequences=tuple(seqs))
 
     @property
     def overlapped_steps(self) -> bool:

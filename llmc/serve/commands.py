@@ -64,12 +64,17 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
 @click.option("--build-path", default=None,
               help="Where tritonserver sees the build folder (its mount point in the container).")
 @click.option("--engine-path", default=None, help="gpt_model_path for tensorrt_llm (default <build-path>/engine).")
-def repo_cmd(engine_dir: Path, out: Path, build_path: str | None, engine_path: str | None) -> None:
+@click.option("--repo-path", default=None,
+              help="Where tritonserver sees OUT (its mount point in the container; default: OUT's absolute path, "
+                   "or under --build-path when OUT is inside the build folder). tensorrt_llm: guided decoding's "
+                   "tokenizer info file is named by this path.")
+def repo_cmd(engine_dir: Path, out: Path, build_path: str | None, engine_path: str | None,
+             repo_path: str | None) -> None:
     """Generate the Triton model repository of ENGINE_DIR into OUT, then validate it."""
     from llmc.serve.pbtxt import check_ensemble, read_config
     from llmc.serve.repo import generate_model_repo
 
-    repo = generate_model_repo(engine_dir, out, build_path=build_path, engine_path=engine_path)
+    repo = generate_model_repo(engine_dir, out, build_path=build_path, engine_path=engine_path, repo_path=repo_path)
     models = sorted(p.name for p in repo.iterdir() if (p / "config.pbtxt").is_file())
     for model in models:
         read_config(repo / model)

@@ -239,7 +239,7 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
             changes[spec.param] = value
     if decoded.get("return_log_probs"):
         changes["logprobs"] = 0
-    structured = _guided_format(decoded.get("guided_decoding_guide_type"), decoded.get("guided_decoding_guide"))
+    structured = guided_format(decoded.get("guided_decoding_guide_type"), decoded.get("guided_decoding_guide"))
     if structured is not None:
         changes["structured"] = structured
     if decoded.get("bad_words"):
@@ -260,7 +260,7 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
                            bool(decoded.get("return_log_probs", False)))
 
 
-def _guided_format(guide_type: str | None, guide: str | None) -> dict[str, Any] | None:
+def guided_format(guide_type: str | None, guide: str | None) -> dict[str, Any] | None:
     """``SamplingParams.structured`` from tensorrtllm_backend's guided-decoding inputs (:data:`GUIDE_TYPES`); an
     unknown type is an error here (the C++ backend would silently decode without a guide)."""
     if guide_type is None:

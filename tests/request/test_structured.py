@@ -10,7 +10,7 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
-from llmc.request.structured import KINDS, Grammars, OutputFormat
+from llmc.request.structured import KINDS, Constraint, Grammars, OutputFormat
 from llmc.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},
@@ -99,3 +99,14 @@ def test_formats_that_do_not_compile_name_the_field_without_a_source_dump(gramma
     with pytest.raises(RequestError) as info:
         grammars.compile(OutputFormat.from_dict(value))
     assert info.value.field == "structured" and words in info.value.message and "\n" not in info.value.message
+
+
+def test_a_steps_masks_computed_together_equal_each_constraints_own(tokenizer, grammars):
+    formats = [{"type": "regex", "pattern": "[0-9]+"}, {"type": "json_object"}, {"type": "choice", "choices": ["no"]}]
+    constraints = [grammars.compile(OutputFormat.from_dict(f)) for f in formats]
+    assert constraints[0].accept(tokenizer.encode("4", add_special_tokens=False)[0])
+    together = Constraint.masks(constraints)
+    assert together.shape == (3, -(-len(tokenizer) // 32)) and together.dtype == np.int32
+    for row, constraint in zip(together, constraints):
+        assert np.array_equal(row, constraint.mask())
+    assert np.array_equal(Constraint.masks(constraints[1:2])[0], constraints[1].mask())

@@ -15,7 +15,10 @@ from llmc.errors import BuildError
 from llmc.manifest import read_manifest
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config
 from llmc.serve.protocol import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
-from llmc.serve.repo import TRTLLM_MODELS, generate_model_repo
+from llmc.serve.repo import TRTLLM_MODELS, XGRAMMAR_INFO, generate_model_repo
+from llmc.serve.trtllm_backend import check_trtllm_model
+
+GUIDED = ("guided_decoding_guide_type", "guided_decoding_guide")
 
 
 def _trt_recipe(build_dir, **serving):
@@ -106,6 +109,51 @@ def test_trtllm_repo_wires_return_log_probs_to_the_backend_and_back(serve_tiny_b
     assert check_ensemble(repo) == []
 
 
+def test_trtllm_repo_wires_the_guided_decoding_inputs_into_the_backend(serve_tiny_build, tmp_path):
+    """tensorrtllm_backend's contract (ensemble, tensorrt_llm and tensorrt_llm_bls config.pbtxt): both guided inputs
+    are TYPE_STRING [1] optional (ragged in the ensemble and tensorrt_llm), mapped under the same names into the
+    tensorrt_llm step only, and the tensorrt_llm model turns on xgrammar with the tokenizer info written beside it."""
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo", recipe=_trt_recipe(serve_tiny_build),
+                               eos_token_ids=(2,))
+    configs = {name: _parse_file(repo / name / "config.pbtxt") for name in TRTLLM_MODELS}
+    for name in ("ensemble", "tensorrt_llm", "tensorrt_llm_bls"):
+        inputs = {t.name: t for t in configs[name].input}
+        for guided in GUIDED:
+            tensor = inputs[guided]
+            assert (model_config_pb2.DataType.Name(tensor.data_type), list(tensor.dims)) == ("TYPE_STRING", [1])
+            assert tensor.optional and not tensor.HasField("reshape"), (name, guided)
+            assert tensor.allow_ragged_batch == (name != "tensorrt_llm_bls"), (name, guided)
+    steps = {s.model_name: s for s in configs["ensemble"].ensemble_scheduling.step}
+    assert {g: steps["tensorrt_llm"].input_map[g] for g in GUIDED} == {g: g for g in GUIDED}
+    assert not set(GUIDED) & set(steps["preprocessing"].input_map.values())
+    assert not set(GUIDED) & set(steps["postprocessing"].input_map.values())
+    trt = configs["tensorrt_llm"]
+    assert check_trtllm_model(trt) == [] and check_ensemble(repo) == []
+    params = _params(trt)
+    assert params["guided_decoding_backend"] == "xgrammar"
+    info_path = (tmp_path / "repo" / "tensorrt_llm" / XGRAMMAR_INFO).absolute()
+    assert params["xgrammar_tokenizer_info_path"] == str(info_path) and info_path.is_file()
+    assert params["tokenizer_dir"] == ""  # the C++ backend ignores it; the JSON above is its tokenizer
+    assert sorted(p.name for p in (repo / "tensorrt_llm").iterdir() if p.is_dir()) == ["1"]  # no stray version
+
+
+def test_the_tokenizer_info_path_is_where_tritonserver_sees_the_repo(serve_tiny_build, tmp_path):
+    build = tmp_path / ".tiny.tmp-7"  # llmc build writes <build>/model_repo before renaming the build folder
+    shutil.copytree(serve_tiny_build, build)
+    recipe = _trt_recipe(build)
+    repo = generate_model_repo(build, build / "model_repo", recipe=recipe, eos_token_ids=(2,), build_path="/models/t")
+    path = _params(_parse_file(repo / "tensorrt_llm" / "config.pbtxt"))["xgrammar_tokenizer_info_path"]
+    assert path == f"/models/t/model_repo/tensorrt_llm/{XGRAMMAR_INFO}"
+    repo = generate_model_repo(build, tmp_path / "out", recipe=recipe, eos_token_ids=(2,), repo_path="/srv/repo")
+    path = _params(_parse_file(repo / "tensorrt_llm" / "config.pbtxt"))["xgrammar_tokenizer_info_path"]
+    assert path == f"/srv/repo/tensorrt_llm/{XGRAMMAR_INFO}"
+
+
+def test_torch_repo_has_no_tokenizer_info(serve_tiny_build, tmp_path):
+    repo = generate_model_repo(serve_tiny_build, tmp_path / "repo")
+    assert not list(repo.rglob(XGRAMMAR_INFO))
+
+
 def test_temp_build_folder_paths_point_at_the_final_folder(serve_tiny_build, tmp_path):
     tmp_build = tmp_path / ".tiny.tmp-123"
     shutil.copytree(serve_tiny_build, tmp_build)
@@ -146,3 +194,25 @@ def test_repo_command_writes_and_validates(serve_tiny_build, tmp_path):
     result = CliRunner().invoke(repo_cmd, [str(serve_tiny_build), str(tmp_path / "out"), "--build-path", "/models/t"])
     assert result.exit_code == 0, result.output
     assert _params(read_config(tmp_path / "out" / "tiny"))["build_dir"] == "/models/t"
+
+
+def test_llmc_repo_passes_where_tritonserver_sees_the_repository(serve_tiny_build, tmp_path, monkeypatch):
+    """``--repo-path`` (a container's mount point) reaches generate_model_repo, which names the xgrammar tokenizer
+    info file by it."""
+    from click.testing import CliRunner
+
+    import llmc.serve.repo as repo_module
+    from llmc.cli import cli
+
+    seen = {}
+    real = repo_module.generate_model_repo
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(repo_module, "generate_model_repo", spy)
+    result = CliRunner().invoke(cli, ["repo", str(serve_tiny_build), str(tmp_path / "out"), "--repo-path",
+                                      "/models/repo", "--build-path", "/models/build"])
+    assert result.exit_code == 0, result.output
+    assert seen["repo_path"] == "/models/repo" and seen["build_path"] == "/models/build"

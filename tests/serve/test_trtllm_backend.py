@@ -39,9 +39,10 @@ def test_generated_model_has_every_unconditional_parameter(serve_tiny_build, tmp
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert set(REQUIRED_PARAMETERS) <= set(params)
     assert params["gpt_model_type"] == "inflight_fused_batching"
-    # Empty string = unset: guided decoding stays off (the backend returns no GuidedDecodingConfig).
-    assert [params[k] for k in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend")] == \
-        ["", "", ""]
+    # Guided decoding on (xgrammar, with the tokenizer info JSON beside the config); tokenizer_dir is read but
+    # ignored by the C++ backend, so it stays empty (= unset).
+    assert params["tokenizer_dir"] == "" and params["guided_decoding_backend"] == "xgrammar"
+    assert params["xgrammar_tokenizer_info_path"].endswith("/tensorrt_llm/xgrammar_tokenizer_info.json")
     assert check_trtllm_model(config) == []
 
 
@@ -68,7 +69,8 @@ def test_bls_model_passes_sampling_inputs_under_the_backend_names(serve_tiny_bui
 
 def test_check_reports_a_missing_parameter_and_an_unread_input(serve_tiny_build, tmp_path):
     path = _trt_repo(serve_tiny_build, tmp_path / "repo") / "tensorrt_llm" / "config.pbtxt"
-    text = path.read_text().replace('parameters { key: "guided_decoding_backend" value: { string_value: "" } }', "")
+    guided = 'parameters { key: "guided_decoding_backend" value: { string_value: "xgrammar" } }'
+    text = path.read_text().replace(guided, "")
     text = text.replace('name: "seed" data_type', 'name: "random_seed" data_type')
     config = model_config_pb2.ModelConfig()
     text_format.Parse(text, config)

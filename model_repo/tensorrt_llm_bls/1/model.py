@@ -4,6 +4,8 @@ It calls the ``tensorrt_llm`` model through BLS (streaming), owns one ``Incremen
 request for exactly the request's lifetime, and sends one response per text delta, then the final flag. With
 ``return_log_probs`` the backend's ``cum_log_probs`` / ``output_log_probs`` (all tokens so far in each of its
 responses) go out with every text response and with the final one, as the ensemble returns them.
+The guided-decoding inputs go to ``tensorrt_llm`` unchanged (as tensorrtllm_backend's BLS forwards them), after
+a check: the C++ backend silently decodes without a guide whose type it does not know.
 Logic from ``llmc.serve.tokenization``; ``triton_python_backend_utils`` is imported lazily.
 """
 
@@ -11,6 +13,7 @@ import threading
 
 import numpy as np
 
+from llmc.serve.protocol import guided_format
 from llmc.serve.tokenization import RequestTokenizer, StreamDetokenizers, TokenizerSettings
 from llmc.serve.triton_model import input_arrays, model_parameters
 
@@ -19,8 +22,17 @@ PASSTHROUGH = {"max_tokens": "request_output_len", "temperature": "temperature",
                "top_p": "runtime_top_p", "repetition_penalty": "repetition_penalty",
                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                "min_length": "min_tokens", "random_seed": "seed", "stream": "streaming",
-               "return_log_probs": "return_log_probs"}
+               "return_log_probs": "return_log_probs", "guided_decoding_guide_type": "guided_decoding_guide_type",
+               "guided_decoding_guide": "guided_decoding_guide"}
 LOGPROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
+
+
+def check_guide(arrays):
+    """RequestError (naming the input) for a guide the backend would drop or fail on: a guide without a type, a
+    type other than json / json_schema / regex / ebnf_grammar, a type without its guide, a schema that is not
+    JSON (:func:`llmc.serve.protocol.guided_format`). The texts go on unchanged."""
+    text = lambda a: None if a is None else a.reshape(-1)[0].decode("utf-8")  # noqa: E731
+    guided_format(text(arrays.get("guided_decoding_guide_type")), text(arrays.get("guided_decoding_guide")))
 
 
 def trtllm_inputs(pre, arrays):
@@ -57,6 +69,7 @@ class TritonPythonModel:
         try:
             arrays = input_arrays(pb_utils, request,
                                   ("text_input", "stop_words", "bad_words", "end_id", "pad_id", *PASSTHROUGH))
+            check_guide(arrays)
             words = lambda a: None if a is None else [[x.decode() for x in row.reshape(-1)] for row in a]
             ints = lambda a: None if a is None else [int(x) for x in a.reshape(-1)]
             pre = self.pre.preprocess([arrays["text_input"].reshape(-1)[0].decode()], words(arrays["stop_words"]),
