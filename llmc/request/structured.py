@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import numpy as np
 
 from llmc.errors import RequestError
 
+MIN_POOL_CPUS = 4  # fewer CPUs: a step's masks are computed one after the other (on 2 cores llguidance's pool of
+# one thread took 130 us a mask at 8 rows against 121 us in turn: scripts/bench_structured.py, SmolLM2, regex format)
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "ebnf")
 _FIELD = "structured"
 _SPEC_KEY = {"json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar", "ebnf": "grammar"}
@@ -114,14 +117,15 @@ class Constraint:
 
     @staticmethod
     def masks(constraints: Sequence[Constraint]) -> np.ndarray:
-        """Every constraint's :meth:`mask` (int32 ``[len(constraints), words]``), computed in parallel on
-        llguidance's own threads when there are several (a step's masked rows: tens of microseconds to a few
-        hundred each, which would add up on the step loop)."""
-        if len(constraints) == 1:
-            return constraints[0].mask()[None]
+        """Every constraint's :meth:`mask` (int32 ``[len(constraints), words]``): several in parallel on llguidance's
+        own threads where the engine has a pool (a step's masked rows take tens of microseconds to a few hundred
+        each, which would add up on the step loop), else one after the other."""
+        pool = constraints[0]._executor() if len(constraints) > 1 else None
+        if pool is None:
+            return np.stack([c.mask() for c in constraints])
         out = np.zeros((len(constraints), constraints[0]._words), dtype=np.int32)
         rows = [(c._matcher, i) for i, c in enumerate(constraints)]
-        constraints[0]._executor().unsafe_compute_mask_ptr(rows, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        pool.unsafe_compute_mask_ptr(rows, out.ctypes.data, out.shape[1] * 4, out.shape[0])
         return out
 
     def accept(self, token_id: int) -> bool:
@@ -142,7 +146,12 @@ class Grammars:
     """Compiles :class:`OutputFormat` values for one engine: its tokenizer (a Hugging Face fast tokenizer), the
     model's vocabulary size (the logits' width; ids past the tokenizer's are never allowed) and its end ids."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], mask_threads: int | None = None):
+        """``mask_threads``: llguidance threads that compute a step's masks together; None: 80 % of the CPUs (at
+        most 32) where there are at least :data:`MIN_POOL_CPUS`, else none; 0 or 1: none (one after the other)."""
+        if mask_threads is None:
+            mask_threads = 0 if (os.cpu_count() or 1) < MIN_POOL_CPUS else -1  # -1: llguidance's default count
+        self.mask_threads = mask_threads
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -168,9 +177,13 @@ class Grammars:
         return Constraint(matcher, (self.vocab_size + 31) // 32, self._executor)
 
     def _executor(self) -> Any:
+        """The thread pool for a step's masks; None: compute them one after the other."""
+        if 0 <= self.mask_threads <= 1:
+            return None
         with self._lock:
             if self._pool is None:
-                self._pool = _llguidance().LLExecutor()  # 80 % of the CPUs, at most 32 threads
+                threads = None if self.mask_threads < 0 else self.mask_threads
+                self._pool = _llguidance().LLExecutor(num_threads=threads)
             return self._pool
 
     def _tokenizer_index(self, llguidance: Any) -> Any:

@@ -101,7 +101,11 @@ def test_formats_that_do_not_compile_name_the_field_without_a_source_dump(gramma
     assert info.value.field == "structured" and words in info.value.message and "\n" not in info.value.message
 
 
-def test_a_steps_masks_computed_together_equal_each_constraints_own(tokenizer, grammars):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_steps_masks_computed_together_equal_each_constraints_own(tokenizer, threads):
+    """In turn (1 thread) and on llguidance's pool (2)."""
+    grammars = Grammars(tokenizer, len(tokenizer), [2], mask_threads=threads)
+    assert (grammars._executor() is None) == (threads == 1)
     formats = [{"type": "regex", "pattern": "[0-9]+"}, {"type": "json_object"}, {"type": "choice", "choices": ["no"]}]
     constraints = [grammars.compile(OutputFormat.from_dict(f)) for f in formats]
     assert constraints[0].accept(tokenizer.encode("4", add_special_tokens=False)[0])
