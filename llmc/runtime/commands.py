@@ -95,7 +95,8 @@ def output_format(json_schema: str | None, json_object: bool, regex: str | None,
         if not json_schema.lstrip().startswith(("{", "true", "false")):
             path = Path(json_schema)
             if not path.is_file():
-                raise click.BadParameter(f"{json_schema!r} is neither inline JSON nor a file", param_hint="--json-schema")
+                raise click.BadParameter(f"{json_schema!r} is neither inline JSON nor a file",
+                                         param_hint="--json-schema")
             text = path.read_text(encoding="utf-8")
         try:
             schema = json.loads(text)

@@ -96,7 +96,8 @@ class StepCycle:
         scheduled: SchedulerOutput | None = None
         try:
             with self._lock:
-                scheduled = self._constrain(self.scheduler.schedule())
+                scheduled = self.scheduler.schedule()
+            scheduled = self._constrain(scheduled)
             result = ModelRunnerOutput()
             if scheduled.sequences:
                 result = run_compute(self.runner.execute, scheduled)
@@ -123,7 +124,8 @@ class StepCycle:
                 events += self._collect(inflight)
                 inflight = None
             with self._lock:
-                scheduled = self._constrain(self.scheduler.schedule())
+                scheduled = self.scheduler.schedule()
+            scheduled = self._constrain(scheduled)
             pending = None
             if scheduled.sequences:
                 pending = run_compute(self.runner.launch, scheduled, inflight.pending if inflight else None)
@@ -164,17 +166,22 @@ class StepCycle:
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
         (``SamplingParams.structured``), computed from its constraint, which has seen every earlier token (the
-        engine waits for a step's tokens before planning the next while such a request runs). Under the lock."""
+        engine waits for a step's tokens before planning the next while such a request runs). The masks are computed
+        outside the lock (only this thread advances a constraint), so adding and aborting requests never waits
+        for them."""
         seqs = list(scheduled.sequences)
         if not any(s.sample and s.params.structured is not None for s in seqs):
             return scheduled
         rows, constraints = [], []
-        for i, s in enumerate(seqs):
-            output = self._outputs.get(s.request_id)
-            if s.sample and output is not None and output.constraint is not None:
-                rows.append(i)
-                constraints.append(output.constraint)
-        masks = Constraint.masks(constraints)  # in parallel on llguidance's threads
+        with self._lock:
+            for i, s in enumerate(seqs):
+                output = self._outputs.get(s.request_id)
+                if s.sample and output is not None and output.constraint is not None:
+                    rows.append(i)
+                    constraints.append(output.constraint)
+        if not rows:
+            return scheduled
+        masks = Constraint.masks(constraints)  # together on llguidance's threads where the engine has a pool
         for j, i in enumerate(rows):
             seqs[i] = dataclasses.replace(seqs[i], token_mask=masks[j])
         return dataclasses.replace(scheduled, sequences=tuple(seqs))

@@ -1,6 +1,7 @@
 """Structured outputs and ``logit_bias`` through ``llmc serve``'s OpenAI routes and OpenAI's own client:
-``response_format`` (``json_schema``, ``json_object``) and llmc's ``structured`` field (regex, choice, grammars), answers
-equal the offline engine's with the same format, streams equal whole answers, errors name the client's field."""
+``response_format`` (``json_schema``, ``json_object``) and llmc's ``structured`` field (regex, choice, grammars),
+answers equal the offline engine's with the same format, streams equal whole answers, errors name the client's
+field."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ Pipeline per row (each stage skipped when no row in the batch needs it):
 1. sanitize: float32, NaN -> -inf, +inf -> the largest finite float; then a row with an output format
    (``ScheduledSequence.token_mask``) gets -inf on every token its format does not allow next (before anything
    else, so no later stage and no fallback can pick such a token);
-2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: stop ids (request ids, plus eos unless ``ignore_eos``) get -inf while fewer than
-   ``min_tokens`` tokens were generated (consistent with :func:`llmc.request.stop.check_stop_token`);
+2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: stop ids (request ids, plus eos unless
+   ``ignore_eos``) get -inf while fewer than ``min_tokens`` tokens were generated (consistent with
+   :func:`llmc.request.stop.check_stop_token`);
 3. penalties (OpenAI / vLLM semantics): repetition over prompt + output ids, presence and frequency over
    output ids, counted on the device with ``scatter_add`` from padded id tensors;
 4. temperature-0 rows take the argmax here; the others are shifted so their maximum is 0 and divided by the
