@@ -29,6 +29,7 @@ class RequestMetrics:
     scheduled_time: float | None = None  # first time the scheduler gave it work
     template_time: float = 0.0  # seconds rendering the chat template (0 for text and token ids)
     tokenize_time: float = 0.0  # seconds tokenizing (the rendered template, or the text)
+    format_compile_time: float = 0.0  # seconds compiling the output format (SamplingParams.structured; 0 without)
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one timestamp per generated token
@@ -99,6 +100,8 @@ class StepMetrics:
     kv_blocks_used: int
     kv_blocks_free: int
     preemptions: int = 0
+    masked_rows: int = 0  # sequences sampled under an output format (SamplingParams.structured)
+    mask_time_s: float = 0.0  # host seconds computing their allowed-token masks before the step ran
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record of every field."""

@@ -155,10 +155,12 @@ class Engine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if timing is None:
             timing = PromptTiming(arrival, timings.get("template", 0.0), timings.get("tokenize", 0.0))
+        compile_start = self.clock()
+        constraint = self.grammars.compile(params.structured) if params.structured is not None else None
+        compile_time = self.clock() - compile_start if constraint is not None else 0.0
         metrics = RequestMetrics(arrival_time=timing.arrival_time, prompt_tokens=len(ids),
                                  template_time=timing.template_time, tokenize_time=timing.tokenize_time,
-                                 queued_time=self.clock())
-        constraint = self.grammars.compile(params.structured) if params.structured is not None else None
+                                 format_compile_time=compile_time, queued_time=self.clock())
         output = RequestOutput(request_id, ids, params, self.tokenizer, self.eos_token_ids,
                                self.recipe.engine.max_seq_len, metrics, sink, self._byte_token_ids, constraint)
         with self._lock:
@@ -318,9 +320,10 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def stats(self) -> dict[str, int]:
-        """Current load: running / waiting requests, KV blocks used / free / total, preemptions so far, and the
-        prompt tokens looked up in the prefix cache / served from cached blocks so far."""
+    def stats(self) -> dict[str, float]:
+        """Current load: running / waiting requests, KV blocks used / free / total, preemptions so far, the
+        prompt tokens looked up in the prefix cache / served from cached blocks so far, and the output-format masks
+        computed so far and the host seconds they took (``structured_masks``, ``structured_mask_seconds``)."""
         with self._lock:
             return {
                 "running": self.scheduler.num_running,
@@ -331,6 +334,8 @@ class Engine:
                 "preemptions": self.scheduler.num_preemptions_total,
                 "prefix_cache_queried_tokens": self.block_manager.queried_tokens,
                 "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
+                "structured_masks": self._steps.masks_total,
+                "structured_mask_seconds": self._steps.mask_seconds_total,
             }
 
 

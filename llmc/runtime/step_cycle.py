@@ -76,6 +76,8 @@ class StepCycle:
         self._metrics_log = metrics_log
         self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
         self._inflight: _Inflight | None = None  # overlapped steps: the launched step whose tokens are not known
+        self._step_masks = (0, 0.0)  # the planned step's output-format masks: rows, host seconds
+        self.masks_total, self.mask_seconds_total = 0, 0.0  # since the engine started (Engine.stats)
 
     def step(self) -> list[StreamEvent]:
         """Run one engine step; returns the events it produced (also delivered to each request's sink).
@@ -169,6 +171,7 @@ class StepCycle:
         engine waits for a step's tokens before planning the next while such a request runs). The masks are computed
         outside the lock (only this thread advances a constraint), so adding and aborting requests never waits
         for them."""
+        self._step_masks = (0, 0.0)
         seqs = list(scheduled.sequences)
         if not any(s.sample and s.params.structured is not None for s in seqs):
             return scheduled
@@ -181,7 +184,11 @@ class StepCycle:
                     constraints.append(output.constraint)
         if not rows:
             return scheduled
+        start = self.clock()
         masks = Constraint.masks(constraints)  # together on llguidance's threads where the engine has a pool
+        self._step_masks = (len(rows), self.clock() - start)
+        self.masks_total += len(rows)
+        self.mask_seconds_total += self._step_masks[1]
         for j, i in enumerate(rows):
             seqs[i] = dataclasses.replace(seqs[i], token_mask=masks[j])
         return dataclasses.replace(scheduled, sequences=tuple(seqs))
@@ -273,6 +280,8 @@ class StepCycle:
             kv_blocks_used=self.scheduler.block_manager.num_used_blocks,
             kv_blocks_free=self.scheduler.block_manager.num_free_blocks,
             preemptions=len(scheduled.preempted_request_ids),
+            masked_rows=self._step_masks[0],
+            mask_time_s=self._step_masks[1],
         ))
 
     def close_metrics(self) -> None:

@@ -44,6 +44,10 @@ ENGINE_COUNTERS = {
                                                                         "cache."),
     "prefix_cache_hit_tokens": ("llmc_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks (not "
                                                                 "computed again)."),
+    "structured_masks": ("llmc_structured_masks", "Allowed-token masks computed for requests with an output format "
+                                                  "(one per constrained token)."),
+    "structured_mask_seconds": ("llmc_structured_mask_seconds", "Host seconds computing those masks on the step "
+                                                                "loop."),
 }
 
 
@@ -66,6 +70,8 @@ class ServerMetrics:
             self.ttft.labels(bucket)
         self.template = Histogram("llmc_request_template_seconds", "Rendering the chat template of a request.",
                                   buckets=LATENCY_BUCKETS, registry=reg)
+        self.compile_format = Histogram("llmc_request_format_compile_seconds", "Compiling a request's output format "
+                                        "(structured outputs).", buckets=LATENCY_BUCKETS, registry=reg)
         self.tokenize = Histogram("llmc_request_tokenize_seconds", "Tokenizing a request's prompt.",
                                   buckets=LATENCY_BUCKETS, registry=reg)
         self.queue = Histogram("llmc_request_queue_seconds", "Time a request waited in the engine's queue before "
@@ -103,6 +109,8 @@ class ServerMetrics:
         if m.template_time:
             self.template.observe(m.template_time)
         self.tokenize.observe(m.tokenize_time)
+        if m.format_compile_time:
+            self.compile_format.observe(m.format_compile_time)
         if m.queue_time is not None:
             self.queue.observe(m.queue_time)
         if m.ttft is not None:

@@ -131,3 +131,23 @@ def test_logit_bias_bans_the_greedy_token_and_forces_another(tiny_build_dir, tin
     assert banned.token_ids == (second,) and forced.token_ids == (7,)
     with pytest.raises(RequestError, match="logit_bias"):
         engine.add_request("x", greedy.replace(logit_bias={str(engine.runner.vocab_size): 1}))
+
+
+def test_the_format_stages_are_measured(tiny_build_dir, tmp_path):
+    """Compiling a format (per request) and computing the masks (per step: rows, host seconds; totals in stats())."""
+    from llmc.runtime.api import Engine
+
+    base = make_engine(tiny_build_dir)
+    log = tmp_path / "steps.jsonl"
+    engine = Engine(base.runner, base.tokenizer, base.recipe, base.eos_token_ids, metrics_log=log)
+    fmt = {"type": "regex", "pattern": "[a-z]{400}"}  # never complete in 6 tokens: one mask per token
+    done = engine.generate(["a", "b", "c"], [SamplingParams(max_new_tokens=6, temperature=0.0, structured=fmt)] * 2
+                           + [SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert all(c.metrics.format_compile_time > 0 for c in done[:2]) and done[2].metrics.format_compile_time == 0
+    stats = engine.stats()
+    assert stats["structured_masks"] == 12 and stats["structured_mask_seconds"] > 0
+    engine.flush_metrics()
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("type", "step") == "step"
+             and "masked_rows" in r]
+    assert sum(r["masked_rows"] for r in steps) == 12 and max(r["masked_rows"] for r in steps) == 2
+    assert sum(r["mask_time_s"] for r in steps) == pytest.approx(stats["structured_mask_seconds"])

@@ -16,7 +16,8 @@ class FakeEngine:
     def stats(self) -> dict[str, int]:
         return {"waiting": 1, "running": 2, "kv_blocks_used": self.used, "kv_blocks_free": 10 - self.used,
                 "kv_blocks_total": 10, "preemptions": self.used // 2, "prefix_cache_queried_tokens": 64 * self.used,
-                "prefix_cache_hit_tokens": 32 * self.used}
+                "prefix_cache_hit_tokens": 32 * self.used, "structured_masks": 5 * self.used,
+                "structured_mask_seconds": 0.001 * self.used}
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -31,7 +32,7 @@ def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
 def test_counters_histograms_and_callback_gauges():
     engine, in_flight = FakeEngine(), {"a", "b", "c"}
     metrics = ServerMetrics(engine, in_flight)
-    m = RequestMetrics(arrival_time=0.0, prompt_tokens=7)
+    m = RequestMetrics(arrival_time=0.0, prompt_tokens=7, format_compile_time=0.002)
     for t in (0.05, 0.5, 3.0):
         m.record_token(t)
     m.record_finished(3.0)
@@ -55,6 +56,9 @@ def test_counters_histograms_and_callback_gauges():
     assert got[("llmc_kv_blocks_total", ())] == 10 and got[("llmc_preemptions_total", ())] == 2
     assert got[("llmc_prefix_cache_queried_tokens_total", ())] == 256
     assert got[("llmc_prefix_cache_hit_tokens_total", ())] == 128
+    assert got[("llmc_structured_masks_total", ())] == 20 and got[("llmc_structured_mask_seconds_total", ())] == 0.004
+    assert got[("llmc_request_format_compile_seconds_bucket", (("le", "0.0025"),))] == 1
+    assert got[("llmc_request_format_compile_seconds_count", ())] == 1  # the request without a format: not observed
     assert got[("llmc_num_requests_running", ())] == 2 and got[("llmc_requests_in_flight", ())] == 3
 
 
