@@ -3,6 +3,10 @@
 constrained, on one build, in one process.
 
     python scripts/bench_structured.py BUILD_DIR --concurrency 1,8 --new-tokens 64 --device cpu
+    python scripts/bench_structured.py BUILD_DIR --formats regex --regex '[0-9 ]{4000}' --regex-check '[0-9 ]*'
+
+The random benchmark models' word-level tokenizer (scripts/make_random_llama.py) cannot be read by llguidance, so
+on a GPU this runs on a build with a real tokenizer (the embedded SmolLM2's, or a real checkpoint's).
 
 Every request has a distinct prompt of random token ids, is greedy and generates exactly ``--new-tokens`` tokens:
 free requests ignore the end ids; the formats never complete that soon and allow no end id before (``regex``: 4,000
@@ -55,7 +59,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--formats", default="regex,json", help="comma-separated: regex, json")
+    parser.add_argument("--regex", default=FORMATS["regex"][0]["pattern"],
+                        help="the regex format (must not complete within --new-tokens tokens)")
+    parser.add_argument("--regex-check", default=FORMATS["regex"][1].pattern,
+                        help="a Python regex every regex-format output must fully match")
     args = parser.parse_args()
+    FORMATS["regex"] = ({"type": "regex", "pattern": args.regex}, re.compile(args.regex_check))
+    for name in set(FORMATS) - set(args.formats.split(",")):
+        del FORMATS[name]
     clock = MaskClock()
     engine = Engine.from_dir(args.build_dir, device=args.device)
     vocab, rng = engine.runner.vocab_size, random.Random(0)

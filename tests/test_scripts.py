@@ -211,6 +211,12 @@ def test_bench_structured_times_free_and_constrained_requests(tiny_build_dir):
     for fmt in ("regex", "json"):
         assert report["ratio_to_free"][fmt]["1"] == report["tgs"][fmt]["1"] / report["tgs"]["free"]["1"] > 0
         assert all(us > 0 for us in report["mask_us_per_token"][fmt].values())
+    digits = subprocess.run([sys.executable, "scripts/bench_structured.py", str(tiny_build_dir), "--concurrency", "2",
+                             "--new-tokens", "4", "--prompt-len", "8", "--rounds", "1", "--device", "cpu", "--formats",
+                             "regex", "--regex", "[0-9 ]{4000}", "--regex-check", "[0-9 ]*"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert digits.returncode == 0, digits.stderr
+    assert set(json.loads(digits.stdout)["tgs"]) == {"free", "regex"}
 
 
 def lm_eval_samples(folder: Path, rows: list[list[list[str]]]) -> Path:

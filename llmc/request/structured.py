@@ -198,10 +198,16 @@ class Grammars:
                 backend.no_truncation()
                 ends = self.eos_token_ids or None
                 try:
-                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=ends)
-                except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first recorded
-                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=ends[0] if ends else None)
+                    try:
+                        self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                             eos_token=ends)
+                    except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first one
+                        self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                             eos_token=ends[0] if ends else None)
+                except (ValueError, RuntimeError) as exc:  # e.g. a decoder it cannot map tokens to bytes through
+                    raise RequestError(_FIELD, f"is not available for this engine's tokenizer: llguidance cannot "
+                                               f"read it ({exc}); structured outputs need a byte-level BPE, "
+                                               f"SentencePiece (byte-fallback) or similar tokenizer") from None
             return self._index
 
 

@@ -114,3 +114,18 @@ def test_a_steps_masks_computed_together_equal_each_constraints_own(tokenizer, t
     for row, constraint in zip(together, constraints):
         assert np.array_equal(row, constraint.mask())
     assert np.array_equal(Constraint.masks(constraints[1:2])[0], constraints[1].mask())
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_one_request_error():
+    """A word-level vocabulary joined by a WordPiece decoder (the random benchmark models' tokenizer): the request
+    is refused naming ``structured``; nothing else is affected."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(64)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t63", unk_token="t0")
+    with pytest.raises(RequestError) as info:
+        Grammars(tokenizer, 64, [63]).compile(OutputFormat("regex", "t1"))
+    assert info.value.field == "structured" and "is not available for this engine's tokenizer" in info.value.message
