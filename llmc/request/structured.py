@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 
 from llmc.errors import RequestError
+
+log = logging.getLogger(__name__)
 
 MIN_POOL_CPUS = 4  # fewer CPUs: a step's masks are computed one after the other (on 2 cores llguidance's pool of
 # one thread took 130 us a mask at 8 rows against 121 us in turn: scripts/bench_structured.py, SmolLM2, regex format)
@@ -158,6 +161,21 @@ class Grammars:
         self._index: Any = None  # llguidance's tokenizer, built on first use
         self._pool: Any = None  # llguidance's LLExecutor (its threads compute a step's masks), made on first use
         self._lock = threading.Lock()
+        self.ready = threading.Event()  # set once the tokenizer index is built (or found unreadable)
+
+    def prepare_in_background(self) -> threading.Thread:
+        """Build the tokenizer index on a daemon thread now, so the first structured request does not pay for it
+        (0.3 s for SmolLM2's 49,152 tokens; longer for larger vocabularies). A request that comes first waits for
+        it; a tokenizer llguidance cannot read is reported then, to that request."""
+        def build() -> None:
+            try:
+                self._tokenizer_index(_llguidance())
+            except RequestError as exc:
+                log.debug("structured outputs unavailable: %s", exc)
+
+        thread = threading.Thread(target=build, name="llmc-grammars", daemon=True)
+        thread.start()
+        return thread
 
     def compile(self, fmt: OutputFormat) -> Constraint:
         """A fresh constraint for ``fmt``; RequestError naming ``structured`` when the format is invalid (a schema
@@ -188,27 +206,33 @@ class Grammars:
 
     def _tokenizer_index(self, llguidance: Any) -> Any:
         with self._lock:
-            if self._index is None:
-                backend = getattr(self._hf, "backend_tokenizer", None)
-                if backend is None:
-                    raise RequestError(_FIELD, f"needs a fast (Rust) tokenizer; this engine's is "
-                                               f"{type(self._hf).__name__}")
-                backend = copy.copy(backend)  # its JSON without the padding and truncation a caller may have set
-                backend.no_padding()
-                backend.no_truncation()
-                ends = self.eos_token_ids or None
+            try:
+                return self._build_index(llguidance)
+            finally:
+                self.ready.set()
+
+    def _build_index(self, llguidance: Any) -> Any:
+        if self._index is None:
+            backend = getattr(self._hf, "backend_tokenizer", None)
+            if backend is None:
+                raise RequestError(_FIELD, f"needs a fast (Rust) tokenizer; this engine's is "
+                                           f"{type(self._hf).__name__}")
+            backend = copy.copy(backend)  # its JSON without the padding and truncation a caller may have set
+            backend.no_padding()
+            backend.no_truncation()
+            ends = self.eos_token_ids or None
+            try:
                 try:
-                    try:
-                        self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                             eos_token=ends)
-                    except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first one
-                        self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                             eos_token=ends[0] if ends else None)
-                except (ValueError, RuntimeError) as exc:  # e.g. a decoder it cannot map tokens to bytes through
-                    raise RequestError(_FIELD, f"is not available for this engine's tokenizer: llguidance cannot "
-                                               f"read it ({exc}); structured outputs need a byte-level BPE, "
-                                               f"SentencePiece (byte-fallback) or similar tokenizer") from None
-            return self._index
+                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=ends)
+                except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first one
+                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=ends[0] if ends else None)
+            except (ValueError, RuntimeError) as exc:  # e.g. a decoder it cannot map tokens to bytes through
+                raise RequestError(_FIELD, f"is not available for this engine's tokenizer: llguidance cannot "
+                                           f"read it ({exc}); structured outputs need a byte-level BPE, "
+                                           f"SentencePiece (byte-fallback) or similar tokenizer") from None
+        return self._index
 
 
 def _llguidance() -> Any:
@@ -216,7 +240,7 @@ def _llguidance() -> Any:
         import llguidance
     except ImportError as exc:  # a core dependency; missing only from a broken install
         raise RequestError(_FIELD, f"structured outputs need the llguidance package ({exc}); install it: "
-                                   f"pip install 'llguidance>=0.7.11,<2'") from None
+                                   f"pip install 'llguidance>=0.7.29,<2'") from None
     return llguidance
 
 

@@ -106,7 +106,8 @@ class Engine:
         (``generate``/``stream`` over TensorRT-LLM's ModelRunnerCpp; concurrency belongs to Triton there).
 
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
-        warm-up (when it has one) before any request, so the first request is not the slow one.
+        warm-up (when it has one) before any request, so the first request is not the slow one, and builds the
+        structured outputs' tokenizer index in the background.
         ``prefix_caching`` and ``mixed_step_tokens`` override the recipe's ``serving.enable_kv_cache_reuse`` and
         ``serving.mixed_step_tokens`` (torch backend only)."""
         build_dir = Path(path)
@@ -135,8 +136,11 @@ class Engine:
             return runner
 
         runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)
-        return cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log, max_wait_s=max_wait_s,
-                   prefix_caching=prefix_caching, mixed_step_tokens=mixed_step_tokens)
+        engine = cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log,
+                     max_wait_s=max_wait_s, prefix_caching=prefix_caching, mixed_step_tokens=mixed_step_tokens)
+        if warmup:  # structured outputs' tokenizer index, off the first such request's path
+            engine.grammars.prepare_in_background()
+        return engine
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,

@@ -151,3 +151,22 @@ def test_the_format_stages_are_measured(tiny_build_dir, tmp_path):
              and "masked_rows" in r]
     assert sum(r["masked_rows"] for r in steps) == 12 and max(r["masked_rows"] for r in steps) == 2
     assert sum(r["mask_time_s"] for r in steps) == pytest.approx(stats["structured_mask_seconds"])
+
+
+def test_a_loaded_engine_builds_the_tokenizer_index_before_the_first_structured_request(tiny_build_dir):
+    """Engine.from_dir (with its warm-up) builds llguidance's tokenizer index in the background, so the first
+    request with a format compiles its format only; without the warm-up the first such request builds it."""
+    from llmc.runtime.api import Engine
+
+    warm = Engine.from_dir(tiny_build_dir, device="cpu")
+    cold = Engine.from_dir(tiny_build_dir, device="cpu", warmup=False)
+    try:
+        assert warm.grammars.ready.wait(60) and warm.grammars._index is not None
+        assert not cold.grammars.ready.is_set() and cold.grammars._index is None
+        params = SamplingParams(max_new_tokens=3, temperature=0.0, structured={"type": "regex", "pattern": "[ab]+"})
+        done = [engine.generate(["x"], params)[0] for engine in (warm, cold)]
+        assert cold.grammars._index is not None and all(re.fullmatch("[ab]+", c.text) for c in done)
+        assert done[0].metrics.format_compile_time < done[1].metrics.format_compile_time
+    finally:
+        warm.shutdown()
+        cold.shutdown()
