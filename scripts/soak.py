@@ -188,18 +188,26 @@ class Client:
 
     def openai_json(self) -> str:
         """A chat answer constrained to a JSON schema (structured outputs): it parses and follows the schema."""
-        schema = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
-                  "required": ["ok", "n"], "additionalProperties": False}
-        body = {"messages": [{"role": "user", "content": self.prompt()}], "max_tokens": 64, "temperature": 0.8,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "soak", "schema": SIDE}}
+        choice = self._chat({"max_tokens": 32, "temperature": 0.8, "response_format": fmt})
+        if isinstance(choice, str) or choice["finish_reason"] == "length":  # an error, or a JSON prefix cut short
+            return choice if isinstance(choice, str) else "ok"
+        return "ok" if json.loads(choice["message"]["content"])["side"] in ("left", "right") else "unexpected:json"
+
+    def openai_tools(self) -> str:
+        """A named function call (function calling): its arguments parse and follow the function's schema."""
+        tool = {"type": "function", "function": {"name": "pick", "parameters": SIDE}}
+        choice = self._chat({"max_tokens": 32, "tools": [tool], "tool_choice": {"type": "function",
+                                                                                 "function": {"name": "pick"}}})
+        calls = [] if isinstance(choice, str) else choice["message"].get("tool_calls") or []
+        ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"])["side"] in ("left", "right")
+        return "ok" if ok else choice if isinstance(choice, str) else "unexpected:tools-call"
+
+    def _chat(self, extra: dict) -> dict | str:
+        """The first choice of a chat request with ``extra`` fields, or an "unexpected:" outcome."""
+        body = {"messages": [{"role": "user", "content": self.prompt()}], **extra}
         status, reply = http_json(self.server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
-        if status != 200:
-            return f"unexpected:json-{status}"
-        choice = reply["choices"][0]
-        if choice["finish_reason"] == "length":  # an integer may run past 64 tokens; the text is still a prefix
-            return "ok" if choice["message"]["content"].startswith("{") else "unexpected:json-prefix"
-        value = json.loads(choice["message"]["content"])
-        return "ok" if set(value) == {"ok", "n"} and value["ok"] in ("yes", "no") else "unexpected:json-schema"
+        return reply["choices"][0] if status == 200 else f"unexpected:chat-{status}"
 
     def openai_stream(self) -> str:
         return self._sse("/v1/completions", {"prompt": self.prompt(), "max_tokens": self.tokens(), "stream": True})
@@ -260,11 +268,13 @@ class Client:
         return "expected:hostile" if ok else f"unexpected:hostile-{status}"
 
 
+SIDE = {"type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"],
+        "additionalProperties": False}
 MIX: dict[str, tuple[float, Callable[[Client], str]]] = {  # kind -> (weight, call)
     "generate": (0.15, Client.generate), "generate_stream": (0.15, Client.generate_stream),
     "openai_chat": (0.10, Client.openai_chat), "openai_stream": (0.10, Client.openai_stream),
     "openai_choices": (0.05, Client.openai_choices), "openai_score": (0.05, Client.openai_score),
-    "openai_json": (0.05, Client.openai_json),
+    "openai_json": (0.05, Client.openai_json), "openai_tools": (0.04, Client.openai_tools),
     "grpc_infer": (0.10, Client.grpc_infer), "grpc_stream": (0.10, Client.grpc_stream),
     "disconnect_mid_stream": (0.08, Client.disconnect_mid_stream),
     "close_before_answer": (0.05, Client.close_before_answer), "grpc_cancel": (0.07, Client.grpc_cancel),

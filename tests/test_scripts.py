@@ -91,9 +91,9 @@ def test_soak_for_sixty_seconds_leaks_nothing(tiny_build_dir, tmp_path):
         report["checks"], report["unexpected_examples"], {k: v for k, v in report.items() if k.startswith("fds")})
     assert report["unexpected"] == 0 and report["kv_blocks_used_after_drain"] == 0
     assert set(report["requests_by_kind"]) == {"generate", "generate_stream", "openai_chat", "openai_stream",
-                                               "openai_choices", "openai_score", "openai_json", "grpc_infer",
-                                               "grpc_stream", "disconnect_mid_stream", "close_before_answer",
-                                               "grpc_cancel", "hostile"}
+                                               "openai_choices", "openai_score", "openai_json", "openai_tools",
+                                               "grpc_infer", "grpc_stream", "disconnect_mid_stream",
+                                               "close_before_answer", "grpc_cancel", "hostile"}
 
 
 def _soak_module():

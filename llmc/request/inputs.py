@@ -10,13 +10,27 @@ Size is checked before any tokenization: a prompt of ``max_input_len`` tokens sp
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 from llmc.errors import RequestError
 
-Prompt = Union[str, bytes, Sequence[int], Sequence[dict]]
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages with the function tools the model may call (OpenAI's ``tools``: ``{"type": "function",
+    "function": {"name", "description", "parameters"}}``), rendered by the model's chat template with ``tools=``.
+    A template that does not use tools gets them as a system message instead (:func:`tools_instruction`), and one
+    that does not render an assistant's ``tool_calls`` gets those calls as the message's text."""
+
+    messages: tuple[dict, ...]
+    tools: tuple[dict, ...] = ()
+
+
+Prompt = Union[str, bytes, Sequence[int], Sequence[dict], ChatPrompt]
 
 
 # Normalizers may shorten text before it is split into tokens: allow twice the longest token's text per token.
@@ -49,6 +63,9 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     ``max_chars`` (see :func:`max_prompt_chars`) refuses longer text, message contents (summed) or id lists
     before any tokenization or templating.
     """
+    if isinstance(prompt, ChatPrompt):
+        check_prompt_size(_num_chars(prompt.messages) + len(json.dumps(prompt.tools)), max_chars)
+        return tuple(int(t) for t in chat_to_token_ids(tokenizer, prompt.messages, timings, prompt.tools))
     if isinstance(prompt, (bytes, bytearray)):
         try:
             prompt = bytes(prompt).decode("utf-8")
@@ -91,11 +108,14 @@ def _num_chars(prompt: Sequence[Any]) -> int:
     return sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), str) else 1 for m in prompt)
 
 
-def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None) -> list[int]:
+def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None,
+                      tools: Sequence[dict] = ()) -> list[int]:
     """Render chat messages with the model's own chat template (generation prompt appended) and tokenize.
 
     The template already contains every special token it needs, so none are added on top. ``timings``: as in
-    :func:`prompt_to_token_ids`."""
+    :func:`prompt_to_token_ids`. ``tools``: see :class:`ChatPrompt`."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    messages = _with_tools(list(messages), tools, template)
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise RequestError(
@@ -104,12 +124,48 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
     started = time.perf_counter()
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    extra = {"tools": list(tools)} if tools and "tools" in template else {}
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if timings is not None:
         timings["template"], timings["tokenize"] = rendered - started, time.perf_counter() - rendered
     return ids
+
+
+def tools_instruction(tools: Sequence[dict]) -> str:
+    """The system text that tells a model whose chat template has no tools which functions it may call."""
+    listed = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
+    return ("You can call these functions (JSON schemas of their parameters):\n" + listed + "\nTo call functions, "
+            'answer with a JSON list of calls: [{"name": ..., "arguments": {...}}].')
+
+
+def _with_tools(messages: list[dict], tools: Sequence[dict], template: str) -> list[dict]:
+    """``messages`` as a template without tool support needs them: the tools in the system message, an assistant's
+    ``tool_calls`` as its text (a template that uses them gets the messages unchanged)."""
+    if "tool_calls" not in template:
+        messages = [_calls_as_text(m) if m.get("tool_calls") else m for m in messages]
+    if not tools or "tools" in template:
+        return messages
+    note = tools_instruction(tools)
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+    return [{"role": "system", "content": note}, *messages]
+
+
+def _calls_as_text(message: dict) -> dict:
+    calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments"))}
+             for c in message["tool_calls"]]
+    text = ((message.get("content") or "") + "\n" + json.dumps(calls, ensure_ascii=False)).strip()
+    return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": text}
+
+
+def _arguments(arguments: Any) -> Any:
+    """A call's arguments as a JSON value (OpenAI sends them as JSON text)."""
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
 
 
 def check_prompt_length(num_tokens: int, max_input_len: int) -> None:

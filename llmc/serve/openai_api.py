@@ -102,6 +102,7 @@ class _Choice:
         self.pending: list[TokenLogprob] = []
         self.formatter = LogprobFormatter(tokenizer, chat)
         self.prompt_logprobs: dict[str, Any] | None = None  # an echoed prompt's, until sent
+        self.tools = req.tools  # function calling: the text is a call, sent as tool_calls once complete
 
     def start(self, first: StreamEvent, prompt_ids: Sequence[int]) -> None:
         """Before any event is taken: the echoed prompt's log-probabilities (the first event carries them)."""
@@ -115,7 +116,7 @@ class _Choice:
         if not self.score_only:
             self.pending += output_logprobs(event)
         self.finish_reason = event.finish_reason
-        return text
+        return "" if self.tools is not None else text
 
     async def collect(self, event: StreamEvent) -> StreamEvent:
         """Take ``event`` and the stream's next ones up to the finished one (returned)."""
@@ -144,12 +145,22 @@ class _Choice:
             out = {key: head[key] + out[key] for key in out}
         return out
 
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The finished answer's function calls (function calling with a complete answer), else None."""
+        if self.tools is None or self.finish_reason != "stop":
+            return None
+        return self.tools.calls("".join(self.parts))
+
     def whole(self, chat: bool) -> dict[str, Any]:
         """The choice of a response that is not streamed."""
         text = (self.echo or "") + "".join(self.parts)
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason,
+        calls = self.tool_calls()
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": "tool_calls" if calls else self.finish_reason,
                                   "logprobs": self.logprobs()}
-        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        else:
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return choice
 
 
@@ -205,11 +216,19 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
     warnings = _warnings(prepared)
 
     def chunk(c: _Choice, event: StreamEvent | None, text: str | None = None) -> dict[str, Any]:
-        """``event``'s chunk with its ``text`` (None: the chat's opening chunk, the role, or an echoed prompt)."""
+        """``event``'s chunk with its ``text`` (None: the chat's opening chunk, the role, or an echoed prompt). A
+        function-calling choice sends its answer with the last event: the calls at once, or a cut-short answer's
+        text."""
         finish = event.finish_reason if event is not None and event.finished else None
         lps = c.logprobs() if event is not None or c.echo is not None else None
+        calls = c.tool_calls() if finish is not None else None
+        if calls:
+            finish, delta = "tool_calls", {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        elif c.tools is not None and finish is not None:
+            text = "".join(c.parts)
         if chat:
-            delta = {"role": "assistant", "content": ""} if event is None else ({"content": text} if text else {})
+            if not calls:
+                delta = {"role": "assistant", "content": ""} if event is None else ({"content": text} if text else {})
             choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
             choice = {"index": c.index, "text": text or "", "finish_reason": finish, "logprobs": lps}

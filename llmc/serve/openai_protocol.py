@@ -11,7 +11,9 @@ Completions' ``echo: true`` puts the prompt before the completion, and with ``lo
 log-probabilities (the first token's is null), which is how evaluation harnesses (lm-eval's ``local-completions``)
 score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that do not change the output
 (``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot honour (``best_of`` > 1,
-chat's ``echo``, tools) are a 400 unless they ask for nothing (``best_of: 1``, ``tools: []``, null). Structured
+chat's ``echo``, the legacy ``functions``) are a 400 unless they ask for nothing (``best_of: 1``, null). Function
+calling: chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function (:mod:`llmc.serve.openai_tools`;
+``"auto"`` is a 400), and ``tool`` messages and an assistant's ``tool_calls`` in the history. Structured
 outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's ``structured`` (the
 same plus ``regex``, ``choice`` and ``grammar`` formats, :class:`~llmc.request.structured.OutputFormat`);
 ``logit_bias`` adds its biases to the logits. Any other field is a 400 too, as OpenAI's API answers it: a
@@ -28,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmc.errors import RequestError, UnknownModelError
+from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
+from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.protocol import check_param_limits, client_names
 
 PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
@@ -40,20 +44,20 @@ PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_t
 # Features llmc cannot honour -> the values besides null that ask for none of it (accepted, as clients send them).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "web_search_options": ()}
 # Sent by OpenAI clients, no effect on the tokens: accepted and ignored.
-IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "parallel_tool_calls")
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs", "echo",
-                 "response_format", "structured", "logit_bias", *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+                 "response_format", "structured", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
+                 *PARAM_MAP, *UNSUPPORTED, *IGNORED)
 MAX_CHOICES = 16  # n: completions of one request (each is an engine request of its own)
 MAX_COMPLETIONS = 256  # prompts x n in one completions request
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
 OTHER_NAMES = {"stop_sequences": "stop", "max_new_tokens": "max_tokens", "max_length": "max_tokens",
                "random_seed": "seed"}
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}
 
 
@@ -74,6 +78,7 @@ class OpenAIRequest:
     n: int = 1  # completions of each prompt (choices)
     echo: bool = False
     score_only: bool = False
+    tools: ToolCalls | None = None  # chat's function calling (tools + tool_choice "required" or a named function)
 
     @property
     def prompt(self) -> Any:
@@ -107,11 +112,18 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
         params = sampling_params(body, defaults, vocab_size)
     logprobs = _logprobs(body, chat)
     structured, names["structured"] = _output_format(body)
+    tools = parse_tools(body, chat)
+    if tools is not None:
+        if structured is not None:
+            raise RequestError("tools", f"and {names['structured']} both set the answer's format; a tool call's "
+                                        f"format is its function's parameters")
+        structured, names["structured"] = tools.output_format, "tools"
+        prompts = (ChatPrompt(tuple(prompts[0]), tools.tools),)
     with client_names(names):
         params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None, structured=structured,
                                 logit_bias=_logit_bias(body)).validate(vocab_size)
     return OpenAIRequest(model, prompts, params, _flag(body, "stream"), _include_usage(body),
-                         _flag(body, "strict_max_tokens"), names, n, echo, score_only)
+                         _flag(body, "strict_max_tokens"), names, n, echo, score_only, tools)
 
 
 def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
@@ -257,11 +269,31 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in CHAT_ROLES:
-            hint = "; tool messages need tools, which llmc does not support" if role in ("tool", "function") else ""
             raise RequestError(f"{where}.role", f"must be one of {', '.join((*CHAT_ROLES, *ROLE_ALIASES))}, got "
-                                                f"{m.get('role')!r}{hint}")
-        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+                                                f"{m.get('role')!r}")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = m.get("content")
+        message = {"role": role, "content": "" if content is None and calls else _content(content, f"{where}.content")}
+        if calls:
+            message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls`` (``{"id", "type": "function", "function": {"name",
+    "arguments"}}``), kept for the chat template."""
+    if not isinstance(calls, list):
+        raise RequestError(where, "must be a list of function calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                function.get("arguments", ""), str):
+            raise RequestError(f"{where}[{j}]", 'must be {"id": ..., "type": "function", "function": {"name": ..., '
+                                                '"arguments": "<JSON text>"}}')
+    return calls
 
 
 def _content(content: Any, where: str) -> str:

@@ -48,7 +48,7 @@ def test_streams_parse_and_count_usage(client, tiny_server, offline):
 @pytest.mark.parametrize("kwargs, error, param, words", [
     ({"n": 17}, openai.BadRequestError, "n", "n: must be an integer in [1, 16]"),
     ({"extra_body": {"best_of": 2}}, openai.BadRequestError, "best_of", "best_of: is not supported by llmc (got 2)"),
-    ({"tool_choice": "auto"}, openai.BadRequestError, "tool_choice", "not supported"),
+    ({"tool_choice": "required"}, openai.BadRequestError, "tool_choice", "needs tools"),
     ({"extra_body": {"max_token": 5}}, openai.BadRequestError, "max_token", "did you mean 'max_tokens'?"),
     ({"max_tokens": 0}, openai.BadRequestError, "max_tokens", "max_tokens:"),
     ({"model": "gpt-4o"}, openai.NotFoundError, "model", "unknown model 'gpt-4o'"),

@@ -48,7 +48,7 @@ def test_unsupported_features_are_accepted_when_they_ask_for_nothing(key, value)
     assert parse({key: value}).params == DEFAULTS
 
 
-@pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("tool_choice", "auto"), ("suffix", "x"),
+@pytest.mark.parametrize("key, value", [("best_of", 2), ("best_of", True), ("function_call", "auto"), ("suffix", "x"),
                                         ("reasoning_effort", "low"), ("audio", {"voice": "x"})])
 def test_unsupported_features_are_refused_naming_the_field(key, value):
     with pytest.raises(RequestError) as info:
@@ -90,8 +90,9 @@ def test_a_bad_prompt_list_is_refused(body, words):
 def test_a_developer_message_reaches_the_template_as_system():
     req = parse({"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
     assert req.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    with pytest.raises(RequestError, match=r"messages\[1\].role: .*got 'tool'; tool messages need tools"):
-        parse({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]})
+    with pytest.raises(RequestError, match=r"messages\[1\].role: must be one of system, user, assistant, tool, "
+                                           r"developer, got 'function'"):
+        parse({"messages": [{"role": "user", "content": "hi"}, {"role": "function", "content": "42"}]})
 
 
 def test_an_unknown_model_is_its_own_error():
