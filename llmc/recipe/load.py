@@ -18,6 +18,7 @@ import yaml
 from llmc.errors import RecipeError
 from llmc.recipe.parse import ROOT, Context, parse_section
 from llmc.recipe.schema import ModelSource, Recipe
+from llmc.request.structured import OutputFormat
 from llmc.recipe.validate import validate_recipe
 
 
@@ -108,6 +109,8 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 def _to_plain(value: Any) -> Any:
     if isinstance(value, ModelSource):
         return str(value)
+    if isinstance(value, OutputFormat):  # runtime.sampling.structured: the mapping the recipe takes
+        return value.to_dict()
     if dataclasses.is_dataclass(value):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if not f.metadata.get("internal")}

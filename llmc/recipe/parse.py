@@ -18,8 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from llmc.errors import RecipeError
+from llmc.errors import RecipeError, RequestError
 from llmc.recipe.schema import ModelSource, Range
+from llmc.request.structured import OutputFormat
+
+# runtime.sampling.logit_bias: {token id: bias} (or [id, bias] pairs), read as SamplingParams reads it
+_TOKEN_BIASES = tuple[tuple[int, float], ...]
 
 ROOT = "(recipe)"  # key path used for problems with the whole file
 _PACKAGE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -141,6 +145,8 @@ def parse_value(value: Any, hint: Any, ctx: Context, key_path: str, extra: str |
     origin = typing.get_origin(hint)
     if hint is ModelSource:
         return parse_model_source(value, ctx, key_path)
+    if hint is OutputFormat or hint == _TOKEN_BIASES:  # their own mappings, as the Python API and the server take
+        return _parse_sampling_mapping(value, hint, ctx, key_path)
     if dataclasses.is_dataclass(hint):
         return parse_section(hint, value, ctx, key_path)
     if origin in (typing.Union, types.UnionType):
@@ -153,6 +159,19 @@ def parse_value(value: Any, hint: Any, ctx: Context, key_path: str, extra: str |
         item = typing.get_args(hint)[0]
         return tuple(parse_value(v, item, ctx, join(key_path, i), extra) for i, v in enumerate(value))
     return _parse_scalar(value, hint, ctx, key_path, extra)
+
+
+def _parse_sampling_mapping(value: Any, hint: Any, ctx: Context, key_path: str) -> Any:
+    """An output format (``runtime.sampling.structured``) or token biases (``runtime.sampling.logit_bias``),
+    checked by SamplingParams' own rules; the range checks come with the recipe's validation."""
+    from llmc.request.params import SamplingParams  # a leaf module; imported here to keep this one light
+
+    name = "structured" if hint is OutputFormat else "logit_bias"
+    try:
+        return getattr(SamplingParams.from_dict({name: value}), name)
+    except RequestError as err:
+        raise ctx.error(key_path + err.field.removeprefix(name), err.message,
+                        "see docs/RECIPE.md, runtime.sampling") from None
 
 
 def _parse_scalar(value: Any, hint: Any, ctx: Context, key_path: str, extra: str | None) -> Any:

