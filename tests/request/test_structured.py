@@ -129,3 +129,22 @@ def test_a_tokenizer_llguidance_cannot_read_is_one_request_error():
     with pytest.raises(RequestError) as info:
         Grammars(tokenizer, 64, [63]).compile(OutputFormat("regex", "t1"))
     assert info.value.field == "structured" and "is not available for this engine's tokenizer" in info.value.message
+
+
+def test_a_token_the_format_refuses_ends_its_request_with_an_error_event(tokenizer, grammars):
+    """The sampler's mask rules it out; should one arrive all the same, the request fails loudly, not silently
+    off-format."""
+    from llmc.request.metrics import RequestMetrics
+    from llmc.request.outputs import RequestOutput
+
+    params = SamplingParams(structured={"type": "choice", "choices": ["red"]})
+    output = RequestOutput("r", (1, 2), params, tokenizer, [2], 64, RequestMetrics(),
+                           constraint=grammars.compile(params.structured))
+    event = output.on_token(tokenizer.encode("blue", add_special_tokens=False)[0], 1.0)
+    assert event.finished and event.finish_reason == "error" and "not allowed by the request's output format" in \
+        event.error
+    done = RequestOutput("s", (1, 2), params, tokenizer, [2], 64, RequestMetrics(),
+                         constraint=grammars.compile(params.structured))
+    events = [done.on_token(t, 1.0) for t in tokenizer.encode("red", add_special_tokens=False)]
+    assert events[-1].finish_reason == "stop" and events[-1].stop_reason is None
+    assert "".join(e.text for e in events) == "red"
