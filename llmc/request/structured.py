@@ -3,12 +3,12 @@ a list of strings, or a context-free grammar (Lark or EBNF syntax) (``SamplingPa
 
 :class:`OutputFormat` is the request's description (validated for shape without any library). :class:`Grammars`
 (one per engine) compiles it against the engine's tokenizer with llguidance (a Rust library: compiling a JSON schema
-takes about a millisecond; its tokenizer index, built once per engine on the first structured request, about 0.3 s
-for SmolLM2's 49,152 tokens) into a :class:`Constraint`: before each token the request samples, the constraint
-computes which token ids may come next (a bitmask of 32-bit words, bit ``i % 32`` of word ``i // 32`` for token
-``i``: llguidance's layout), the sampler sets every other token's logit to -inf on the device, and the sampled
-token advances the constraint. The end-of-sequence ids are allowed once the output is complete; a constraint that
-admits no further token ends its request ("stop").
+takes about a millisecond; its tokenizer index, built once per engine, about 0.3 s for SmolLM2's 49,152 tokens: in
+the background while a loaded engine warms up, else on the first structured request) into a :class:`Constraint`:
+before each token the request samples, the constraint computes which token ids may come next (a bitmask of 32-bit
+words, bit ``i % 32`` of word ``i // 32`` for token ``i``: llguidance's layout), the sampler sets every other token's
+logit to -inf on the device, and the sampled token advances the constraint. The end-of-sequence ids are allowed once
+the output may end; a constraint that admits no further token ends its request ("stop").
 """
 
 from __future__ import annotations
