@@ -7,6 +7,12 @@ with status 2 for any :class:`LlmcError`; internal invariants use ``assert`` ins
 from __future__ import annotations
 
 
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for quoting a client's value in an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class LlmcError(Exception):
     """Base class of every error llmc raises for bad input or an unusable environment."""
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from llmc.errors import RequestError
+from llmc.errors import RequestError, short_repr
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ class OutputFormat:
         if isinstance(d, OutputFormat):
             return d
         if not isinstance(d, Mapping) or d.get("type") not in KINDS:
-            raise RequestError(_FIELD, f"must be an object with a type in {', '.join(KINDS)}, got {_short(d)}; e.g. "
-                                       f"{_EXAMPLE}")
+            raise RequestError(_FIELD, f"must be an object with a type in {', '.join(KINDS)}, got {short_repr(d)}; "
+                                       f"e.g. {_EXAMPLE}")
         kind = d["type"]
         key = _SPEC_KEY.get(kind)
         extra = set(d) - {"type", key}
@@ -70,14 +70,14 @@ class OutputFormat:
         where = f"{_FIELD}.{key}"
         if kind == "json_schema":
             if not isinstance(value, (Mapping, bool)):
-                raise RequestError(where, f"must be a JSON schema (an object), got {_short(value)}")
+                raise RequestError(where, f"must be a JSON schema (an object), got {short_repr(value)}")
             return cls(kind, json.dumps(value))  # key order kept: properties come in that order
         if kind == "choice":
             if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
-                raise RequestError(where, f"must be a non-empty list of non-empty strings, got {_short(value)}")
+                raise RequestError(where, f"must be a non-empty list of non-empty strings, got {short_repr(value)}")
             return cls(kind, json.dumps(list(value)))
         if not isinstance(value, str) or not value:
-            raise RequestError(where, f"must be a non-empty string, got {_short(value)}")
+            raise RequestError(where, f"must be a non-empty string, got {short_repr(value)}")
         return cls(kind, value)
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,8 +249,3 @@ def _first_lines(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines()]
     kept = lines[:1] + [line for line in lines[1:] if line.startswith("error:")]
     return " ".join(kept)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

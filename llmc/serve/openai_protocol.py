@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.errors import RequestError, UnknownModelError
+from llmc.errors import RequestError, UnknownModelError, short_repr
 from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_tools import ToolCalls, parse_tools
@@ -137,14 +137,14 @@ def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise RequestError("response_format", f'must be {{"type": "text"}}, {{"type": "json_object"}} or '
                                                   f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": '
-                                                  f'{{...}}}}}}, got {_short(fmt)}; llmc\'s "structured" field '
+                                                  f'{{...}}}}}}, got {short_repr(fmt)}; llmc\'s "structured" field '
                                                   f'also takes regex, choice and grammar formats')
         if fmt["type"] == "json_object":
             return {"type": "json_object"}, "response_format"
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
             raise RequestError("response_format.json_schema", f'must be an object with the JSON schema under '
-                                                              f'"schema", got {_short(spec)}')
+                                                              f'"schema", got {short_repr(spec)}')
         return {"type": "json_schema", "schema": spec["schema"]}, "response_format"
     return extension, "structured"
 
@@ -155,7 +155,8 @@ def _logit_bias(body: Mapping[str, Any]) -> Any:
     if bias is None:
         return ()
     if not isinstance(bias, dict):
-        raise RequestError("logit_bias", f'must map token ids to biases, e.g. {{"50256": -100}}, got {_short(bias)}')
+        raise RequestError("logit_bias", f'must map token ids to biases, e.g. {{"50256": -100}}, got '
+                                         f'{short_repr(bias)}')
     return bias
 
 
@@ -191,7 +192,7 @@ def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_siz
     for key, neutral in UNSUPPORTED.items():
         value = body.get(key)
         if value is not None and not any(_same(value, v) for v in neutral):
-            raise RequestError(key, f"is not supported by llmc (got {_short(value)}); remove it")
+            raise RequestError(key, f"is not supported by llmc (got {short_repr(value)}); remove it")
     changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
     return check_param_limits(defaults.replace(**changes).validate(vocab_size))
 
@@ -232,11 +233,6 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
 def _same(value: Any, neutral: Any) -> bool:
     """``value == neutral`` without counting True as 1 or 1.0 as a count."""
     return type(value) is type(neutral) and value == neutral
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def parse_prompts(prompt: Any) -> tuple[str | list[int], ...]:

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmc.errors import RequestError
+from llmc.errors import RequestError, short_repr
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -90,7 +90,7 @@ def parse_tools(body: Mapping[str, Any], chat: bool) -> ToolCalls | None:
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in names:
         raise RequestError("tool_choice", f'must be "none", "required" or {{"type": "function", "function": '
-                                          f'{{"name": one of {names}}}}}, got {_short(choice)}')
+                                          f'{{"name": one of {names}}}}}, got {short_repr(choice)}')
     return ToolCalls(checked, name, parallel)
 
 
@@ -112,8 +112,3 @@ def _check_tools(tools: Any) -> tuple[dict, ...]:
             raise RequestError(f"tools[{i}].function.parameters", "must be a JSON schema (an object)")
         seen.add(name)
     return tuple(tools)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
