@@ -8,10 +8,11 @@ thread (``Engine.add_request`` tokenizes in its caller's thread), never on the e
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError
 from llmc.request.metrics import PromptTiming
@@ -19,6 +20,33 @@ from llmc.request.outputs import StreamEvent
 from llmc.request.params import SamplingParams
 from llmc.runtime.request_events import RequestEvents
 from llmc.serve.metrics import ServerMetrics
+
+T = TypeVar("T")
+
+
+async def before(awaitable: Awaitable[T], when: float) -> T:
+    """``await awaitable``, raising asyncio.TimeoutError at loop time ``when``. A cancellation of the caller always
+    propagates: ``asyncio.wait_for`` before Python 3.12 returns the result instead when both land in one loop turn,
+    so a handler whose client had left went on streaming (and its request was never aborted)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout_at(when):  # no inner task: the cancellation reaches the awaitable itself
+            return await awaitable
+    return await _before_by_wait(awaitable, when)
+
+
+async def _before_by_wait(awaitable: Awaitable[T], when: float) -> T:
+    """:func:`before` for Python 3.10 (no ``asyncio.timeout_at``): ``asyncio.wait`` raises the caller's
+    cancellation whatever the inner task did meanwhile."""
+    inner = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait([inner], timeout=max(when - asyncio.get_running_loop().time(), 0.0))
+    except BaseException:
+        inner.cancel()
+        raise
+    if not done:
+        inner.cancel()
+        raise asyncio.TimeoutError()
+    return inner.result()
 
 
 class RequestTimeoutError(LlmcError):
@@ -126,7 +154,7 @@ class EngineClient:
             iterator = aiter(events)
             while not events.finished:
                 try:
-                    event = await asyncio.wait_for(anext(iterator), max(deadline - loop.time(), 0.0))
+                    event = await before(anext(iterator), deadline)
                 except asyncio.TimeoutError:
                     reason = "timeout"
                     raise RequestTimeoutError(self.request_timeout_s) from None

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError, UnknownModelError
 from llmc.request.params import SamplingParams
-from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError
+from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError, before
 from llmc.serve.protocol import client_names, loads_json_object
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ async def read_body(request: web.Request) -> bytes:
         raise web.HTTPRequestEntityTooLarge(state.max_body_bytes, request.content_length,
                                             headers={"Connection": "close"})
     try:
-        return await asyncio.wait_for(request.read(), state.body_timeout_s)
+        return await before(request.read(), asyncio.get_running_loop().time() + state.body_timeout_s)
     except asyncio.TimeoutError:
         raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {state.body_timeout_s:g} s",
                                      headers={"Connection": "close"}) from None
