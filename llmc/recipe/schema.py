@@ -26,6 +26,7 @@ Backend = Literal["torch", "tensorrt_llm"]
 PluginDtype = Literal["auto", "float16", "bfloat16", "float32"]
 GemmPlugin = Literal["auto", "float16", "bfloat16", "float32", "disable"]
 SchedulerPolicy = Literal["max_utilization", "guaranteed_no_evict"]
+ToolCallSyntax = Literal["auto", "hermes", "json", "none"]
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9._-]*"
 MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -244,6 +245,7 @@ class ServingSpec:
     mixed_step_tokens: int = spec(0, bounds=Range(ge=0),
                                   hint="0 lets a step with decodes take engine.max_num_tokens tokens")
     model_name: str | None = spec(None, pattern=MODEL_NAME_PATTERN, hint="null means the recipe name")
+    tool_call_syntax: ToolCallSyntax = "auto"
 
 
 @dataclass(frozen=True)

@@ -124,13 +124,18 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
     started = time.perf_counter()
-    extra = {"tools": list(tools)} if tools and "tools" in template else {}
+    extra = {"tools": list(tools)} if tools and template_takes_tools(template) else {}
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if timings is not None:
         timings["template"], timings["tokenize"] = rendered - started, time.perf_counter() - rendered
     return ids
+
+
+def template_takes_tools(template: str) -> bool:
+    """Whether a chat template renders ``tools=`` itself (else llmc lists them in a system message)."""
+    return "tools" in template
 
 
 def tools_instruction(tools: Sequence[dict]) -> str:
@@ -145,7 +150,7 @@ def _with_tools(messages: list[dict], tools: Sequence[dict], template: str) -> l
     ``tool_calls`` as its text (a template that uses them gets the messages unchanged)."""
     if "tool_calls" not in template:
         messages = [_calls_as_text(m) if m.get("tool_calls") else m for m in messages]
-    if not tools or "tools" in template:
+    if not tools or template_takes_tools(template):
         return messages
     note = tools_instruction(tools)
     if messages and messages[0].get("role") == "system":

@@ -29,9 +29,15 @@ import click
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append the engine's records as JSON lines to FILE: one per step (duration, decode and prompt "
                    "tokens, running / waiting requests, KV blocks) and one per finished request (TTFT, ITLs).")
+@click.option("--tool-call-syntax", type=click.Choice(["auto", "hermes", "json", "none"]), default=None,
+              help="How the model writes tool calls, for chat's tool_choice \"auto\": hermes (<tool_call> blocks), "
+                   "json (the answer is JSON calls: Llama 3.x, Mistral, llmc's own system message), auto (guess "
+                   "from the chat template), none (refuse \"auto\"). Default: the recipe's "
+                   "serving.tool_call_syntax.")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
               device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
-              keepalive_timeout: float, body_timeout: float, metrics_log: Path | None) -> None:
+              keepalive_timeout: float, body_timeout: float, metrics_log: Path | None,
+              tool_call_syntax: str | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
     from llmc.serve.run import ServeOptions, load_engine, serve
 
@@ -47,6 +53,7 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         grace_s=grace,
         keepalive_timeout_s=keepalive_timeout,
         body_timeout_s=body_timeout,
+        tool_call_syntax=tool_call_syntax,
     )
     name = engine.recipe.served_model_name
 

@@ -22,6 +22,8 @@ from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_logprobs import LogprobFormatter
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
+from llmc.serve.openai_tools import openai_calls
+from llmc.serve.tool_syntax import CallStream, ParsedCalls
 from llmc.serve.protocol import client_names
 from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
                               start_sse)
@@ -54,7 +56,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     req = parse_openai_request(await read_json(request), chat, (state.model_name, *TRITON_ALIASES), state.defaults,
-                               state.vocab_size)
+                               state.vocab_size, state.tool_syntax)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
     prepared = [await prepare(request, p, req.params, req.strict_max_tokens, req.names) for p in req.prompts]
@@ -102,7 +104,10 @@ class _Choice:
         self.pending: list[TokenLogprob] = []
         self.formatter = LogprobFormatter(tokenizer, chat)
         self.prompt_logprobs: dict[str, Any] | None = None  # an echoed prompt's, until sent
-        self.tools = req.tools  # function calling: the text is a call, sent as tool_calls once complete
+        self.tools = req.tools  # function calling: calls are sent as tool_calls once the answer is complete
+        # tool_choice "auto": the text before a call streams, the call waits for the end; else the text is a call
+        self.watch = CallStream(req.tools.syntax, req.tools.names) if req.tools and req.tools.syntax else None
+        self.parsed: ParsedCalls | None = None  # "auto": the finished answer's calls
 
     def start(self, first: StreamEvent, prompt_ids: Sequence[int]) -> None:
         """Before any event is taken: the echoed prompt's log-probabilities (the first event carries them)."""
@@ -116,6 +121,12 @@ class _Choice:
         if not self.score_only:
             self.pending += output_logprobs(event)
         self.finish_reason = event.finish_reason
+        if self.watch is not None:
+            out = self.watch.feed(text)
+            if event.finished:
+                rest, self.parsed = self.watch.finish(event.finish_reason == "stop")
+                out += rest
+            return out
         return "" if self.tools is not None else text
 
     async def collect(self, event: StreamEvent) -> StreamEvent:
@@ -147,18 +158,22 @@ class _Choice:
 
     def tool_calls(self) -> list[dict[str, Any]] | None:
         """The finished answer's function calls (function calling with a complete answer), else None."""
+        parsed = self._parsed()
+        return None if parsed is None else openai_calls(parsed)
+
+    def _parsed(self) -> ParsedCalls | None:
         if self.tools is None or self.finish_reason != "stop":
             return None
-        return self.tools.calls("".join(self.parts))
+        return self.parsed if self.watch is not None else self.tools.read("".join(self.parts))
 
     def whole(self, chat: bool) -> dict[str, Any]:
         """The choice of a response that is not streamed."""
         text = (self.echo or "") + "".join(self.parts)
-        calls = self.tool_calls()
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": "tool_calls" if calls else self.finish_reason,
+        parsed = self._parsed()
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": "tool_calls" if parsed else self.finish_reason,
                                   "logprobs": self.logprobs()}
-        if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+        if parsed:
+            choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": openai_calls(parsed)}
         else:
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         return choice
@@ -224,7 +239,7 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
         calls = c.tool_calls() if finish is not None else None
         if calls:
             finish, delta = "tool_calls", {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-        elif c.tools is not None and finish is not None:
+        elif c.tools is not None and c.watch is None and finish is not None:
             text = "".join(c.parts)
         if chat:
             if not calls:

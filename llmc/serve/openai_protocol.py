@@ -12,8 +12,9 @@ log-probabilities (the first token's is null), which is how evaluation harnesses
 score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. Fields that do not change the output
 (``user``, ``metadata``, ``store``, ...) are accepted and ignored; features llmc cannot honour (``best_of`` > 1,
 chat's ``echo``, the legacy ``functions``) are a 400 unless they ask for nothing (``best_of: 1``, null). Function
-calling: chat's ``tools`` with ``tool_choice`` ``"required"`` or a named function (:mod:`llmc.serve.openai_tools`;
-``"auto"`` is a 400), and ``tool`` messages and an assistant's ``tool_calls`` in the history. Structured
+calling: chat's ``tools`` with ``tool_choice`` ``"auto"`` (read in the model's own tool-call syntax), ``"required"``
+or a named function (:mod:`llmc.serve.openai_tools`), and ``tool`` messages and an assistant's ``tool_calls`` in the
+history. Structured
 outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's ``structured`` (the
 same plus ``regex``, ``choice`` and ``grammar`` formats, :class:`~llmc.request.structured.OutputFormat`);
 ``logit_bias`` adds its biases to the logits. Any other field is a 400 too, as OpenAI's API answers it: a
@@ -34,6 +35,7 @@ from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.protocol import check_param_limits, client_names
+from llmc.serve.tool_syntax import ToolSyntax
 
 PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
              "top_p": "top_p", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
@@ -78,7 +80,7 @@ class OpenAIRequest:
     n: int = 1  # completions of each prompt (choices)
     echo: bool = False
     score_only: bool = False
-    tools: ToolCalls | None = None  # chat's function calling (tools + tool_choice "required" or a named function)
+    tools: ToolCalls | None = None  # chat's function calling (tools + tool_choice "auto", "required" or a function)
 
     @property
     def prompt(self) -> Any:
@@ -87,8 +89,9 @@ class OpenAIRequest:
 
 
 def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str, ...], defaults: SamplingParams,
-                         vocab_size: int | None = None) -> OpenAIRequest:
-    """Check and translate an OpenAI body. ``served``: accepted model names (the first is the default).
+                         vocab_size: int | None = None, tool_syntax: ToolSyntax | None = None) -> OpenAIRequest:
+    """Check and translate an OpenAI body. ``served``: accepted model names (the first is the default);
+    ``tool_syntax``: the served model's tool-call syntax (None: ``tool_choice: "auto"`` is refused).
 
     Raises RequestError naming the client's field for every problem."""
     check_fields(body, chat)
@@ -112,7 +115,7 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
         params = sampling_params(body, defaults, vocab_size)
     logprobs = _logprobs(body, chat)
     structured, names["structured"] = _output_format(body)
-    tools = parse_tools(body, chat)
+    tools = parse_tools(body, chat, tool_syntax)
     if tools is not None:
         if structured is not None:
             raise RequestError("tools", f"and {names['structured']} both set the answer's format; a tool call's "

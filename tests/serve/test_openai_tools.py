@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from llmc.errors import RequestError
 from llmc.request.inputs import ChatPrompt, chat_to_token_ids, tools_instruction
 from llmc.request.params import SamplingParams
-from llmc.serve.openai_tools import ToolCalls, parse_tools
+from llmc.serve.openai_tools import ToolCalls, openai_calls, parse_tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
@@ -35,6 +34,9 @@ def test_tool_choice_modes_and_their_formats():
     single = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}, chat=True)
     assert single.output_format["schema"]["maxItems"] == 1
     assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, chat=True) is None
+    for body in ({"tools": [WEATHER, TIME]}, {"tools": [WEATHER, TIME], "tool_choice": "auto"}):
+        auto = parse_tools(body, chat=True, syntax="json")
+        assert auto.syntax == "json" and auto.name is None and auto.names == ("get_weather", "get_time")
     assert parse_tools({}, chat=True) is None and parse_tools({"tools": []}, chat=True) is None
 
 
@@ -59,13 +61,18 @@ def test_bad_tool_requests_name_the_field(body, field, words):
 
 def test_calls_are_parsed_from_a_complete_answer():
     named = ToolCalls((WEATHER,), "get_weather")
-    (call,) = named.calls('{"city":"Oslo","days":3}')
+    (call,) = openai_calls(named.read('{"city":"Oslo","days":3}'))
     assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) == 29
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 3}'}
-    both = ToolCalls((WEATHER, TIME), None).calls('[{"name":"get_time","arguments":{"zone":"UTC"}},'
-                                                  '{"name":"get_weather","arguments":{"city":"Paris","days":1}}]')
+    both = openai_calls(ToolCalls((WEATHER, TIME), None).read('[{"name":"get_time","arguments":{"zone":"UTC"}},'
+                                                              '{"name":"get_weather","arguments":{"city":"Paris",'
+                                                              '"days":1}}]'))
     assert [c["function"]["name"] for c in both] == ["get_time", "get_weather"] and both[0]["id"] != both[1]["id"]
-    assert named.calls('{"city":"Os') is None  # cut short: no call
+    assert named.read('{"city":"Os') is None  # cut short: no call
+    auto = ToolCalls((WEATHER, TIME), None, True, "hermes")  # "auto": the model's own syntax, not constrained
+    assert auto.output_format is None and auto.read("Sunny.") is None
+    parsed = auto.read('Wait.<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    assert parsed.content == "Wait." and parsed.calls == (("get_time", {"zone": "UTC"}),)
 
 
 def test_tools_reach_a_template_without_tool_support_as_a_system_message(tokenizer):
@@ -146,6 +153,3 @@ def test_a_conversation_with_earlier_calls_and_results_is_answered(client, tiny_
     reply = client.chat.completions.create(model=tiny_server.model, messages=history, tools=[WEATHER],
                                            tool_choice="none", max_tokens=4, temperature=0)
     assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.tool_calls is None
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=tiny_server.model, messages=USER, tools=[WEATHER], max_tokens=4)
-    assert info.value.param == "tool_choice" and "needs the model's own tool-call syntax" in info.value.message
