@@ -27,6 +27,7 @@ PluginDtype = Literal["auto", "float16", "bfloat16", "float32"]
 GemmPlugin = Literal["auto", "float16", "bfloat16", "float32", "disable"]
 SchedulerPolicy = Literal["max_utilization", "guaranteed_no_evict"]
 ToolCallSyntax = Literal["auto", "hermes", "json", "none"]
+ReasoningSyntax = Literal["auto", "think", "none"]
 
 NAME_PATTERN = r"[a-z0-9][a-z0-9._-]*"
 MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -246,6 +247,7 @@ class ServingSpec:
                                   hint="0 lets a step with decodes take engine.max_num_tokens tokens")
     model_name: str | None = spec(None, pattern=MODEL_NAME_PATTERN, hint="null means the recipe name")
     tool_call_syntax: ToolCallSyntax = "auto"
+    reasoning_syntax: ReasoningSyntax = "auto"
 
 
 @dataclass(frozen=True)

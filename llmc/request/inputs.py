@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from llmc.errors import RequestError
@@ -24,10 +24,12 @@ class ChatPrompt:
     """Chat messages with the function tools the model may call (OpenAI's ``tools``: ``{"type": "function",
     "function": {"name", "description", "parameters"}}``), rendered by the model's chat template with ``tools=``.
     A template that does not use tools gets them as a system message instead (:func:`tools_instruction`), and one
-    that does not render an assistant's ``tool_calls`` gets those calls as the message's text."""
+    that does not render an assistant's ``tool_calls`` gets those calls as the message's text.
+    ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
 
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
 Prompt = Union[str, bytes, Sequence[int], Sequence[dict], ChatPrompt]
@@ -64,8 +66,10 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     before any tokenization or templating.
     """
     if isinstance(prompt, ChatPrompt):
-        check_prompt_size(_num_chars(prompt.messages) + len(json.dumps(prompt.tools)), max_chars)
-        return tuple(int(t) for t in chat_to_token_ids(tokenizer, prompt.messages, timings, prompt.tools))
+        extra_chars = len(json.dumps(prompt.tools)) + len(json.dumps(prompt.template_kwargs))
+        check_prompt_size(_num_chars(prompt.messages) + extra_chars, max_chars)
+        return tuple(int(t) for t in chat_to_token_ids(tokenizer, prompt.messages, timings, prompt.tools,
+                                                       prompt.template_kwargs))
     if isinstance(prompt, (bytes, bytearray)):
         try:
             prompt = bytes(prompt).decode("utf-8")
@@ -109,11 +113,11 @@ def _num_chars(prompt: Sequence[Any]) -> int:
 
 
 def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None,
-                      tools: Sequence[dict] = ()) -> list[int]:
+                      tools: Sequence[dict] = (), template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Render chat messages with the model's own chat template (generation prompt appended) and tokenize.
 
     The template already contains every special token it needs, so none are added on top. ``timings``: as in
-    :func:`prompt_to_token_ids`. ``tools``: see :class:`ChatPrompt`."""
+    :func:`prompt_to_token_ids`. ``tools``, ``template_kwargs``: see :class:`ChatPrompt`."""
     template = getattr(tokenizer, "chat_template", None) or ""
     messages = _with_tools(list(messages), tools, template)
     for i, message in enumerate(messages):
@@ -124,7 +128,7 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
     started = time.perf_counter()
-    extra = {"tools": list(tools)} if tools and template_takes_tools(template) else {}
+    extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools and template_takes_tools(template) else {})}
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

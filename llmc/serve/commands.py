@@ -34,10 +34,14 @@ import click
                    "json (the answer is JSON calls: Llama 3.x, Mistral, llmc's own system message), auto (guess "
                    "from the chat template), none (refuse \"auto\"). Default: the recipe's "
                    "serving.tool_call_syntax.")
+@click.option("--reasoning-syntax", type=click.Choice(["auto", "think", "none"]), default=None,
+              help="think: a chat answer's <think> ... </think> goes out as message.reasoning_content, the rest as "
+                   "content; auto: when the chat template mentions <think>; none: answers as they come. Default: "
+                   "the recipe's serving.reasoning_syntax.")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
               device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
               keepalive_timeout: float, body_timeout: float, metrics_log: Path | None,
-              tool_call_syntax: str | None) -> None:
+              tool_call_syntax: str | None, reasoning_syntax: str | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
     from llmc.serve.run import ServeOptions, load_engine, serve
 
@@ -54,6 +58,7 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         keepalive_timeout_s=keepalive_timeout,
         body_timeout_s=body_timeout,
         tool_call_syntax=tool_call_syntax,
+        reasoning_syntax=reasoning_syntax,
     )
     name = engine.recipe.served_model_name
 

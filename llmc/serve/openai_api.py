@@ -25,6 +25,7 @@ from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.openai_tools import openai_calls
 from llmc.serve.tool_syntax import CallStream, ParsedCalls
 from llmc.serve.protocol import client_names
+from llmc.serve.reasoning import ReasoningStream, prompt_opens_thinking
 from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
                               start_sse)
 
@@ -61,8 +62,10 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}
     prepared = [await prepare(request, p, req.params, req.strict_max_tokens, req.names) for p in req.prompts]
     tokenizer = state.client.engine.tokenizer
+    split = chat and state.reasoning is not None and req.params.structured is None  # thinking has room
     choices = [_Choice(k * req.n + i, state.client.stream(one, choice_params(req.params, i)), tokenizer, chat, req,
-                       _echo_text(tokenizer, prompt, one) if req.echo else None)
+                       _echo_text(tokenizer, prompt, one) if req.echo else None,
+                       _reasoning(tokenizer, one) if split else None)
                for k, (prompt, one) in enumerate(zip(req.prompts, prepared)) for i in range(req.n)]
     async with AsyncExitStack() as stack:
         for c in choices:
@@ -86,6 +89,11 @@ def _echo_text(tokenizer: Any, prompt: Any, prepared: PreparedPrompt) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(list(prepared.token_ids))
 
 
+def _reasoning(tokenizer: Any, prepared: PreparedPrompt) -> ReasoningStream:
+    """The split of an answer into thinking and content; it starts inside ``<think>`` when the prompt opened it."""
+    return ReasoningStream(prompt_opens_thinking(tokenizer.decode(list(prepared.token_ids[-8:]))))
+
+
 def _warnings(prepared: Sequence[PreparedPrompt]) -> list[str]:
     return [w for one in prepared for w in one.warnings()]
 
@@ -93,10 +101,11 @@ def _warnings(prepared: Sequence[PreparedPrompt]) -> list[str]:
 class _Choice:
     """One of a request's completions: its engine stream, its text so far and the log-probabilities not yet sent
     (``asked``: ``SamplingParams.logprobs``; None: none were asked for). ``echo``: the prompt's text, which goes
-    first (with its tokens' log-probabilities, when asked for); ``score_only``: the generated token is left out."""
+    first (with its tokens' log-probabilities, when asked for); ``score_only``: the generated token is left out.
+    ``split``: a reasoning model's thinking goes out as ``reasoning_content`` (:mod:`llmc.serve.reasoning`)."""
 
     def __init__(self, index: int, events: AsyncIterator[StreamEvent], tokenizer: Any, chat: bool,
-                 req: OpenAIRequest, echo: str | None = None):
+                 req: OpenAIRequest, echo: str | None = None, split: ReasoningStream | None = None):
         self.index, self.events, self.asked = index, events, req.params.logprobs
         self.echo, self.score_only = echo, req.score_only
         self.parts: list[str] = []
@@ -108,6 +117,7 @@ class _Choice:
         # tool_choice "auto": the text before a call streams, the call waits for the end; else the text is a call
         self.watch = CallStream(req.tools.syntax, req.tools.names) if req.tools and req.tools.syntax else None
         self.parsed: ParsedCalls | None = None  # "auto": the finished answer's calls
+        self.split, self.thinking = split, ""  # thinking: reasoning text not sent yet
 
     def start(self, first: StreamEvent, prompt_ids: Sequence[int]) -> None:
         """Before any event is taken: the echoed prompt's log-probabilities (the first event carries them)."""
@@ -121,6 +131,12 @@ class _Choice:
         if not self.score_only:
             self.pending += output_logprobs(event)
         self.finish_reason = event.finish_reason
+        if self.split is not None:
+            thought, text = self.split.feed(text)
+            if event.finished:
+                thought_rest, text_rest = self.split.finish()
+                thought, text = thought + thought_rest, text + text_rest
+            self.thinking += thought
         if self.watch is not None:
             out = self.watch.feed(text)
             if event.finished:
@@ -168,7 +184,7 @@ class _Choice:
 
     def whole(self, chat: bool) -> dict[str, Any]:
         """The choice of a response that is not streamed."""
-        text = (self.echo or "") + "".join(self.parts)
+        text = (self.echo or "") + ("".join(self.parts) if self.split is None else self.split.content)
         parsed = self._parsed()
         choice: dict[str, Any] = {"index": self.index, "finish_reason": "tool_calls" if parsed else self.finish_reason,
                                   "logprobs": self.logprobs()}
@@ -176,6 +192,8 @@ class _Choice:
             choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": openai_calls(parsed)}
         else:
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if self.split is not None:
+            choice["message"]["reasoning_content"] = self.split.reasoning or None
         return choice
 
 
@@ -244,6 +262,8 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
         if chat:
             if not calls:
                 delta = {"role": "assistant", "content": ""} if event is None else ({"content": text} if text else {})
+            if c.thinking:
+                delta, c.thinking = {"reasoning_content": c.thinking, **delta}, ""
             choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
             choice = {"index": c.index, "text": text or "", "finish_reason": finish, "logprobs": lps}
@@ -259,7 +279,7 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
         while len(finals) < len(choices):
             c, event = await queue.get()
             text = c.take(event)
-            if text or event.finished:
+            if text or c.thinking or event.finished:
                 await send_sse(response, chunk(c, event, text))
             if event.finished:
                 finals.append(event)

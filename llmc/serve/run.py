@@ -26,6 +26,7 @@ from llmc.runtime.api import Engine
 from llmc.serve.engine_client import EngineClient
 from llmc.serve.app import create_app
 from llmc.serve.state import ServerState
+from llmc.serve.reasoning import served_reasoning
 from llmc.serve.tool_syntax import served_syntax
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ServeOptions:
     keepalive_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     tool_call_syntax: str | None = None  # None: the recipe's serving.tool_call_syntax
+    reasoning_syntax: str | None = None  # None: the recipe's serving.reasoning_syntax
 
 
 def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None,
@@ -84,10 +86,11 @@ def _not_servable(build: object) -> str:
 def make_state(engine: Engine, options: ServeOptions) -> ServerState:
     """The handlers' shared state for a loaded engine."""
     client = EngineClient(engine, options.request_timeout_s)
-    syntax = served_syntax(options.tool_call_syntax or engine.recipe.serving.tool_call_syntax,
-                           getattr(engine.tokenizer, "chat_template", None))
+    serving, template = engine.recipe.serving, getattr(engine.tokenizer, "chat_template", None)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
-                       options.api_key, body_timeout_s=options.body_timeout_s, tool_syntax=syntax)
+                       options.api_key, body_timeout_s=options.body_timeout_s,
+                       tool_syntax=served_syntax(options.tool_call_syntax or serving.tool_call_syntax, template),
+                       reasoning=served_reasoning(options.reasoning_syntax or serving.reasoning_syntax, template))
 
 
 async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,

@@ -25,6 +25,7 @@ from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError, Un
 from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError, before
 from llmc.serve.protocol import client_names, loads_json_object
+from llmc.serve.reasoning import ReasoningSyntax
 from llmc.serve.tool_syntax import ToolSyntax
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ServerState:
     body_timeout_s: float = 60.0  # a request body must arrive within this many seconds of its headers
     max_body_bytes: int = 16 * 1024 * 1024
     tool_syntax: ToolSyntax | None = None  # the model's tool-call syntax (None: tool_choice "auto" is refused)
+    reasoning: ReasoningSyntax | None = None  # chat answers' thinking goes out as reasoning_content
 
     def knows(self, model: str) -> bool:
         """True for the served model's name and the Triton aliases."""

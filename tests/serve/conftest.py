@@ -80,10 +80,11 @@ def error_text(path: str, reply: dict) -> str:
 
 def start_server(build_dir: Path, max_queue_size: int | None = None, request_timeout_s: float = 60.0,
                  api_key: str | None = None, grace_s: float = 5.0, keepalive_timeout_s: float = 30.0,
-                 body_timeout_s: float = 60.0, tool_call_syntax: str | None = None) -> RunningServer:
+                 body_timeout_s: float = 60.0, tool_call_syntax: str | None = None,
+                 reasoning_syntax: str | None = None) -> RunningServer:
     engine = load_engine(build_dir, "cpu", max_queue_size)
     options = ServeOptions("127.0.0.1", free_port(), free_port(), api_key, request_timeout_s, grace_s,
-                           keepalive_timeout_s, body_timeout_s, tool_call_syntax)
+                           keepalive_timeout_s, body_timeout_s, tool_call_syntax, reasoning_syntax)
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     holder: dict[str, Any] = {}
@@ -133,3 +134,26 @@ def client(tiny_server):
     import openai
 
     return openai.OpenAI(base_url=tiny_server.http + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def script(monkeypatch):
+    """``script(server, answer)``: from now on (this test) the model writes ``answer`` for every request: the runner's
+    sampled tokens are replaced by the answer's tokens, then the end token. Tests of how the server reads an answer
+    (tool calls, reasoning) use it, since a model cannot be made to write a given text."""
+
+    def scripted(server, answer: str) -> None:
+        engine = server.engine
+        ids = [*engine.tokenizer(answer, add_special_tokens=False)["input_ids"], engine.eos_token_ids[0]]
+        made: dict[str, int] = {}
+        execute = engine._steps.runner.execute
+
+        def run(scheduled):
+            out = execute(scheduled)
+            for request_id in out.sampled_token_ids:
+                k = made[request_id] = made.get(request_id, -1) + 1
+                out.sampled_token_ids[request_id] = ids[min(k, len(ids) - 1)]
+            return out
+
+        monkeypatch.setattr(engine._steps.runner, "execute", run)
+    return scripted

@@ -35,27 +35,6 @@ def hermes_server(serve_tiny_build):
     server.close()
 
 
-@pytest.fixture
-def script(monkeypatch):
-    """``script(server, answer)``: from now on each request's sampled tokens are ``answer``'s, then the end token."""
-
-    def scripted(server, answer: str) -> None:
-        engine = server.engine
-        ids = [*engine.tokenizer(answer, add_special_tokens=False)["input_ids"], engine.eos_token_ids[0]]
-        made: dict[str, int] = {}
-        execute = engine._steps.runner.execute
-
-        def run(scheduled):
-            out = execute(scheduled)
-            for request_id in out.sampled_token_ids:
-                k = made[request_id] = made.get(request_id, -1) + 1
-                out.sampled_token_ids[request_id] = ids[min(k, len(ids) - 1)]
-            return out
-
-        monkeypatch.setattr(engine._steps.runner, "execute", run)
-    return scripted
-
-
 def _streamed(client, server, **kwargs) -> tuple[str, list, str]:
     chunks = [c for c in client.chat.completions.create(model=server.model, messages=USER, stream=True, **kwargs)
               if c.choices]
