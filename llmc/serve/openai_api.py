@@ -23,11 +23,11 @@ from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_logprobs import LogprobFormatter
 from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.openai_tools import openai_calls
-from llmc.serve.tool_syntax import CallStream, ParsedCalls
 from llmc.serve.protocol import client_names
 from llmc.serve.reasoning import ReasoningStream, prompt_opens_thinking
 from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
                               start_sse)
+from llmc.serve.tool_syntax import CallStream, ParsedCalls
 
 
 def _model(name: str) -> dict[str, Any]:
