@@ -11,7 +11,9 @@ stay registered and reusable until they are evicted: free blocks are handed out 
 first, and a sequence's blocks are freed tail first so a shared prompt head outlives its tails.
 
 Blocks are registered only after their tokens are computed (:meth:`BlockManager.commit`), so a sequence
-never skips tokens whose KV entries do not exist yet.
+never skips tokens whose KV entries do not exist yet. Generated tokens count too: once a full block of a sequence's
+output is computed it is registered like a prompt block, so the next turn of a chat (whose prompt repeats the
+answer) and a sequence recomputed after preemption find it.
 
 Two running totals say how much the prefix cache served: ``queried_tokens`` (tokens of every allocated sequence
 that looked the cache up, re-admissions after a preemption included) and ``hit_tokens`` (those found in cached
@@ -21,6 +23,7 @@ blocks, not computed).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -38,7 +41,7 @@ class _SeqBlocks:
 
     block_ids: list[int]
     num_slots: int  # token slots reserved (<= len(block_ids) * block_size)
-    token_ids: tuple[int, ...]  # tokens given at allocation: the only ones whose blocks can be hashed
+    token_ids: tuple[int, ...]  # tokens given at allocation (commit may be given the later ones)
     num_cached_tokens: int  # leading tokens found in the prefix cache at allocation
     block_hashes: list[int] = field(default_factory=list)  # hash chain of the registered leading blocks
 
@@ -177,16 +180,23 @@ class BlockManager:
             seq.block_ids.append(self._pop_free())
         return tuple(seq.block_ids)
 
-    def commit(self, seq_id: str, num_computed_tokens: int) -> None:
-        """Register the sequence's full blocks whose tokens are now all computed in the prefix cache."""
+    def commit(self, seq_id: str, num_computed_tokens: int,
+               tokens: Callable[[int, int], tuple[int, ...]] | None = None) -> None:
+        """Register the sequence's full blocks whose tokens are now all computed in the prefix cache.
+
+        ``tokens(start, end)``: the sequence's tokens so far (prompt and generated); without it only the tokens
+        given at allocation can be registered. A negative id (a sampled token whose value is not known yet)
+        stops the registration at its block until a later commit."""
         if not self.enable_prefix_caching:
             return
         seq = self._seqs[seq_id]
         bs = self.block_size
-        limit = min(num_computed_tokens, len(seq.token_ids)) // bs
+        limit = (num_computed_tokens if tokens is not None else min(num_computed_tokens, len(seq.token_ids))) // bs
         while len(seq.block_hashes) < limit:
             i = len(seq.block_hashes)
-            chunk = seq.token_ids[i * bs : (i + 1) * bs]
+            chunk = seq.token_ids[i * bs : (i + 1) * bs] if tokens is None else tokens(i * bs, (i + 1) * bs)
+            if min(chunk) < 0:
+                break
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             h = block_hash(parent, chunk)
             seq.block_hashes.append(h)

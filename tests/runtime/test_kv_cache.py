@@ -54,6 +54,29 @@ def test_prefix_blocks_are_shared_only_after_commit():
     assert bm.num_free_blocks == 8
 
 
+def test_generated_tokens_enter_the_prefix_cache_once_their_values_are_known():
+    """With the sequence's tokens so far, commit registers the computed full blocks of its output too; a token
+    whose value is not on the host yet (negative: a placeholder) holds its block back until a later commit."""
+    bm = make_bm(block_size=4)
+    prompt, outputs = list(range(1, 7)), [7, -1]  # 6 prompt tokens; the second output token not known yet
+    a = bm.allocate("a", prompt)
+    bm.append("a", 2)
+
+    def tokens(start: int, end: int) -> tuple[int, ...]:
+        return tuple((prompt + outputs)[start:end])
+
+    bm.commit("a", 8, tokens)
+    assert bm.num_cached_blocks == 1  # block 1 holds the placeholder
+    outputs[1] = 8
+    bm.commit("a", 8, tokens)
+    assert bm.num_cached_blocks == 2
+    b = bm.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 99])  # the next turn: the prompt, the answer, more
+    assert b[:2] == a[:2] and bm.num_cached_tokens("b") == 8
+    bm.commit("b", 9)  # without the tokens: only the allocation's (the prompt's) blocks, as before
+    bm.allocate("c", prompt)  # six tokens: one full block, found
+    assert bm.num_cached_tokens("c") == 4
+
+
 def test_shared_prefix_diverges_after_first_differing_block():
     bm = make_bm(block_size=4)
     bm.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])

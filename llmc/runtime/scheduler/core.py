@@ -9,7 +9,8 @@ Each :meth:`Scheduler.schedule` call builds one :class:`SchedulerOutput` under a
    steps in chunks instead of making one decode step as slow as a whole prompt (inter-token latency stays even
    while prompts arrive); a step without decodes takes the full budget (time to first token);
 2. then waiting requests are admitted (queue order, see :class:`WaitingQueue`) while the budget, the
-   sequence cap and the free blocks allow; prompt tokens found in the prefix cache count as computed and
+   sequence cap and the free blocks allow; prompt tokens found in the prefix cache (computed full blocks of
+   earlier prompts and outputs, :mod:`llmc.runtime.kv_cache`) count as computed and
    the rest is prefilled in chunks of the remaining budget (a request that asks for its prompt's
    log-probabilities reuses no cached prefix: every prompt position is computed).
 
@@ -250,7 +251,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
                 continue
             request.num_computed += n
-            self.block_manager.commit(request.request_id, request.num_computed)
+            self.block_manager.commit(request.request_id, request.num_computed, request.token_slice)
             if sample:
                 request.output_token_ids.append(PLACEHOLDER)
                 ticket.append((request, len(request.output_token_ids) - 1))
