@@ -34,6 +34,7 @@ class RequestMetrics:
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # one timestamp per generated token
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache when the request was first scheduled
     generated_tokens: int = 0
     num_preemptions: int = 0
 

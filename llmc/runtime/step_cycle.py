@@ -223,6 +223,7 @@ class StepCycle:
             request = self.scheduler.get(request_id)
             output.metrics.record_scheduled(request.first_scheduled_time)
             output.metrics.num_preemptions = request.num_preemptions
+            output.metrics.cached_tokens = request.cached_tokens
             event = output.on_token(token, now, logprobs.get(request_id) if logprobs else None)
             events.append(event)
             self.emit(output, event)

@@ -77,7 +77,7 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, choices, firsts, meta, chat, req, prepared)
         finals = await _all([c.collect(first) for c, first in zip(choices, firsts)])
-    body = {**meta, "choices": [c.whole(chat) for c in choices], "usage": _usage(finals, prepared, req)}
+    body = {**meta, "choices": [c.whole(chat) for c in choices], "usage": _usage(choices, finals, prepared, req)}
     warnings = _warnings(prepared)
     if warnings:
         body["warnings"] = warnings
@@ -118,6 +118,7 @@ class _Choice:
         self.watch = CallStream(req.tools.syntax, req.tools.names) if req.tools and req.tools.syntax else None
         self.parsed: ParsedCalls | None = None  # "auto": the finished answer's calls
         self.split, self.thinking = split, ""  # thinking: reasoning text not sent yet
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (known at the end)
 
     def start(self, first: StreamEvent, prompt_ids: Sequence[int]) -> None:
         """Before any event is taken: the echoed prompt's log-probabilities (the first event carries them)."""
@@ -131,6 +132,8 @@ class _Choice:
         if not self.score_only:
             self.pending += output_logprobs(event)
         self.finish_reason = event.finish_reason
+        if event.metrics is not None:
+            self.cached_tokens = event.metrics.cached_tokens
         if self.split is not None:
             thought, text = self.split.feed(text)
             if event.finished:
@@ -229,12 +232,16 @@ def _first(errors: BaseExceptionGroup) -> BaseException:
     return errors.exceptions[0]
 
 
-def _usage(finals: Sequence[StreamEvent], prepared: Sequence[PreparedPrompt], req: OpenAIRequest
-           ) -> dict[str, int]:
-    """Each prompt's tokens once, every choice's generated tokens (none returned with ``max_tokens: 0``)."""
+def _usage(choices: Sequence[_Choice], finals: Sequence[StreamEvent], prepared: Sequence[PreparedPrompt],
+           req: OpenAIRequest) -> dict[str, Any]:
+    """Each prompt's tokens once, every choice's generated tokens (none returned with ``max_tokens: 0``), and in
+    ``prompt_tokens_details.cached_tokens`` each prompt's tokens served from the prefix cache (its choice that found
+    the most: choices start together, so the first computes what the others may find)."""
     prompt = sum(len(one.token_ids) for one in prepared)
     completion = 0 if req.score_only else sum(e.metrics.generated_tokens for e in finals if e.metrics is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(max(c.cached_tokens for c in choices[k * req.n:(k + 1) * req.n]) for k in range(len(prepared)))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequence[StreamEvent],
@@ -290,7 +297,7 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
                 await send_sse(response, chunk(c, None, c.echo))
         await _all([send(), *(c.forward(first, queue) for c, first in zip(choices, firsts))])
         if req.include_usage:
-            await send_sse(response, {**meta, "choices": [], "usage": _usage(finals, prepared, req)})
+            await send_sse(response, {**meta, "choices": [], "usage": _usage(choices, finals, prepared, req)})
     except LlmcError as exc:
         status, code = error_status(exc)  # the status the headers could no longer carry
         await send_sse(response, openai_error(str(exc), status, getattr(exc, "field", None), code))

@@ -81,6 +81,7 @@ def test_the_next_turn_reuses_the_blocks_of_the_previous_answer(tiny_build_dir, 
     second = first + list(answer) + tail
     (reply,) = engine.generate([second], GREEDY)
     assert engine.stats()["prefix_cache_hit_tokens"] - before == 32  # the prompt's 2 full blocks + 2 of the answer
+    assert reply.metrics.cached_tokens == 32
     assert list(reply.token_ids) == hf_greedy(tiny_hf_dir, second, GREEDY.max_new_tokens)
     assert_all_blocks_free(engine)
 

@@ -123,6 +123,26 @@ def test_n_choices_are_seeded_requests_of_their_own(client, tiny_server, offline
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client, tiny_server):
+    """OpenAI's ``prompt_tokens_details.cached_tokens``: a chat's next turn repeats the first turn and its answer,
+    whose computed full blocks (8 tokens each) the prefix cache serves; the first turn finds at most the blocks of
+    the template's system prompt, which other chats share."""
+    history = [{"role": "user", "content": "Name the largest rivers of Europe and the seas they reach."}]
+    first = client.chat.completions.create(model=tiny_server.model, messages=history, max_tokens=20, temperature=0)
+    shared = first.usage.prompt_tokens_details.cached_tokens
+    assert shared % 8 == 0 and shared <= 24  # SmolLM2's default system prompt: 24 tokens before the user's
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And of Asia?"}]
+    answered = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # the last token was never computed
+    for stream in (False, True):
+        kwargs = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        reply = client.chat.completions.create(model=tiny_server.model, messages=history, max_tokens=2,
+                                               temperature=0, **kwargs)
+        usage = [c for c in reply if c.usage][-1].usage if stream else reply.usage
+        cached = usage.prompt_tokens_details.cached_tokens
+        assert cached % 8 == 0 and shared < answered // 8 * 8 <= cached < usage.prompt_tokens, (cached, answered)
+
+
 def test_a_wrong_api_key_is_an_authentication_error(serve_tiny_build):
     server = start_server(serve_tiny_build, api_key="s3cret")
     try:

@@ -217,6 +217,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
+                request.cached_tokens = request.num_computed
             self.running.append(request)
             n = min(request.num_remaining, budget)
             planned.append((request, n, request.num_computed + n == request.num_tokens))

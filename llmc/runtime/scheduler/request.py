@@ -37,6 +37,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    cached_tokens: int = 0  # tokens found in the prefix cache at the first admission
 
     @property
     def num_tokens(self) -> int:
