@@ -3,12 +3,12 @@
 
 Starts ``llmc serve BUILD`` as a subprocess, warms it up (one request of every kind), records its resident
 memory (RSS) and open file descriptors, then runs CONCURRENCY client threads for the duration. Each request is drawn
-from a mix: KServe generate (JSON and SSE), OpenAI chat (also n = 3 choices with log-probabilities), streaming
-completions and prompts scored as lm-eval's loglikelihood requests are (echo, logprobs, max_tokens 0), gRPC
-ModelInfer and ModelStreamInfer (tritonclient), HTTP clients that disconnect mid-stream or before the answer, gRPC
-streams cancelled after their first response, and a few hostile requests (deep JSON, lone surrogates, malformed chat
-and /infer bodies, an oversized prompt) that must get their 4xx. Afterwards it waits for the server to drain
-and checks, printing one report (``--json`` writes it too):
+from a mix: KServe generate (JSON and SSE), OpenAI chat (also n = 3 choices with log-probabilities, JSON schemas,
+function calls named or "auto"), streaming completions and prompts scored as lm-eval's loglikelihood requests are
+(echo, logprobs, max_tokens 0), gRPC ModelInfer and ModelStreamInfer (tritonclient), HTTP clients that disconnect
+mid-stream or before the answer, gRPC streams cancelled after their first response, and a few hostile requests (deep
+JSON, lone surrogates, malformed chat and /infer bodies, an oversized prompt) that must get their 4xx.
+Afterwards it waits for the server to drain and checks, printing one report (``--json`` writes it too):
 
 - zero unexpected outcomes (a 5xx, a dropped connection, a wrong status, a stream without its final event);
 - KV blocks in use back to 0 and no request in flight;
@@ -80,12 +80,8 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         _, text = http_json(self.port, "GET", "/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
+        samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, value in samples}
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
@@ -195,13 +191,18 @@ class Client:
         return "ok" if json.loads(choice["message"]["content"])["side"] in ("left", "right") else "unexpected:json"
 
     def openai_tools(self) -> str:
-        """A named function call (function calling): its arguments parse and follow the function's schema."""
-        tool = {"type": "function", "function": {"name": "pick", "parameters": SIDE}}
-        choice = self._chat({"max_tokens": 32, "tools": [tool], "tool_choice": {"type": "function",
-                                                                                 "function": {"name": "pick"}}})
-        calls = [] if isinstance(choice, str) else choice["message"].get("tool_calls") or []
-        ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"])["side"] in ("left", "right")
-        return "ok" if ok else choice if isinstance(choice, str) else "unexpected:tools-call"
+        """A named function call (its arguments follow the function's schema) or tool_choice "auto" (text or calls)."""
+        tool, auto = {"type": "function", "function": {"name": "pick", "parameters": SIDE}}, self.rng.random() < 0.5
+        named = {} if auto else {"tool_choice": {"type": "function", "function": {"name": "pick"}}}
+        choice = self._chat({"max_tokens": 32, "tools": [tool], **named})
+        if isinstance(choice, str):
+            return choice
+        calls = choice["message"].get("tool_calls") or []
+        if auto:
+            ok = all(c["function"]["name"] == "pick" for c in calls) and bool(calls or choice["message"]["content"])
+        else:
+            ok = len(calls) == 1 and json.loads(calls[0]["function"]["arguments"])["side"] in ("left", "right")
+        return "ok" if ok else "unexpected:tools-call"
 
     def _chat(self, extra: dict) -> dict | str:
         """The first choice of a chat request with ``extra`` fields, or an "unexpected:" outcome."""
