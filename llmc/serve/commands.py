@@ -43,7 +43,7 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
               keepalive_timeout: float, body_timeout: float, metrics_log: Path | None,
               tool_call_syntax: str | None, reasoning_syntax: str | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
-    from llmc.serve.run import ServeOptions, load_engine, serve
+    from llmc.serve.run import ServeOptions, answer_syntaxes, load_engine, serve
 
     engine = load_engine(engine_dir, device, max_queue_size, metrics_log)
     serving = engine.recipe.serving
@@ -62,9 +62,14 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
     )
     name = engine.recipe.served_model_name
 
+    tool_syntax, reasoning = answer_syntaxes(engine, options)
+
     def announce() -> None:
         grpc_text = f", gRPC on {options.host}:{options.grpc_port}" if options.grpc_port else ""
         click.echo(f"llmc serve: model {name!r} on http://{options.host}:{options.port}{grpc_text}", err=True)
+        calls = f"read as {tool_syntax} calls" if tool_syntax else "refused (--tool-call-syntax names the syntax)"
+        thinking = "split off as reasoning_content" if reasoning else "not split off (--reasoning-syntax)"
+        click.echo(f"llmc serve: chat tool_choice \"auto\" {calls}; <think> {thinking}", err=True)
 
     serve(engine, options, on_ready=announce)
     click.echo("llmc serve: stopped", err=True)

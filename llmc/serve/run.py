@@ -26,8 +26,8 @@ from llmc.runtime.api import Engine
 from llmc.serve.engine_client import EngineClient
 from llmc.serve.app import create_app
 from llmc.serve.state import ServerState
-from llmc.serve.reasoning import served_reasoning
-from llmc.serve.tool_syntax import served_syntax
+from llmc.serve.reasoning import ReasoningSyntax, served_reasoning
+from llmc.serve.tool_syntax import ToolSyntax, served_syntax
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +83,21 @@ def _not_servable(build: object) -> str:
     return f"{build} is a TensorRT-LLM build, which llmc serve cannot run. Fix: {CONCURRENCY_HINT}"
 
 
+def answer_syntaxes(engine: Engine, options: ServeOptions) -> tuple[ToolSyntax | None, ReasoningSyntax | None]:
+    """How the server reads chat answers: the model's tool-call syntax (for ``tool_choice: "auto"``) and whether
+    thinking is split off, from the options, else the recipe's ``serving``, guessed from the chat template."""
+    serving, template = engine.recipe.serving, getattr(engine.tokenizer, "chat_template", None)
+    return (served_syntax(options.tool_call_syntax or serving.tool_call_syntax, template),
+            served_reasoning(options.reasoning_syntax or serving.reasoning_syntax, template))
+
+
 def make_state(engine: Engine, options: ServeOptions) -> ServerState:
     """The handlers' shared state for a loaded engine."""
     client = EngineClient(engine, options.request_timeout_s)
-    serving, template = engine.recipe.serving, getattr(engine.tokenizer, "chat_template", None)
+    tool_syntax, reasoning = answer_syntaxes(engine, options)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
-                       options.api_key, body_timeout_s=options.body_timeout_s,
-                       tool_syntax=served_syntax(options.tool_call_syntax or serving.tool_call_syntax, template),
-                       reasoning=served_reasoning(options.reasoning_syntax or serving.reasoning_syntax, template))
+                       options.api_key, body_timeout_s=options.body_timeout_s, tool_syntax=tool_syntax,
+                       reasoning=reasoning)
 
 
 async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,

@@ -1,4 +1,5 @@
-"""``llmc serve`` as a subprocess: SIGTERM drains gracefully (in-flight request completes, exit status 0)."""
+"""``llmc serve`` as a subprocess: SIGTERM drains gracefully (in-flight request completes, exit status 0); it says
+how it reads chat answers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tests.serve.conftest import free_port
 def test_sigterm_finishes_in_flight_and_exits_zero(serve_tiny_build):
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", str(serve_tiny_build), "--port", str(port),
-                             "--grpc-port", str(grpc_port), "--device", "cpu", "--grace", "20"],
+                             "--grpc-port", str(grpc_port), "--device", "cpu", "--grace", "20",
+                             "--reasoning-syntax", "think"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -50,7 +52,10 @@ def test_sigterm_finishes_in_flight_and_exits_zero(serve_tiny_build):
         client.join(60)
         assert proc.wait(60) == 0, proc.stderr.read()
         assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 200
-        assert "stopped" in proc.stderr.read()
+        said = proc.stderr.read()
+        assert "stopped" in said
+        # how it reads chat answers: the tiny build's template has no tools (llmc's JSON calls), thinking as asked
+        assert 'chat tool_choice "auto" read as json calls; <think> split off as reasoning_content' in said
     finally:
         if proc.poll() is None:
             proc.kill()
