@@ -128,7 +128,9 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
     started = time.perf_counter()
-    extra = {**(template_kwargs or {}), **({"tools": list(tools)} if tools and template_takes_tools(template) else {})}
+    extra = dict(template_kwargs or {})
+    if tools and template_takes_tools(template):
+        extra["tools"] = list(tools)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -14,11 +14,11 @@ score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. 
 chat's ``echo``, the legacy ``functions``) are a 400 unless they ask for nothing (``best_of: 1``, null). Function
 calling: chat's ``tools`` with ``tool_choice`` ``"auto"`` (read in the model's own tool-call syntax), ``"required"``
 or a named function (:mod:`llmc.serve.openai_tools`), and ``tool`` messages and an assistant's ``tool_calls`` in the
-history. Structured
-outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's ``structured`` (the
-same plus ``regex``, ``choice`` and ``grammar`` formats, :class:`~llmc.request.structured.OutputFormat`);
-``logit_bias`` adds its biases to the logits; chat's ``chat_template_kwargs`` (vLLM's field) passes variables to the
-chat template (Qwen3's ``enable_thinking``). Any other field is a 400 too, as OpenAI's API answers it: a
+history. Structured outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's
+``structured`` (the same plus ``regex``, ``choice`` and ``grammar`` formats,
+:class:`~llmc.request.structured.OutputFormat`); ``logit_bias`` adds its biases to the logits; chat's
+``chat_template_kwargs`` (vLLM's field) passes variables to the chat template (Qwen3's ``enable_thinking``). Any
+other field is a 400 too, as OpenAI's API answers it: a
 misspelt ``max_token`` would otherwise be dropped silently and the request run with the default length. Every
 RequestError names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A
 ``developer`` message (OpenAI's newer name for the system instructions) reaches the chat template as ``system``.
