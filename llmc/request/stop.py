@@ -104,8 +104,17 @@ class StopStringMatcher:
 
     def _hold_length(self, window: str) -> int:
         """Length of the longest suffix of ``window`` that is a proper prefix of some stop string."""
-        for length in range(min(self._max_hold, len(window)), 0, -1):
-            tail = window[len(window) - length:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return length
-        return 0
+        return partial_match_length(window, self.stops, self._max_hold)
+
+
+def partial_match_length(text: str, markers: Iterable[str], longest: int | None = None) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of one of ``markers`` (``longest``: the longest
+    marker's length - 1, when the caller knows it): the text to hold back while it may still become a marker."""
+    markers = tuple(markers)
+    if longest is None:
+        longest = max((len(m) for m in markers), default=1) - 1
+    for length in range(min(longest, len(text)), 0, -1):
+        tail = text[len(text) - length:]
+        if any(marker.startswith(tail) for marker in markers):
+            return length
+    return 0

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from llmc.request.stop import partial_match_length
+
 ReasoningSyntax = Literal["think"]
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -63,7 +65,7 @@ class ReasoningStream:
                     reasoning += text[:end]
                     text, self.state = text[end + len(THINK_CLOSE):], "lead"
                     continue
-                keep = _partial_suffix(text, THINK_CLOSE)
+                keep = partial_match_length(text, (THINK_CLOSE,))
                 reasoning, self.held = reasoning + text[:len(text) - keep], text[len(text) - keep:]
                 break
             elif self.state == "lead":  # the white space between </think> and the answer is neither
@@ -84,9 +86,3 @@ class ReasoningStream:
         self.content += held
         return "", held
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmc.request.inputs import template_takes_tools
+from llmc.request.stop import partial_match_length
 
 ToolSyntax = Literal["hermes", "json"]
 SYNTAXES: tuple[str, ...] = ("hermes", "json")
@@ -110,7 +111,7 @@ class CallStream:
             if start >= 0:
                 self.holding = True
                 return self._release(start)
-            return self._release(len(self.text) - _partial_suffix(self.text, HERMES_OPEN))
+            return self._release(len(self.text) - partial_match_length(self.text, (HERMES_OPEN,)))
         if self.sent == 0:  # calls make up a whole answer: its start decides
             head = self.text.lstrip()
             if not head or any(marker.startswith(head) for marker in JSON_MARKERS):
@@ -133,14 +134,6 @@ class CallStream:
     def _release(self, upto: int) -> str:
         out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
         return out
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (without being all of it)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _strip_marker(text: str) -> str:
