@@ -85,4 +85,3 @@ class ReasoningStream:
             return held, ""
         self.content += held
         return "", held
-
