@@ -219,6 +219,17 @@ def test_bench_structured_times_free_and_constrained_requests(tiny_build_dir):
     assert set(json.loads(digits.stdout)["tgs"]) == {"free", "regex"}
 
 
+def test_bench_turns_serves_the_first_answer_from_the_prefix_cache(tiny_build_dir):
+    result = subprocess.run([sys.executable, "scripts/bench_turns.py", str(tiny_build_dir), "--first", "21", "--answer",
+                             "12", "--tail", "5", "--conversations", "2", "--device", "cpu"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    # 21 + 11 computed tokens: 4 full blocks of 8, the first prompt's 2 and the answer's 2
+    assert report["cached_tokens"] == {"cache_on": [32, 32], "cache_off": [0, 0]}
+    assert report["second_prompt_tokens"] == 38 and report["speedup"] > 0
+
+
 def lm_eval_samples(folder: Path, rows: list[list[list[str]]]) -> Path:
     """An lm-eval ``--log_samples`` folder: one task's samples file, doc i with ``rows[i]`` as its responses."""
     (folder / "model").mkdir(parents=True)
