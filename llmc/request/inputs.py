@@ -125,7 +125,7 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
             raise RequestError(
                 f"prompt[{i}]", 'a chat message needs a string "role" and a string "content"'
             )
-    if not getattr(tokenizer, "chat_template", None):
+    if not template:
         raise RequestError("prompt", "this model has no chat template; send a plain text prompt instead")
     started = time.perf_counter()
     extra = dict(template_kwargs or {})

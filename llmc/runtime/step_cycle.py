@@ -172,9 +172,9 @@ class StepCycle:
         outside the lock (only this thread advances a constraint), so adding and aborting requests never waits
         for them."""
         self._step_masks = (0, 0.0)
-        seqs = list(scheduled.sequences)
-        if not any(s.sample and s.params.structured is not None for s in seqs):
+        if not any(s.sample and s.params.structured is not None for s in scheduled.sequences):
             return scheduled
+        seqs = list(scheduled.sequences)
         rows, constraints = [], []
         with self._lock:
             for i, s in enumerate(seqs):
