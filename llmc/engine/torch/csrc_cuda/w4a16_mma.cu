@@ -1424,41 +1424,93 @@ int launch_wgmma_cols(int ntile, int warps, int stages, const Call& a) {
   return -1;
 }
 
-// Config (row tiles, column tiles, warps, -stages): the warpgroup kernel (negative stages), sm_90 only.
-template <typename T>
-int launch_wgmma(int mtiles, int ntile, int warps, int stages, const Call& a) {
-  // Asked once per process (the library is built for one architecture: sm_90a where this kernel exists), not at
-  // every launch; a failed query is not kept, and concurrent first calls store the same answer.
-  static int sm90 = -1;
-  if (sm90 < 0) {
-    int major = 0, device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-      return -1;
-    sm90 = major == 9;
-  }
-  if (!sm90) return -1;
-  switch (mtiles) {
-    case 1: return launch_wgmma_cols<T, 8>(ntile, warps, stages, a);
-    case 2: return launch_wgmma_cols<T, 16>(ntile, warps, stages, a);
-    case 4: return launch_wgmma_cols<T, 32>(ntile, warps, stages, a);
-    case 8: return launch_wgmma_cols<T, 64>(ntile, warps, stages, a);
-    case 16: return launch_wgmma_cols<T, 128>(ntile, warps, stages, a);
-    case 32: return launch_wgmma_cols<T, 256>(ntile, warps, stages, a);
-    default: return -1;
-  }
-}
+}  // namespace
 
-template <typename T>
-int launch_dtype(int mtiles, int ntile, int warps, int stages, const Call& a) {
-  if (stages < 0) return launch_wgmma<T>(mtiles, ntile, warps, -stages, a);
-  switch (mtiles) {
-    case 1: return launch_cols<T, 1>(ntile, warps, stages, a);
-    case 2: return launch_cols<T, 2>(ntile, warps, stages, a);
-    case 4: return launch_cols<T, 4>(ntile, warps, stages, a);
-    default: return -1;
+// ---- Parts: the kernels in units that nvcc compiles in parallel ----
+//
+// cuda_ext.build compiles this file LLMC_PARTS times, with LLMC_PART = 0 .. LLMC_PARTS - 1, and links the objects
+// (without them: one part, all of it). A unit (one family's kernels for one dtype and one row tile) is
+// instantiated by its function here, defined in one part only; part 0 holds the entry points and the dispatch,
+// which calls the units through their declarations. The parts are balanced for 8 by the units' machine code (SASS
+// instructions, sm_90a, 2026-12-05: pipe 1 / 2 / 4 row tiles 140 / 153 / 86 thousand a dtype, wgmma 8 / 16 / 32 /
+// 64 / 128 / 256 rows 25 / 36 / 43 / 98 / 16 / 8 thousand): each takes 148-154 thousand, so the 8 compiles take
+// about an eighth of the whole each. A unit's kernels compile to the same machine code in any part.
+#ifndef LLMC_PARTS
+#define LLMC_PARTS 1
+#endif
+#ifndef LLMC_PART
+#define LLMC_PART 0
+#endif
+#define LLMC_IN_PART(p) (LLMC_PART == (p) % LLMC_PARTS)
+
+namespace llmc_units {
+
+// A unit: launch a config (ntile, warps, stages >= 0 for the ring and register kernels, > 0 for the warpgroup
+// kernel's) of its row tile and dtype; ``call`` is a Call (an opaque pointer: Call has no linkage across parts).
+using Unit = int (*)(int ntile, int warps, int stages, const void* call);
+#define LLMC_UNIT(NAME, LAUNCH)                                            \
+  int NAME(int ntile, int warps, int stages, const void* call) {         \
+    return LAUNCH(ntile, warps, stages, *static_cast<const Call*>(call)); \
   }
-}
+int pipe_bf16_1(int, int, int, const void*);
+int pipe_bf16_2(int, int, int, const void*);
+int pipe_bf16_4(int, int, int, const void*);
+int pipe_fp16_1(int, int, int, const void*);
+int pipe_fp16_2(int, int, int, const void*);
+int pipe_fp16_4(int, int, int, const void*);
+int wgmma_bf16_8(int, int, int, const void*);
+int wgmma_bf16_16(int, int, int, const void*);
+int wgmma_bf16_32(int, int, int, const void*);
+int wgmma_bf16_64(int, int, int, const void*);
+int wgmma_bf16_128(int, int, int, const void*);
+int wgmma_bf16_256(int, int, int, const void*);
+int wgmma_fp16_8(int, int, int, const void*);
+int wgmma_fp16_16(int, int, int, const void*);
+int wgmma_fp16_32(int, int, int, const void*);
+int wgmma_fp16_64(int, int, int, const void*);
+int wgmma_fp16_128(int, int, int, const void*);
+int wgmma_fp16_256(int, int, int, const void*);
+
+#if LLMC_IN_PART(0)
+LLMC_UNIT(pipe_bf16_2, (launch_cols<__nv_bfloat16, 2>))
+#endif
+#if LLMC_IN_PART(1)
+LLMC_UNIT(pipe_fp16_2, (launch_cols<__half, 2>))
+#endif
+#if LLMC_IN_PART(2)
+LLMC_UNIT(pipe_bf16_1, (launch_cols<__nv_bfloat16, 1>))
+LLMC_UNIT(wgmma_bf16_256, (launch_wgmma_cols<__nv_bfloat16, 256>))
+#endif
+#if LLMC_IN_PART(3)
+LLMC_UNIT(pipe_fp16_1, (launch_cols<__half, 1>))
+LLMC_UNIT(wgmma_fp16_256, (launch_wgmma_cols<__half, 256>))
+#endif
+#if LLMC_IN_PART(4)
+LLMC_UNIT(wgmma_bf16_64, (launch_wgmma_cols<__nv_bfloat16, 64>))
+LLMC_UNIT(wgmma_bf16_16, (launch_wgmma_cols<__nv_bfloat16, 16>))
+LLMC_UNIT(wgmma_bf16_128, (launch_wgmma_cols<__nv_bfloat16, 128>))
+#endif
+#if LLMC_IN_PART(5)
+LLMC_UNIT(wgmma_fp16_64, (launch_wgmma_cols<__half, 64>))
+LLMC_UNIT(wgmma_fp16_16, (launch_wgmma_cols<__half, 16>))
+LLMC_UNIT(wgmma_fp16_128, (launch_wgmma_cols<__half, 128>))
+#endif
+#if LLMC_IN_PART(6)
+LLMC_UNIT(pipe_bf16_4, (launch_cols<__nv_bfloat16, 4>))
+LLMC_UNIT(wgmma_fp16_32, (launch_wgmma_cols<__half, 32>))
+LLMC_UNIT(wgmma_bf16_8, (launch_wgmma_cols<__nv_bfloat16, 8>))
+#endif
+#if LLMC_IN_PART(7)
+LLMC_UNIT(pipe_fp16_4, (launch_cols<__half, 4>))
+LLMC_UNIT(wgmma_bf16_32, (launch_wgmma_cols<__nv_bfloat16, 32>))
+LLMC_UNIT(wgmma_fp16_8, (launch_wgmma_cols<__half, 8>))
+#endif
+#undef LLMC_UNIT
+
+}  // namespace llmc_units
+
+#if LLMC_PART == 0
+namespace {
 
 // What every entry point asks of the weight: whole tiles of 16 columns x 64 inputs, groups of 64 or 128.
 bool weight_fits(int n, int k, int group_size) {
@@ -1490,10 +1542,35 @@ void pend_input(Call& call, const void* in_sums, int in_blocks, float in_eps) {
   call.fz.in_eps = in_eps;
 }
 
-// The launch of a Call by config, in the activations' dtype (0: bfloat16, 1: float16).
+// Whether this GPU runs the warpgroup kernel (sm_90: the library is built for one architecture, sm_90a there).
+// Asked once per process, not at every launch; a failed query is not kept, and concurrent first calls store the
+// same answer.
+bool warpgroup_gpu() {
+  static int sm90 = -1;
+  if (sm90 < 0) {
+    int major = 0, device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+      return false;
+    sm90 = major == 9;
+  }
+  return sm90 == 1;
+}
+
+// The launch of a Call by config (row tiles, column tiles, warps, stages; negative stages: the warpgroup kernel,
+// sm_90 only), in the activations' dtype (0: bfloat16, otherwise float16).
 int launch_call(int dtype, int mtiles, int ntile, int warps, int stages, const Call& call) {
-  return dtype == 0 ? launch_dtype<__nv_bfloat16>(mtiles, ntile, warps, stages, call)
-                    : launch_dtype<__half>(mtiles, ntile, warps, stages, call);
+  using namespace llmc_units;
+  static constexpr Unit kPipe[2][3] = {{pipe_bf16_1, pipe_bf16_2, pipe_bf16_4},
+                                       {pipe_fp16_1, pipe_fp16_2, pipe_fp16_4}};
+  static constexpr Unit kWgmma[2][6] = {
+      {wgmma_bf16_8, wgmma_bf16_16, wgmma_bf16_32, wgmma_bf16_64, wgmma_bf16_128, wgmma_bf16_256},
+      {wgmma_fp16_8, wgmma_fp16_16, wgmma_fp16_32, wgmma_fp16_64, wgmma_fp16_128, wgmma_fp16_256}};
+  const int t = dtype == 0 ? 0 : 1;
+  int index = 0;  // log2(mtiles), for mtiles a power of two
+  while (index < 6 && (1 << index) != mtiles) ++index;
+  if (stages < 0) return index < 6 && warpgroup_gpu() ? kWgmma[t][index](ntile, warps, -stages, &call) : -1;
+  return index < 3 ? kPipe[t][index](ntile, warps, stages, &call) : -1;
 }
 
 }  // namespace
@@ -1601,3 +1678,4 @@ int llmc_w4a16_mma_dequant(int dtype, const void* w, const void* scales, const v
 int llmc_w4a16_abi_version() { return 14; }
 
 }  // extern "C"
+#endif  // LLMC_PART == 0
