@@ -106,6 +106,9 @@ class StepRunner(ModelRunner, Protocol):
     # queued; ``pending.result()`` waits for its ModelRunnerOutput), where a :data:`PLACEHOLDER` token of
     # ``scheduled`` is the token that ``previous`` (the pending step launched just before) sampled for that
     # request. The engine calls ``previous.result()`` after launching the next step and before launching another.
+    # Runners with ``late_masks = True`` take ``launch(scheduled, previous, masks)``: ``masks()``, called once the
+    # step's forward pass is queued and before it samples, returns the step with its output-format masks set (the
+    # engine collects ``previous`` in it, so the masks see its tokens while the device runs the forward pass).
 
 
 @runtime_checkable

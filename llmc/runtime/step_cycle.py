@@ -16,9 +16,11 @@ mixed-step budget (``serving.mixed_step_tokens``) makes of decodes and prompt ch
 next. After any other step with prompt tokens (up to ``engine.max_num_tokens`` of them: hundreds of milliseconds)
 the engine waits for it first, so requests that arrived while it ran join the very next step (planned ahead, they
 would wait a whole prefill step longer; waiting costs the GPU well under a millisecond next to such a step).
-Penalties and output formats (structured outputs: each sampled token's allowed ids follow from the tokens before it)
-read earlier tokens' values: while a running request uses them, the engine waits for step n before planning
-step n + 1.
+Penalties read earlier tokens' values: while a running request uses them, the engine waits for step n before
+planning step n + 1. Output formats (structured outputs) need them only to sample: with a runner that takes late
+masks (``late_masks``, the torch runner), step n + 1 is planned and its forward pass queued with placeholders as
+above, then, before its sampler, the engine collects step n (each constraint sees its token) and computes the
+masks on the host while the device runs that forward pass; other runners wait for step n first.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
@@ -75,6 +77,7 @@ class StepCycle:
         self._step_lock = threading.Lock()  # one step at a time
         self._metrics_log = metrics_log
         self._overlap = bool(getattr(runner, "async_steps", False)) and hasattr(runner, "launch")
+        self._late_masks = self._overlap and bool(getattr(runner, "late_masks", False))
         self._inflight: _Inflight | None = None  # overlapped steps: the launched step whose tokens are not known
         self._step_masks = (0, 0.0)  # the planned step's output-format masks: rows, host seconds
         self.masks_total, self.mask_seconds_total = 0, 0.0  # since the engine started (Engine.stats)
@@ -127,10 +130,21 @@ class StepCycle:
                 inflight = None
             with self._lock:
                 scheduled = self.scheduler.schedule()
-            scheduled = self._constrain(scheduled)
+            late: tuple = ()  # launch's late masks, where this step takes them
+            if inflight is not None and self._late_masks and scheduled.sequences and self._formats_running():
+                planned = scheduled
+
+                def masks() -> SchedulerOutput:  # on the compute thread, the step's forward pass queued
+                    nonlocal inflight
+                    events.extend(self._collect(inflight))  # the constraints see the previous step's tokens
+                    inflight = None  # collected (if that raised, the handler below fails its requests)
+                    return self._constrain(planned)
+                late = (masks,)
+            else:
+                scheduled = self._constrain(scheduled)
             pending = None
             if scheduled.sequences:
-                pending = run_compute(self.runner.launch, scheduled, inflight.pending if inflight else None)
+                pending = run_compute(self.runner.launch, scheduled, inflight.pending if inflight else None, *late)
             if inflight is not None:
                 events += self._collect(inflight)  # while the GPU runs this step
                 inflight = None
@@ -160,10 +174,16 @@ class StepCycle:
             return self.process(self.scheduler.fill(inflight.ticket, result), result)
 
     def _needs_token_values(self) -> bool:
-        """Whether a running request samples with penalties or an output format (they read the values of earlier
-        tokens)."""
+        """Whether a running request samples with penalties, or with an output format where the runner cannot take
+        late masks (they read the values of earlier tokens before the step is launched)."""
         with self._lock:
-            return any(r.params.uses_penalties or r.params.structured is not None for r in self.scheduler.running)
+            return any(r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
+                       for r in self.scheduler.running)
+
+    def _formats_running(self) -> bool:
+        """Whether a running request samples under an output format."""
+        with self._lock:
+            return any(r.params.structured is not None for r in self.scheduler.running)
 
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format

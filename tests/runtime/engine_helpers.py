@@ -41,12 +41,15 @@ def _loaded(build_dir: Path) -> Engine:
 class LazyStepRunner:
     """The CPU runner presented as an asynchronous one (the CUDA runner's ``launch`` / ``result()`` split):
     ``launch`` only records the step and ``result()`` computes it, so the engine's overlapped step path runs in
-    the CPU tests. ``log`` records ("launch", step), ("result", step) in call order; tests may append to it."""
+    the CPU tests. ``log`` records ("launch", step), ("result", step) in call order; tests may append to it.
+    ``late_masks``: ``launch`` takes output-format masks after recording the step, as the CUDA runner does after
+    queuing its forward pass."""
 
     async_steps = True
 
-    def __init__(self, runner, fail_on_launch: set[int] = frozenset()):
+    def __init__(self, runner, fail_on_launch: set[int] = frozenset(), late_masks: bool = True):
         self._runner = runner
+        self.late_masks = late_masks
         self.block_size, self.num_blocks, self.vocab_size = runner.block_size, runner.num_blocks, runner.vocab_size
         self.fail_on_launch = set(fail_on_launch)
         self.launches = 0
@@ -55,11 +58,15 @@ class LazyStepRunner:
     def execute(self, scheduled):
         return self._runner.execute(scheduled)
 
-    def launch(self, scheduled, previous=None):
+    def launch(self, scheduled, previous=None, masks=None):
         self.launches += 1
         if self.launches in self.fail_on_launch:
             raise RuntimeError("simulated device failure")
         self.log.append(("launch", scheduled.step))
+        if masks is not None:
+            masked = masks()
+            assert [s.request_id for s in masked.sequences] == [s.request_id for s in scheduled.sequences]
+            scheduled = masked
         runner, log = self._runner, self.log
 
         class Pending:
@@ -76,14 +83,15 @@ class LazyStepRunner:
 
 
 def make_engine(build_dir: Path, num_blocks: int | None = None, max_wait_s: float | None = None,
-                overlap: bool = False, **serving_overrides) -> Engine:
+                overlap: bool = False, late_masks: bool = True, **serving_overrides) -> Engine:
     """A fresh Engine (own scheduler and block manager) over the build's runner, loaded once per session;
-    ``overlap``: through :class:`LazyStepRunner` (the engine's overlapped path, as on CUDA)."""
+    ``overlap``: through :class:`LazyStepRunner` (the engine's overlapped path, as on CUDA), taking late
+    output-format masks unless ``late_masks`` is False."""
     base = _loaded(Path(build_dir))
     recipe = base.recipe
     if serving_overrides:
         recipe = dataclasses.replace(recipe, serving=dataclasses.replace(recipe.serving, **serving_overrides))
-    runner = LazyStepRunner(base.runner) if overlap else base.runner
+    runner = LazyStepRunner(base.runner, late_masks=late_masks) if overlap else base.runner
     return Engine(runner, base.tokenizer, recipe, base.eos_token_ids, num_blocks=num_blocks,
                   max_wait_s=max_wait_s)
 

@@ -56,10 +56,11 @@ def matches(fmt: dict, text: str) -> bool:
     return re.fullmatch(r"\([0-9](,[0-9])*\)", text) is not None
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap,late_masks", [(False, False), (True, False), (True, True)],
+                         ids=["serial", "overlapped-waiting", "overlapped-late-masks"])
 def test_constrained_greedy_tokens_are_the_best_allowed_ones_beside_a_free_request(tiny_build_dir, tiny_hf_dir,
-                                                                                   overlap):
-    engine = make_engine(tiny_build_dir, overlap=overlap)
+                                                                                   overlap, late_masks):
+    engine = make_engine(tiny_build_dir, overlap=overlap, late_masks=late_masks)
     prompts = ["Answer in JSON:", "A code:", "Pick a colour:", "A tuple:", "Once upon a time"]
     params = [SamplingParams(max_new_tokens=24, temperature=0.0, structured=f) for f in FORMATS]
     params.append(SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
@@ -72,9 +73,14 @@ def test_constrained_greedy_tokens_are_the_best_allowed_ones_beside_a_free_reque
     free = completions[-1]
     assert list(free.token_ids) == hf_greedy(tiny_hf_dir, list(engine.tokenize(prompts[-1])), 12)
     assert [c.finish_reason for c in completions[1:4]] == ["stop"] * 3  # formats with a bounded length complete
-    if overlap:  # while a constrained request runs, each step's tokens are known before the next is planned
-        order = [entry for entry in engine.runner.log if entry[0] in ("launch", "result")]
-        assert all(b == ("result", a[1]) for a, b in zip(order, order[1:]) if a[0] == "launch")
+    order = [entry for entry in engine.runner.log if entry[0] in ("launch", "result")] if overlap else []
+    if overlap and not late_masks:  # while a constrained request runs, each step's tokens are known before the
+        assert all(b == ("result", a[1]) for a, b in zip(order, order[1:]) if a[0] == "launch")  # next is planned
+    if late_masks:  # each step after the first is launched before the previous one's tokens are known (its masks
+        # come after, from the constraints that saw them: the tokens above are the best allowed ones)
+        steps = [step for kind, step in order if kind == "launch"]
+        overlapped = [b for a, b in zip(steps, steps[1:]) if order.index(("result", a)) > order.index(("launch", b))]
+        assert len(overlapped) >= 10 and len(overlapped) >= len(steps) - 3, order
     assert_all_blocks_free(engine)
 
 
@@ -170,3 +176,45 @@ def test_a_loaded_engine_builds_the_tokenizer_index_before_the_first_structured_
     finally:
         warm.shutdown()
         cold.shutdown()
+
+
+def test_a_failure_collected_inside_the_late_masks_ends_every_request_of_that_step(tiny_build_dir):
+    """With late masks the previous step is collected between the launch and the sampler. When that step failed on
+    the device (its result raises there, again if asked again), every request it held ends with the error, also
+    one whose length limit left it out of the step being launched (before, nothing would ever end it), their blocks
+    come back, and the engine serves the next request."""
+    import queue
+
+    from llmc.runtime.api import Engine
+    from tests.runtime.engine_helpers import LazyStepRunner
+
+    base = make_engine(tiny_build_dir)
+    seen: list[int] = []
+
+    class FailingStep:  # the third step planned raises whenever it is computed (LazyStepRunner: at result())
+        block_size, num_blocks, vocab_size = base.runner.block_size, base.runner.num_blocks, base.runner.vocab_size
+
+        def execute(self, scheduled):
+            seen.append(scheduled.step) if scheduled.step not in seen else None
+            if scheduled.step == seen[0] + 2:
+                raise RuntimeError("simulated device failure")
+            return base.runner.execute(scheduled)
+
+    engine = Engine(LazyStepRunner(FailingStep(), late_masks=True), base.tokenizer, base.recipe, base.eos_token_ids)
+    fmt = {"type": "regex", "pattern": "[a-z ]{100,400}"}
+    inboxes = {name: queue.Queue() for name in ("short", "long")}
+    for name, max_new_tokens in (("short", 3), ("long", 12)):  # both queued first: they share every step, and the
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, structured=fmt)  # third computes
+        engine.add_request(name, params, request_id=name, sink=inboxes[name].put)  # short's last token
+    engine.start()
+    try:
+        for name, inbox in inboxes.items():
+            event = inbox.get(timeout=60)
+            while not event.finished:
+                event = inbox.get(timeout=60)  # queue.Empty here: the request never ended
+            assert event.finish_reason == "error" and "simulated device failure" in event.error, (name, event)
+        assert_all_blocks_free(engine)
+        (ok,) = engine.generate(["this one works"], SamplingParams(max_new_tokens=5, temperature=0.0, structured=fmt))
+        assert ok.finish_reason == "length" and re.fullmatch("[a-z ]+", ok.text)
+    finally:
+        engine.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,6 +110,8 @@ class TorchModelRunner:
                                            min(CHUNK_ROWS, recipe.engine.max_num_tokens)))
             self.graphs.capture()
 
+    late_masks = True  # launch() takes output-format masks after queuing the forward pass (its ``masks``)
+
     @property
     def async_steps(self) -> bool:
         """True when :meth:`launch` returns before the step's GPU work is done (CUDA)."""
@@ -121,14 +124,19 @@ class TorchModelRunner:
         """
         return self.launch(scheduled).result()
 
-    def launch(self, scheduled: SchedulerOutput, previous: PendingStep | None = None) -> PendingStep:
+    def launch(self, scheduled: SchedulerOutput, previous: PendingStep | None = None,
+               masks: Callable[[], SchedulerOutput] | None = None) -> PendingStep:
         """Queue one step (see :meth:`execute`); on CUDA the sampled ids travel to pinned host memory behind the
         step's kernels and :meth:`PendingStep.result` waits for them, so the caller's host work overlaps the GPU.
         A :data:`PLACEHOLDER` token is the id ``previous`` (the step launched just before, possibly still running)
         sampled for that request: it is copied on the device, so this step can be queued before that one ends.
-        Call ``previous.result()`` before launching the step after this one."""
+        Call ``previous.result()`` before launching the step after this one. ``masks`` (late output-format masks):
+        called once the step's forward pass is queued and before its sampler, it returns the same step with the
+        sequences' ``token_mask`` set (computed on the host while the GPU runs the forward pass)."""
         seqs = scheduled.sequences
         if not seqs:
+            if masks is not None:
+                masks()
             return PendingStep(())
         self._check_blocks(seqs)
         fill = _placeholder_fill(seqs, previous)
@@ -137,6 +145,7 @@ class TorchModelRunner:
         if self.graphs is not None and not score and self.graphs.can_run(seqs):
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs, fill)
+                sampled = _late_masks(masks, sampled)
                 if not sampled:  # prompt chunks that end no prompt
                     return PendingStep(())
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
@@ -154,6 +163,7 @@ class TorchModelRunner:
             else:
                 hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             scored = prompt_logprobs.prompt_rows(self.model.compute_logits, hidden, seqs) if score else None
+            sampled = _late_masks(masks, sampled)
             if not sampled:
                 return PendingStep((), prompt=scored)
             logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices))  # [S, V] float32
@@ -230,6 +240,18 @@ class TorchModelRunner:
                     f"request {s.request_id} references blocks {min(s.block_ids)}..{max(s.block_ids)} but the "
                     f"KV cache has {self.num_blocks} blocks. Fix: size the block manager with runner.num_blocks"
                 )
+
+
+def _late_masks(masks: Callable[[], SchedulerOutput] | None, sampled: tuple[ScheduledSequence, ...]
+                ) -> tuple[ScheduledSequence, ...]:
+    """The sampled sequences with their late output-format masks (:meth:`TorchModelRunner.launch`'s ``masks``: the
+    same sequences, in the same order, ``token_mask`` set); ``sampled`` itself without them."""
+    if masks is None:
+        return sampled
+    late = tuple(s for s in masks().sequences if s.sample)
+    if [s.request_id for s in late] != [s.request_id for s in sampled]:
+        raise EngineError("the late output-format masks came back for other rows than the step's")
+    return late
 
 
 def _placeholder_fill(seqs: tuple[ScheduledSequence, ...], previous: PendingStep | None

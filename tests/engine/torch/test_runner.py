@@ -179,3 +179,52 @@ def test_a_placeholder_token_is_the_previous_steps_token_on_the_device(build_dir
     orphan = ScheduledSequence("a", (PLACEHOLDER,), 3, (1,), True, GREEDY, output_token_ids=(PLACEHOLDER,))
     with pytest.raises(EngineError, match="placeholder"):
         runner.execute(SchedulerOutput(step=2, sequences=(orphan,)))
+
+
+def test_late_masks_are_taken_after_the_forward_pass_and_sampled_like_masks_given_with_the_step(build_dir):
+    """launch(masks=...): the callback runs once, after the forward pass (the model's call) and before the sampler;
+    the sampled tokens are those of the same step with its masks given up front (each in its allowed set); masks
+    for other rows than the step's are an engine error; a step that samples nothing still calls it."""
+    import dataclasses
+
+    import numpy as np
+
+    from llmc.request.params import SamplingParams
+
+    runner = TorchModelRunner(build_dir, num_blocks=8)
+    params = SamplingParams(temperature=0.0, structured={"type": "regex", "pattern": "a"})
+
+    def mask(allowed):
+        bits = np.zeros((runner.vocab_size + 31) // 32 * 32, dtype=np.uint8)
+        bits[allowed] = 1
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    plan = SchedulerOutput(step=0, sequences=(
+        ScheduledSequence("a", (5, 6, 7), 0, (1,), True, params), ScheduledSequence("b", (8, 9), 0, (2,), True, GREEDY),
+        ScheduledSequence("c", (3, 4), 0, (3,), False, GREEDY)))
+    allowed = {"a": [17, 300, 4000]}
+    masked = dataclasses.replace(plan, sequences=tuple(
+        dataclasses.replace(s, token_mask=mask(allowed[s.request_id])) if s.request_id in allowed else s
+        for s in plan.sequences))
+    up_front = runner.execute(masked).sampled_token_ids
+    order: list[str] = []
+    forward = runner.model.forward
+
+    def spy(*args, **kwargs):
+        order.append("forward")
+        return forward(*args, **kwargs)
+
+    runner.model.forward = spy
+    try:
+        late = runner.launch(plan, None, masks=lambda: order.append("masks") or masked).result().sampled_token_ids
+    finally:
+        del runner.model.forward
+    assert order == ["forward", "masks"] and late == up_front and late["a"] in allowed["a"]
+    other = dataclasses.replace(masked, sequences=masked.sequences[1:])
+    with pytest.raises(EngineError, match="late output-format masks came back for other rows"):
+        runner.launch(plan, None, masks=lambda: other)
+    prompt_only = SchedulerOutput(step=1, sequences=(ScheduledSequence("d", (1, 2), 0, (4,), False, GREEDY),))
+    calls: list[int] = []
+    assert runner.launch(prompt_only, None, masks=lambda: calls.append(1) or prompt_only).result(
+        ).sampled_token_ids == {}
+    assert calls == [1]

@@ -1,6 +1,6 @@
 """Output-format masks and logit biases on CUDA (gpu-marked: run through the device tool): the captured decode steps
-and the eager prompt steps pick the same greedy tokens as the CPU runner, and every row (sampled ones too) stays
-inside its allowed set."""
+and the eager prompt steps pick the same greedy tokens as the CPU runner, also with the masks given late (after the
+forward pass is queued), and every row (sampled ones too) stays inside its allowed set."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ def test_masks_and_biases_on_cuda_equal_the_cpu_runners(tmp_path):
               "b": SamplingParams(temperature=0.8, seed=5, structured={"type": "json_object"}),
               "c": SamplingParams(temperature=0.0, logit_bias={"11": 100})}
     results = []
-    for runner in (TorchModelRunner(build, device="cuda", num_blocks=64),
-                   TorchModelRunner(build, device="cpu", num_blocks=64)):
+    cuda = TorchModelRunner(build, device="cuda", num_blocks=64)
+    # The CUDA runner twice: masks given with the step, and late (launch's ``masks``, after the forward pass is
+    # queued, as the engine's overlapped steps give them); then the CPU runner.
+    for runner, late in ((cuda, False), (cuda, True), (TorchModelRunner(build, device="cpu", num_blocks=64), False)):
         vocab = runner.vocab_size
         sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=16)
         for rid, prompt in (("a", range(100, 137)), ("b", range(300, 305)), ("c", range(500, 520))):
@@ -48,13 +50,20 @@ def test_masks_and_biases_on_cuda_equal_the_cpu_runners(tmp_path):
             seqs = tuple(dataclasses.replace(s, params=params[s.request_id], token_mask=mask_of(
                 allowed_ids(s.request_id, step, vocab), vocab) if s.request_id != "c" and s.sample else None)
                 for s in plan.sequences)
-            out = runner.execute(dataclasses.replace(plan, sequences=seqs))
+            masked = dataclasses.replace(plan, sequences=seqs)
+            if late:
+                calls = []
+                out = runner.launch(plan, None, masks=lambda: calls.append(1) or masked).result()
+                assert calls == [1]
+            else:
+                out = runner.execute(masked)
             for s in seqs:
                 token = out.sampled_token_ids.get(s.request_id)
                 if token is not None and s.token_mask is not None:
                     assert token in allowed_ids(s.request_id, step, vocab)
             sched.update(out.sampled_token_ids)
         results.append({rid: r["out"] for rid, r in sched.reqs.items()})
-    cuda, cpu = results
+    cuda, late, cpu = results
     assert all(len(v) == 6 for v in cuda.values())
     assert cuda["a"] == cpu["a"] and cuda["c"] == cpu["c"] == [11] * 6  # greedy rows; b's draws differ by device
+    assert late == cuda  # the same draws too: one seed, one device
