@@ -157,10 +157,10 @@ def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
 
 def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
     """Which W4A16 kernels a CUDA GPU (of compute capability ``sm``, e.g. 90) gets: llmc's CUDA kernels (on sm_90
-    with the warpgroup kernel), how they launch and whether the qkv layers do RoPE + the KV write in their epilogue,
-    or the Triton ones and why."""
+    with the warpgroup kernel; built here already, or what their first use compiles), how they launch and whether
+    the qkv layers do RoPE + the KV write in their epilogue, or the Triton ones and why."""
     if why_not is None:
-        from llmc.engine.torch.cuda_ext import PDL_ENV, PDL_MODES, pdl_mode
+        from llmc.engine.torch.cuda_ext import PDL_ENV, PDL_MODES, build_state, pdl_mode
         from llmc.engine.torch.int4_cuda import ROPE_EPILOGUE_ENV, rope_epilogue_enabled
 
         try:
@@ -173,7 +173,7 @@ def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:
         rope = (f"qkv layers rotate q, k and write the KV cache in their epilogue ({ROPE_EPILOGUE_ENV}=0 turns it "
                 f"off)" if rope_epilogue_enabled() else f"RoPE + KV write in a Triton kernel ({ROPE_EPILOGUE_ENV}=0)")
         wgmma = ", with the warpgroup (wgmma) kernel where the tuned table picks it" if sm // 10 == 9 else ""
-        return f"llmc's CUDA tensor-core kernels{wgmma} (built once with nvcc, then cached{launch}); {rope}; {norms()}"
+        return f"llmc's CUDA tensor-core kernels{wgmma} ({build_state(sm)}{launch}); {rope}; {norms()}"
     return f"llmc's Triton W4A16 kernels ({why_not})"
 
 

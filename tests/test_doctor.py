@@ -84,10 +84,11 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     no_nvcc, _ = backend_statuses((H100,), None, "missing", "3.6.0", "nvcc was not found (CUDA_HOME, PATH)")
     assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
+    monkeypatch.setattr("llmc.engine.torch.cuda_ext.build_state", lambda sm: f"built for sm_{sm}")  # the next test
     tuned, _ = backend_statuses((h200,), None, "missing", triton_version="3.6.0", cuda_int4_why_not=None)
     assert tuned.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's CUDA tensor-core kernels, with the "
-                                 "warpgroup (wgmma) kernel where the tuned table picks it (built once with nvcc, "
-                                 "then cached; programmatic dependent launch (early up to 16 rows, late above; "
+                                 "warpgroup (wgmma) kernel where the tuned table picks it (built for sm_90; "
+                                 "programmatic dependent launch (early up to 16 rows, late above; "
                                  "LLMC_CUDA_PDL=0 turns it off)); "
                                  "qkv layers rotate q, k and write the KV cache in their epilogue "
                                  "(LLMC_ROPE_EPILOGUE=0 turns it off); o and down add to the residual stream in "
@@ -176,17 +177,17 @@ def test_the_int4_path_says_how_its_kernels_launch(monkeypatch):
     monkeypatch.delenv("LLMC_ROPE_EPILOGUE", raising=False)
     monkeypatch.delenv("LLMC_NORM_EPILOGUE", raising=False)
     assert "programmatic dependent launch (early up to 16 rows, late above;" in int4_cuda_path(None, 90)
-    assert "cached; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
+    assert "; plain launches); " in int4_cuda_path(None, 80)  # Ampere has no griddepcontrol
     assert "warpgroup (wgmma)" in int4_cuda_path(None, 90) and "wgmma" not in int4_cuda_path(None, 80)
     monkeypatch.setenv("LLMC_CUDA_PDL", "early")
     assert "programmatic dependent launch (early;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "late")
     assert "programmatic dependent launch (late;" in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "lates")  # a typo is named with the fix, not taken for a mode
-    assert ("cached; LLMC_CUDA_PDL='lates' is not a launch mode: set it to auto (the default), early, late or 0 "
+    assert ("; LLMC_CUDA_PDL='lates' is not a launch mode: set it to auto (the default), early, late or 0 "
             "(plain launches), or unset it); ") in int4_cuda_path(None, 90)
     monkeypatch.setenv("LLMC_CUDA_PDL", "0")
-    assert "cached; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
+    assert "; plain launches (LLMC_CUDA_PDL=0)); " in int4_cuda_path(None, 90)
     assert "KV cache in their epilogue (LLMC_ROPE_EPILOGUE=0 turns it off); " in int4_cuda_path(None, 90)
     assert int4_cuda_path(None, 90).endswith("finishes the norm, up to 8 rows (LLMC_NORM_EPILOGUE=0 turns it off)")
     monkeypatch.setenv("LLMC_ROPE_EPILOGUE", "0")
@@ -217,3 +218,26 @@ def test_doctor_says_how_the_steps_triton_kernels_launch(monkeypatch):
     a100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2)
     status, _ = backend_statuses((a100,), None, "missing", triton_version="3.6.0")
     assert "kernels in CUDA graphs; prompt chunks" in status.detail
+
+
+def test_the_int4_path_says_whether_the_cuda_library_is_built_or_what_its_first_use_compiles(tmp_path, monkeypatch):
+    """On a fresh machine the first int4 engine waits for nvcc: doctor says so (parts, jobs, where it goes), and
+    names the library once it is built for this GPU's architecture."""
+    from llmc.doctor import int4_cuda_path
+    from llmc.engine.torch import cuda_ext
+
+    nvcc = tmp_path / "cuda" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text('#!/bin/sh\necho "release 13.0"\n')
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(cuda_ext.JOBS_ENV, "3")
+    path = cuda_ext.library_path(str(nvcc), "90a", tmp_path / "cache" / "cuda")
+    assert (f"(not built yet: the first int4 engine compiles them with nvcc (8 parts, 3 at a time; about 2 minutes "
+            f"on 2 cores) into {path.parent}; ") in int4_cuda_path(None, 90)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"lib")
+    assert f"(built: {path}; programmatic dependent launch" in int4_cuda_path(None, 90)
+    assert "not built yet" in int4_cuda_path(None, 80)  # another architecture: another library
+    assert cuda_ext.library_path(str(nvcc), "80", path.parent).name.startswith("libllmc_cuda_80_")

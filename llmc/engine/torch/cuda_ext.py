@@ -73,9 +73,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLMC_CACHE_DIR") or Path.home() / ".cache" / "llmc") / "cuda"
 
 
+def arch_of(sm: int) -> str:
+    """The architecture the library is built for on a GPU of compute capability ``sm`` (e.g. 90 -> "90a": Hopper's
+    full instruction set)."""
+    return f"{sm}" + ("a" if sm // 10 == 9 else "")
+
+
 def _arch(device: torch.device | int | None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}" + ("a" if major == 9 else "")  # sm_90a: Hopper's full instruction set
+    return arch_of(10 * major + minor)
 
 
 PARTS = 8  # the source's parts, compiled in parallel (csrc_cuda/w4a16_mma.cu, "Parts")
@@ -99,11 +105,8 @@ def build(nvcc: str, arch: str, out_dir: Path) -> Path:
 
     The source compiles as :data:`PARTS` objects, :func:`build_jobs` nvcc processes at a time, then one link: about
     3.5 minutes of compiling in all (one 2.6 GHz core), so 2 minutes on two cores and about 30 s on eight."""
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
-    flags = ["-O3", "-std=c++17", gencode, "-Xcompiler", "-fPIC"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [f"parts {PARTS}", version]).encode()).hexdigest()
-    target = out_dir / f"libllmc_cuda_{arch}_{key[:16]}.so"
+    target = library_path(nvcc, arch, out_dir)
+    gencode, flags = _flags(arch)
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +128,33 @@ def build(nvcc: str, arch: str, out_dir: Path) -> Path:
                        *map(str, objects)]], 1)
             os.replace(partial, target)
     return target
+
+
+def _flags(arch: str) -> tuple[str, list[str]]:
+    gencode = f"-gencode=arch=compute_{arch},code=sm_{arch}"
+    return gencode, ["-O3", "-std=c++17", gencode, "-Xcompiler", "-fPIC"]
+
+
+def library_path(nvcc: str, arch: str, out_dir: Path) -> Path:
+    """Where :func:`build` puts (or found) the library for ``sm_{arch}``: named by a hash of the source, the flags,
+    the parts and nvcc's version (asked of ``nvcc --version``)."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    _, flags = _flags(arch)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + [f"parts {PARTS}", version]).encode()).hexdigest()
+    return out_dir / f"libllmc_cuda_{arch}_{key[:16]}.so"
+
+
+def build_state(sm: int) -> str:
+    """Whether the library for a GPU of compute capability ``sm`` is built here (its path) or what its first use
+    will compile (``llmc doctor``); nvcc must be found (:func:`static_why_not`)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return "nvcc was not found"
+    path = library_path(nvcc, arch_of(sm), cache_dir())
+    if path.exists():
+        return f"built: {path}"
+    return (f"not built yet: the first int4 engine compiles them with nvcc ({PARTS} parts, {build_jobs()} at a time; "
+            f"about 2 minutes on 2 cores) into {path.parent}")
 
 
 def _run_all(commands: list[list[str]], jobs: int) -> None:
