@@ -236,6 +236,9 @@ def test_the_int4_path_says_whether_the_cuda_library_is_built_or_what_its_first_
     path = cuda_ext.library_path(str(nvcc), "90a", tmp_path / "cache" / "cuda")
     assert (f"(not built yet: the first int4 engine compiles them with nvcc (8 parts, 3 at a time; about 2 minutes "
             f"on 2 cores) into {path.parent}; ") in int4_cuda_path(None, 90)
+    monkeypatch.setenv(cuda_ext.JOBS_ENV, "many")  # a typo is named with the fix (the build would fall back)
+    assert ("(8 parts, LLMC_CUDA_BUILD_JOBS='many' is not a number of processes: set it to a whole number >= 1; "
+            in int4_cuda_path(None, 90))
     path.parent.mkdir(parents=True)
     path.write_bytes(b"lib")
     assert f"(built: {path}; programmatic dependent launch" in int4_cuda_path(None, 90)

@@ -96,19 +96,19 @@ echo "w4a16_mma.cu(12): error: identifier undefined" >&2; exit 2
 
 
 def test_a_part_that_fails_stops_the_others(tmp_path, monkeypatch):
-    """Part 0 fails at once while the others would run for a minute: the build raises with part 0's error without
-    waiting for them, and no process is left running."""
+    """Part 3 fails after a second while parts 0-2, started before it, would run for a minute: the build raises with
+    part 3's error without waiting for them, and no process is left running."""
     nvcc = fake_nvcc(tmp_path, f"""if [ "$1" = --version ]; then echo "release 13.0"; exit 0; fi
-case "$*" in *-DLLMC_PART=0*) echo "part 0: error: bad" >&2; exit 1;; esac
+case "$*" in *-DLLMC_PART=3*) sleep 1; echo "part 3: error: bad" >&2; exit 1;; esac
 echo $$ >> {tmp_path}/pids; exec sleep 60
 """)
     monkeypatch.setenv(cuda_ext.JOBS_ENV, "4")
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="nvcc failed: part 0: error: bad"):
+    with pytest.raises(RuntimeError, match="nvcc failed: part 3: error: bad"):
         cuda_ext.build(str(nvcc), "90a", tmp_path / "cache")
     assert time.monotonic() - started < 30
     pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
-    assert len(pids) == 3  # parts 1-3 had started beside part 0
+    assert len(pids) == 3  # parts 0-2 had started beside part 3
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
