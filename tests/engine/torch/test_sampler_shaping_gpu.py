@@ -51,9 +51,10 @@ def test_masks_and_biases_on_cuda_equal_the_cpu_runners(tmp_path):
                 allowed_ids(s.request_id, step, vocab), vocab) if s.request_id != "c" and s.sample else None)
                 for s in plan.sequences)
             masked = dataclasses.replace(plan, sequences=seqs)
-            if late:
-                calls = []
-                out = runner.launch(plan, None, masks=lambda: calls.append(1) or masked).result()
+            if late:  # the step as the engine launches it: its params, masks to come
+                calls, unmasked = [], dataclasses.replace(masked, sequences=tuple(
+                    dataclasses.replace(s, token_mask=None) for s in seqs))
+                out = runner.launch(unmasked, None, masks=lambda: calls.append(1) or masked).result()
                 assert calls == [1]
             else:
                 out = runner.execute(masked)
