@@ -65,6 +65,11 @@ def _short(scheduled: SchedulerOutput, mixed_budget: int | None) -> bool:
     return decodes > 0 and scheduled.num_tokens <= max(mixed_budget, decodes)
 
 
+def _masked(scheduled: SchedulerOutput) -> bool:
+    """Whether a sequence of the step samples under an output format (it needs a mask)."""
+    return any(s.sample and s.params.structured is not None for s in scheduled.sequences)
+
+
 class StepCycle:
     """Runs engine steps: ``outputs`` (request id -> its output pipeline) and ``scheduler`` are the engine's, guarded
     by ``lock``; finished, aborted and failed requests leave both through :meth:`retire`."""
@@ -131,7 +136,7 @@ class StepCycle:
             with self._lock:
                 scheduled = self.scheduler.schedule()
             late: tuple = ()  # launch's late masks, where this step takes them
-            if inflight is not None and self._late_masks and scheduled.sequences and self._formats_running():
+            if inflight is not None and self._late_masks and _masked(scheduled):
                 planned = scheduled
 
                 def masks() -> SchedulerOutput:  # on the compute thread, the step's forward pass queued
@@ -180,11 +185,6 @@ class StepCycle:
             return any(r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
                        for r in self.scheduler.running)
 
-    def _formats_running(self) -> bool:
-        """Whether a running request samples under an output format."""
-        with self._lock:
-            return any(r.params.structured is not None for r in self.scheduler.running)
-
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
         (``SamplingParams.structured``), computed from its constraint, which has seen every earlier token (the
@@ -192,7 +192,7 @@ class StepCycle:
         outside the lock (only this thread advances a constraint), so adding and aborting requests never waits
         for them."""
         self._step_masks = (0, 0.0)
-        if not any(s.sample and s.params.structured is not None for s in scheduled.sequences):
+        if not _masked(scheduled):
             return scheduled
         seqs = list(scheduled.sequences)
         rows, constraints = [], []
