@@ -24,9 +24,10 @@
 # On CUDA, llmc's CUDA library is built first (its time logged; a failed build is a failed check).
 # A failing check (gpu tests, a greedy check, a bench, zero cache hits, decode steps) does not stop the later
 # steps, but the script then ends with "FAILED: ..." and exit status 1.
-# Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | tiny), DEVICE (cuda | cpu), ISL, ISL_DIST, OSL,
-#        LEVELS (e.g. 1,8,64), NUM_PROMPTS (per level, at least the concurrency; default 16: with as many
-#        requests as streams a level's TTFT depends on when its threads add them relative to the first steps),
+# Usage: scripts/gpu_acceptance.sh [OUT_DIR]; env: SHAPE (llama3.1-8b | qwen2.5-7b | qwen3-8b | tiny: the shapes of
+#        scripts/make_random_llama.py), DEVICE (cuda | cpu), ISL, ISL_DIST, OSL, LEVELS (e.g. 1,8,64), NUM_PROMPTS
+#        (per level, at least the concurrency; default 16: with as many requests as streams a level's TTFT
+#        depends on when its threads add them relative to the first steps),
 #        REPEAT (repetitions per level, default 2, interleaved; TGS is the median one's), TUNE, SKIP_GPU_TESTS,
 #        SKIP_GREEDY, FP32_TWIN (also the float32 greedy check: 32 GB more disk), SKIP_BENCH, SKIP_HF,
 #        SKIP_DECODE_STEPS, DECODE_MODES (graphs,eager), AWQ_BUILD, TOKENIZER_FROM (also the gpu tests' tiny

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a Hugging Face folder of a Llama-family model with random weights, for GPU benchmarks.
+"""Write a Hugging Face folder of a Llama-family (or Qwen2 / Qwen3) model with random weights, for GPU benchmarks.
 
 GPU speed does not depend on weight values, so a Llama-3.1-8B-shaped model with random bf16 weights
 measures what the real one would, without downloading 16 GB. The tokenizer is a word-level vocabulary
@@ -38,6 +38,19 @@ SHAPES = {
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     ),
+    # Qwen2.5-7B-Instruct's and Qwen3-8B's config.json (q, k, v biases; per-head q, k norms).
+    "qwen2.5-7b": dict(
+        family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "qwen3-8b": dict(
+        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "tiny": dict(
         vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -45,6 +58,9 @@ SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }
+
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
 
 
 def word_level_tokenizer(vocab_size: int, eos_id: int):
@@ -92,25 +108,31 @@ def main() -> None:
     parser.add_argument("--tokenizer-from", type=Path, default=None, metavar="HF_DIR",
                         help="copy this Hugging Face folder's tokenizer and chat template instead of writing the "
                              "word-level one (its ids must fit the shape's vocabulary)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default=None,
+                        help="the architecture (default: the shape's, llama unless named): e.g. qwen2 with the "
+                             "llama3.1-8b shape measures what Qwen2's q, k, v biases cost at the same sizes")
     parser.add_argument("--lm-head-scale", type=float, default=5.0,
                         help="multiply lm_head's random init so greedy decoding has clear winners (fewer bf16 ties)")
     args = parser.parse_args()
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype)
     shape = dict(SHAPES[args.shape])
+    family = args.family or shape.pop("family", "llama")
+    shape.pop("family", None)
+    config_class, model_class = (getattr(transformers, name) for name in FAMILIES[family])
     if args.layers is not None:
         if args.layers < 1:
             parser.error(f"--layers must be >= 1, got {args.layers}")
         shape["num_hidden_layers"] = args.layers
-    config = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_act="silu", **shape)
+    config = config_class(architectures=[FAMILIES[family][1]], hidden_act="silu", **shape)
     if args.tokenizer_from is not None:  # checked before minutes of writing weights
         copied = tokenizer_files(args.tokenizer_from, config.vocab_size)
     torch.manual_seed(args.seed)
     with torch.device(args.device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = model_class(config).to(dtype)
     with torch.no_grad():
         model.lm_head.weight.mul_(args.lm_head_scale)
     args.out.mkdir(parents=True, exist_ok=True)

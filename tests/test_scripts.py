@@ -175,6 +175,27 @@ def test_make_random_llama_writes_the_shape_with_the_layers_asked_for(tmp_path):
     assert bad.returncode != 0 and "--layers must be >= 1" in bad.stderr and not (tmp_path / "n").exists()
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_make_random_llama_writes_qwen_models(family, tmp_path):
+    """--family: the shape's sizes as Qwen2 (q, k, v biases) or Qwen3 (q, k head norms), which llmc then builds as
+    TensorRT-LLM's Qwen checkpoint (the qwen2.5-7b and qwen3-8b shapes are the released models' sizes)."""
+    from safetensors import safe_open
+
+    from llmc.checkpoint.config import trtllm_config_from_hf
+
+    script = str(ROOT / "scripts" / "make_random_llama.py")
+    done = subprocess.run([sys.executable, script, "--shape", "tiny", "--family", family, "--out",
+                           str(tmp_path / "m"), "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == family and config["hidden_size"] == 128
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert ("model.layers.0.self_attn.q_proj.bias" in keys) is (family == "qwen2")
+    assert ("model.layers.0.self_attn.q_norm.weight" in keys) is (family == "qwen3")
+    assert trtllm_config_from_hf(config, "bfloat16")["qwen_type"] == family
+
+
 def test_make_random_llama_takes_a_real_tokenizer_that_fits_the_shape(tmp_path, smollm2_tokenizer_dir):
     """--tokenizer-from: SmolLM2's tokenizer and chat template beside random weights of its shape (what structured
     outputs need on the GPU box); a tokenizer larger than the shape's vocabulary is refused before any weight is

@@ -182,6 +182,7 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
         "created_at": manifest.created_at,
         "tools": manifest.tools,
         "timings": manifest.timings,
+        "architecture": ir_cfg.get("architecture"),
         "model": shape,
         "weights": {"bytes_by_dtype": by_dtype, "total_bytes": sum(by_dtype.values()),
                     "on_device_bytes": device_weight_bytes(ckpt, bool(ir_cfg.get("tie_word_embeddings")))},
@@ -204,7 +205,7 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
                   f"built {info['created_at']}")
     src = info["source"]
     console.print(f"source: {src.get('kind')} {src.get('origin')} (sha256 {str(src.get('sha256'))[:16]}…)")
-    console.print("model: " + ", ".join(f"{k} {v}" for k, v in info["model"].items()))
+    console.print(f"model: {info['architecture']}, " + ", ".join(f"{k} {v}" for k, v in info["model"].items()))
     weights = info["weights"]
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(weights["bytes_by_dtype"].items()))
     console.print(f"weights: {human_bytes(weights['total_bytes'])} ({parts}); held on a CUDA GPU by the torch "

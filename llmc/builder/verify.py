@@ -6,15 +6,15 @@ recipes' calibration domain), English prose, Python code, multi-turn chat (rende
 template) and Chinese -- each disjoint from every calibration source. Per domain, ``n_tokens`` of text (rounded up
 to windows of GATE_WINDOW tokens; fewer when the text is shorter with this tokenizer) are scored.
 
-Three weight sets run through the same Hugging Face ``LlamaForCausalLM``: the 16-bit model from
-``source.hf_dir``; the int4 model built by dequantizing the written W4A16_AWQ IR (``dequantize_w4a16``) back
-into HF tensors -- AWQ-folded norms and the IR's 16-bit embedding included -- so the gate scores exactly the
-weights that ship; and its round-to-nearest twin (``gate.rtn_baseline``): the 16-bit weights rounded per group
-exactly as ``method: rtn`` stores them (library scales absmax / 7.5 in the IR dtype; other tensors in the IR
-dtype), computed in memory in seconds. Metrics per domain and model: perplexity, per-position KL(p16 || pq)
-mean / p99 / max, top-1 agreement; and the build / RTN ratios of KL and perplexity. Chat check: for CHAT_PROMPTS
-held-out prompts in the chat template, greedy decoding must end the turn with an end token within
-2 x CHAT_BUDGET tokens for the int4 model wherever the 16-bit model ends it within CHAT_BUDGET.
+Three weight sets run through the same Hugging Face model class (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...):
+the 16-bit model from ``source.hf_dir``; the int4 model built by dequantizing the written W4A16_AWQ IR
+(``dequantize_w4a16``) back into HF tensors -- AWQ-folded norms, the IR's 16-bit embedding and biases included -- so
+the gate scores exactly the weights that ship; and its round-to-nearest twin (``gate.rtn_baseline``): the 16-bit
+weights rounded per group exactly as ``method: rtn`` stores them (library scales absmax / 7.5 in the IR dtype; other
+tensors in the IR dtype), computed in memory in seconds. Metrics per domain and model: perplexity, per-position
+KL(p16 || pq) mean / p99 / max, top-1 agreement; and the build / RTN ratios of KL and perplexity. Chat check: for
+CHAT_PROMPTS held-out prompts in the chat template, greedy decoding must end the turn with an end token within 2 x
+CHAT_BUDGET tokens for the int4 model wherever the 16-bit model ends it within CHAT_BUDGET.
 
 Device (``quantization.device``): on the CPU everything computes in float32, as before. On CUDA the models
 compute in the IR dtype (what the engine runs there) and one model is on the GPU at a time: the weight sets

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmc.errors import CheckpointError, SourceError
-from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
+from llmc.recipe.checks import (
+    QK_NORM_TYPES, QWEN_TYPES, SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture, model_family,
+)
 
 IR_DTYPES = ("float16", "bfloat16", "float32")
 W4A16_AWQ = "W4A16_AWQ"
@@ -22,13 +24,21 @@ CONFIG_KEYS = (
     "norm_epsilon", "position_embedding_type", "rotary_base", "rotary_scaling", "max_position_embeddings",
     "tie_word_embeddings", "mlp_bias", "attn_bias", "mapping", "quantization",
 )  # fmt: skip
+# Written for Qwen models only (TensorRT-LLM's QWenForCausalLM reads them; tensorrt_llm/models/qwen/config.py).
+QWEN_KEYS = ("qwen_type", "seq_length")
+QWEN_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 W4A16_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "has_zero_point", "pre_quant_scale", "exclude_modules")
 
 
 def trtllm_config_from_hf(
     hf_config: dict[str, Any], dtype: str, tp_size: int = 1, quantization: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The IR ``config.json`` dict for a HF Llama config (transformers 4 or 5 field layout).
+    """The IR ``config.json`` dict for a HF Llama-family config (transformers 4 or 5 field layout).
+
+    Llama and Mistral are written as ``LlamaForCausalLM``; Qwen2 and Qwen3 as TensorRT-LLM writes them
+    (``QWenConfig.from_hugging_face``): their HF architecture, ``qwen_type``, ``seq_length`` (HF's, else 8192),
+    ``attn_bias`` true for Qwen2 (q, k and v have biases; the output projection none) and false for Qwen3.
 
     ``quantization`` is None (16-bit) or a dict with ``quant_algo`` ("W4A16_AWQ" or None), ``group_size``
     (for W4A16_AWQ) and optionally ``kv_cache_quant_algo`` ("FP8" or None); it is normalized into the exact
@@ -40,8 +50,9 @@ def trtllm_config_from_hf(
     heads = _require(hf_config, "num_attention_heads")
     hidden = _require(hf_config, "hidden_size")
     rotary_base, rotary_scaling = _rope(hf_config)
+    family = model_family(hf_config)
     config = {
-        "architecture": "LlamaForCausalLM",
+        "architecture": QWEN_ARCHITECTURES.get(family, LLAMA_ARCHITECTURE),
         "dtype": dtype,
         "logits_dtype": "float32",
         "vocab_size": _require(hf_config, "vocab_size"),
@@ -59,10 +70,12 @@ def trtllm_config_from_hf(
         "max_position_embeddings": _require(hf_config, "max_position_embeddings"),
         "tie_word_embeddings": bool(hf_config.get("tie_word_embeddings", False)),
         "mlp_bias": bool(hf_config.get("mlp_bias", False)),
-        "attn_bias": bool(hf_config.get("attention_bias", False)),
+        "attn_bias": family == "qwen2" or bool(hf_config.get("attention_bias", False)),
         "mapping": {"world_size": tp_size, "tp_size": tp_size, "pp_size": 1},
         "quantization": quantization_block(quantization),
     }
+    if family in QWEN_TYPES:
+        config.update(qwen_type=family, seq_length=int(hf_config.get("seq_length") or 8192))
     ModelShape.from_config(config)  # validates tp_size against the head counts
     return config
 
@@ -151,6 +164,8 @@ class ModelShape:
     rotary_base: float = 10000.0
     rotary_scaling: dict[str, Any] | None = None  # HF-style: rope_type / type, factor, ...
     max_position_embeddings: int = 0
+    architecture: str = LLAMA_ARCHITECTURE
+    qwen_type: str | None = None  # "qwen2" | "qwen3" for the Qwen architectures
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -179,6 +194,8 @@ class ModelShape:
                 rotary_base=float(config.get("rotary_base") or 10000.0),
                 rotary_scaling=config.get("rotary_scaling"),
                 max_position_embeddings=int(config["max_position_embeddings"]),
+                architecture=str(config.get("architecture") or LLAMA_ARCHITECTURE),
+                qwen_type=config.get("qwen_type"),
             )
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise CheckpointError(f"checkpoint config is missing or has a bad field: {exc!r}. Fix: re-export the "
@@ -188,6 +205,15 @@ class ModelShape:
 
     def _validate(self, mapping: dict[str, Any]) -> None:
         tp = self.tp_size
+        expected_arch = QWEN_ARCHITECTURES.get(self.qwen_type or "", LLAMA_ARCHITECTURE)
+        if self.qwen_type is not None and self.qwen_type not in QWEN_TYPES:
+            raise CheckpointError(f"checkpoint qwen_type {self.qwen_type!r} is not one of {', '.join(QWEN_TYPES)}")
+        qwen = self.qwen_type is not None or self.architecture in QWEN_ARCHITECTURES.values()
+        if qwen and self.architecture != expected_arch:
+            pairs = ", ".join(f"{arch}: {kind}" for kind, arch in QWEN_ARCHITECTURES.items())
+            raise CheckpointError(f"checkpoint architecture {self.architecture} does not match qwen_type "
+                                  f"{self.qwen_type!r} ({pairs}). Fix: re-export the checkpoint with "
+                                  f"`llmc build --force`")
         if self.dtype not in IR_DTYPES:
             raise CheckpointError(f"checkpoint dtype {self.dtype!r} is not one of {', '.join(IR_DTYPES)}")
         if mapping.get("pp_size", 1) != 1 or mapping.get("world_size", tp) != tp:
@@ -219,6 +245,22 @@ class ModelShape:
                     f"group_size {g} does not divide the {in_features} input features per rank of {module} "
                     f"(tp_size {self.tp_size}); choose a group size that divides them (e.g. 32 or 64)"
                 )
+
+    @property
+    def qk_norm(self) -> bool:
+        """True when each query and key head is RMS-normed before RoPE (Qwen3: ``attention.q_layernorm`` and
+        ``attention.k_layernorm``, one ``[head_size]`` weight each, shared by the heads)."""
+        return self.qwen_type in QK_NORM_TYPES
+
+    def has_bias(self, spec_trt: str) -> bool:
+        """Whether the decoder linear ``spec_trt`` (``attention.qkv`` ...) has a bias: ``attn_bias`` for qkv and,
+        except in Qwen models (TensorRT-LLM builds their output projection with ``dense_bias=False``), for dense;
+        ``mlp_bias`` for fc, gate and proj."""
+        if spec_trt == "attention.qkv":
+            return self.attn_bias
+        if spec_trt == "attention.dense":
+            return self.attn_bias and self.qwen_type is None
+        return self.mlp_bias
 
     @property
     def is_w4a16(self) -> bool:

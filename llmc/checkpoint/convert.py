@@ -69,6 +69,8 @@ def hf_to_trtllm(
             out[names.trt_layer(layer, trt_norm)] = take(names.hf_layer(layer, hf_norm))
         for spec in names.LINEARS:
             out.update(_convert_linear(shape, layer, spec, take, quantized, used))
+        for trt_norm, hf_norm in names.QK_NORMS.items() if shape.qk_norm else ():
+            out[names.trt_layer(layer, trt_norm)] = take(names.hf_layer(layer, hf_norm))
         if shape.kv_cache_quant_algo == "FP8":
             # No KV calibration: scale 1.0 stores K/V as-is in FP8 (|values| up to 448 are representable).
             out[names.trt_layer(layer, "attention", names.KV_CACHE_SCALING_FACTOR)] = torch.ones(1)
@@ -93,19 +95,27 @@ def trtllm_to_hf(weights: Mapping[str, torch.Tensor], hf_config: dict[str, Any])
     rows = {"self_attn.q_proj": heads * head_dim, "self_attn.k_proj": kv_heads * head_dim,
             "self_attn.v_proj": kv_heads * head_dim, "mlp.gate_proj": inter, "mlp.up_proj": inter}
     for layer in range(hf_config["num_hidden_layers"]):
-        for trt_norm, hf_norm in names.LAYER_NORMS.items():
-            out[names.hf_layer(layer, hf_norm)] = weights[names.trt_layer(layer, trt_norm)]
+        for trt_norm, hf_norm in (*names.LAYER_NORMS.items(), *names.QK_NORMS.items()):
+            if names.trt_layer(layer, trt_norm) in weights:  # the q / k norms: Qwen3 only
+                out[names.hf_layer(layer, hf_norm)] = weights[names.trt_layer(layer, trt_norm)]
         for spec in names.LINEARS:
-            w = weights[names.trt_layer(layer, spec.trt)]  # [O (padded), K (padded)]
-            if spec is names.PROJ:
-                w = w[:, :inter]
-            if len(spec.hf) > 1:  # qkv: q, k, v rows stacked in that order
-                parts = torch.split(w, [rows[m] for m in spec.hf], dim=0)
-            else:  # fc / gate rows may be padded for the groupwise kernels; dense / proj have no row padding
-                parts = (w[: rows.get(spec.hf[0], w.shape[0])],)
-            for module, part in zip(spec.hf, parts):
-                out[names.hf_layer(layer, module)] = part.contiguous()
+            for suffix in (names.WEIGHT, names.BIAS):
+                if suffix == names.WEIGHT or names.trt_layer(layer, spec.trt, suffix) in weights:
+                    out.update(_linear_to_hf(weights[names.trt_layer(layer, spec.trt, suffix)], layer, spec,
+                                             suffix, rows, inter))
     return out
+
+
+def _linear_to_hf(t: torch.Tensor, layer: int, spec: names.LinearSpec, suffix: str, rows: dict[str, int],
+                  inter: int) -> dict[str, torch.Tensor]:
+    """The HF tensors of one IR linear's weight ``[O (padded), K (padded)]`` or bias ``[O]``."""
+    if spec is names.PROJ and suffix == names.WEIGHT:
+        t = t[:, :inter]
+    if len(spec.hf) > 1:  # qkv: q, k, v rows stacked in that order
+        parts = torch.split(t, [rows[m] for m in spec.hf], dim=0)
+    else:  # fc / gate rows may be padded for the groupwise kernels; dense / proj have no row padding
+        parts = (t[: rows.get(spec.hf[0], t.shape[0])],)
+    return {names.hf_layer(layer, module, suffix): part.contiguous() for module, part in zip(spec.hf, parts)}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,7 +154,7 @@ def _convert_linear(
                 f"{prefix} built from {spec.hf} has shape {tuple(weight.shape)}, expected {(out_f, in_f)}"
             )
         result[f"{prefix}.weight"] = weight
-    if getattr(shape, spec.bias_flag):
+    if shape.has_bias(spec.trt):
         result[f"{prefix}.bias"] = torch.cat([take(names.hf_layer(layer, m, "bias")) for m in spec.hf], dim=0)
     return result
 

@@ -56,6 +56,8 @@ def expected_tensor_specs(config: dict[str, Any], rank: int) -> dict[str, Tensor
             specs[names.trt_layer(layer, norm)] = TensorSpec((hidden,), dtype)
         for spec in names.LINEARS:
             specs.update(_linear_specs(shape, layer, spec, dtype))
+        for norm in names.QK_NORMS if shape.qk_norm else ():
+            specs[names.trt_layer(layer, norm)] = TensorSpec((shape.head_size,), dtype)
         if shape.kv_cache_quant_algo == "FP8":
             specs[names.trt_layer(layer, "attention", names.KV_CACHE_SCALING_FACTOR)] = TensorSpec((1,), torch.float32)
     return specs
@@ -79,7 +81,7 @@ def _linear_specs(shape: ModelShape, layer: int, spec: names.LinearSpec, dtype: 
         result[f"{prefix}.{names.PREQUANT_SCALING_FACTOR}"] = TensorSpec((in_f,), dtype)
     else:
         result[f"{prefix}.weight"] = TensorSpec((out_f, in_f), dtype)
-    if getattr(shape, spec.bias_flag):
+    if shape.has_bias(spec.trt):
         # Row-parallel biases are added after the all-reduce, so each rank holds the whole [O].
         result[f"{prefix}.bias"] = TensorSpec((out_f,), dtype)
     return result

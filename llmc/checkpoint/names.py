@@ -10,11 +10,15 @@ TensorRT-LLM checkpoint names (per rank, see shared/reference/tensorrt-llm.md):
     transformer.layers.N.mlp.fc.weight                 <- mlp.gate_proj (the branch that goes through SiLU)
     transformer.layers.N.mlp.gate.weight               <- mlp.up_proj
     transformer.layers.N.mlp.proj.weight               <- mlp.down_proj
+    transformer.layers.N.attention.q_layernorm.weight  <- self_attn.q_norm (Qwen3: RMSNorm of each query head)
+    transformer.layers.N.attention.k_layernorm.weight  <- self_attn.k_norm (Qwen3: RMSNorm of each key head)
     transformer.ln_f.weight                            <- model.norm.weight
     lm_head.weight                                     <- lm_head.weight (the embedding when tied)
 
 Linear modules are column-parallel (qkv, fc, gate: the output dim is split) or row-parallel (dense, proj: the
 input dim is split). The same five are the quantizable ones; lm_head stays 16-bit (``exclude_modules``).
+Biases (``.bias``, 16-bit beside a W4A16 triple) follow ``ModelShape.has_bias``: Qwen2's q, k and v.
+Qwen2 and Qwen3 use these names too (TensorRT-LLM's ``tensorrt_llm/models/qwen/convert.py``).
 """
 
 from __future__ import annotations
@@ -48,14 +52,13 @@ class LinearSpec:
     trt: str  # module path inside ``transformer.layers.N``, e.g. "attention.qkv"
     hf: tuple[str, ...]  # module paths inside ``model.layers.N``, stacked along the output dim in this order
     parallel: Parallel
-    bias_flag: str  # the IR config field that says whether this module has a bias
 
 
-QKV = LinearSpec("attention.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "column", "attn_bias")
-DENSE = LinearSpec("attention.dense", ("self_attn.o_proj",), "row", "attn_bias")
-FC = LinearSpec("mlp.fc", ("mlp.gate_proj",), "column", "mlp_bias")
-GATE = LinearSpec("mlp.gate", ("mlp.up_proj",), "column", "mlp_bias")
-PROJ = LinearSpec("mlp.proj", ("mlp.down_proj",), "row", "mlp_bias")
+QKV = LinearSpec("attention.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "column")
+DENSE = LinearSpec("attention.dense", ("self_attn.o_proj",), "row")
+FC = LinearSpec("mlp.fc", ("mlp.gate_proj",), "column")
+GATE = LinearSpec("mlp.gate", ("mlp.up_proj",), "column")
+PROJ = LinearSpec("mlp.proj", ("mlp.down_proj",), "row")
 
 LINEARS: tuple[LinearSpec, ...] = (QKV, DENSE, FC, GATE, PROJ)
 QUANTIZABLE: tuple[str, ...] = tuple(spec.trt for spec in LINEARS)
@@ -65,6 +68,12 @@ LINEAR_BY_TRT: dict[str, LinearSpec] = {spec.trt: spec for spec in LINEARS}
 LAYER_NORMS: dict[str, str] = {
     "input_layernorm": "input_layernorm",
     "post_layernorm": "post_attention_layernorm",
+}
+
+# Qwen3's per-head norms (``[head_size]``, every rank holds them whole): TensorRT-LLM module -> HF module.
+QK_NORMS: dict[str, str] = {
+    "attention.q_layernorm": "self_attn.q_norm",
+    "attention.k_layernorm": "self_attn.k_norm",
 }
 
 # HF tensors that carry no weights of their own (recomputed buffers) and are ignored on conversion.

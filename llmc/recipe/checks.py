@@ -13,8 +13,12 @@ from typing import Any, get_args, get_type_hints
 from llmc.errors import RecipeError
 from llmc.recipe.schema import QuantSpec, Recipe
 
-# Architectures whose layout is exactly Llama's (RMSNorm, RoPE, GQA, SiLU-gated MLP) -> their model_type.
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# Architectures whose layout is Llama's (RMSNorm, RoPE, GQA, SiLU-gated MLP) -> their model_type. Qwen2 adds a bias
+# to q, k and v; Qwen3 an RMSNorm over each query and key head before RoPE (QK_NORM_TYPES).
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+QWEN_TYPES = ("qwen2", "qwen3")  # TensorRT-LLM's ``qwen_type`` of the Qwen architectures llmc converts
+QK_NORM_TYPES = ("qwen3",)
 GROUP_SIZES: tuple[int, ...] = get_args(get_type_hints(QuantSpec)["group_size"])
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
@@ -61,6 +65,22 @@ def is_supported_architecture(cfg: dict[str, Any]) -> bool:
     return cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values()
 
 
+def model_family(cfg: dict[str, Any]) -> str:
+    """``llama`` (Llama, Mistral: the same layout), ``qwen2`` or ``qwen3`` for a supported HF config."""
+    archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
+    model_type = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                      cfg.get("model_type"))
+    return model_type if model_type in QWEN_TYPES else "llama"
+
+
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window a HF config applies, None for full attention. Qwen2 configs name a window even when
+    ``use_sliding_window`` is false (transformers then ignores it, as TensorRT-LLM does)."""
+    if cfg.get("use_sliding_window") is False or cfg.get("sliding_window") is None:
+        return None
+    return int(cfg["sliding_window"])
+
+
 def architecture_name(cfg: dict[str, Any]) -> str:
     """How error messages name a config's architecture: its ``architectures``, else its ``model_type``."""
     archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
@@ -71,12 +91,16 @@ def _check_architecture(recipe: Recipe, cfg: dict[str, Any]) -> None:
     if not is_supported_architecture(cfg):
         raise _error(recipe, "model.source", f"unsupported architecture {architecture_name(cfg)}",
                      f"llmc compiles Llama-family decoders ({', '.join(sorted(SUPPORTED_ARCHITECTURES))}); point "
-                     f"model.source at one (e.g. SmolLM2, Llama 3)")
+                     f"model.source at one (e.g. SmolLM2, Llama 3, Qwen2.5, Qwen3)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _error(recipe, "model.source", f"unsupported activation {cfg.get('hidden_act')!r} (Llama uses silu)",
                      "use a Llama-family model with a SiLU-gated MLP")
-    window = cfg.get("sliding_window")
-    if window is not None and int(window) < recipe.engine.max_seq_len:
+    if model_family(cfg) == "qwen3" and cfg.get("attention_bias"):
+        raise _error(recipe, "model.source", "the Qwen3 model has attention biases (attention_bias: true), which "
+                     "TensorRT-LLM's Qwen3 layers do not hold (no bias on the output projection)",
+                     "use a Qwen3 checkpoint without attention biases (every released Qwen3 model)")
+    window = sliding_window(cfg)
+    if window is not None and window < recipe.engine.max_seq_len:
         raise _error(recipe, "model.source",
                      f"the model uses sliding-window attention (window {window}), which llmc does not implement",
                      f"lower engine.max_seq_len to {window} or less, or use a model with full attention")

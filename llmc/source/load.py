@@ -25,7 +25,9 @@ from safetensors.torch import load_file, save_file
 
 from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError, SourceError
-from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture
+from llmc.recipe.checks import (
+    QK_NORM_TYPES, SUPPORTED_ARCHITECTURES, architecture_name, is_supported_architecture, model_family,
+)
 from llmc.source import sources
 from llmc.source.eos import EosResolution, reconcile_eos, read_generation_eos
 from llmc.tokenizer import load_tokenizer
@@ -186,8 +188,8 @@ def check_architecture(config: dict[str, Any], where: Path) -> None:
     if not is_supported_architecture(config):
         raise SourceError(
             f"model source {where}: architecture {architecture_name(config)} is not supported; llmc builds Llama-family decoders "
-            f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Fix: use a Llama-architecture model "
-            f"(e.g. SmolLM2, Llama 3, TinyLlama)"
+            f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Fix: use a model of one of those architectures "
+            f"(e.g. SmolLM2, Llama 3, Qwen2.5, Qwen3)"
         )
 
 
@@ -212,13 +214,19 @@ def safetensors_files(hf_dir: Path) -> list[Path]:
 
 
 def expected_tensor_names(config: dict[str, Any]) -> list[str]:
-    """The HF tensor names a Llama checkpoint with this config must contain."""
+    """The HF tensor names a Llama-family checkpoint with this config must contain (Qwen2: q, k, v biases; Qwen3:
+    the q and k head norms)."""
+    family = model_family(config)
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
         names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if family == "qwen2":
+            names += [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+        if family in QK_NORM_TYPES:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     if not config.get("tie_word_embeddings", False):
         names.append("lm_head.weight")
     return names
@@ -309,11 +317,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # Heavy: transformers' model classes pull in much of transformers (and Triton where it is installed).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sources.read_gguf_config(gguf_path)  # architecture check before the slow part
+    from transformers import AutoConfig
+
+    metadata = sources.read_gguf_config(gguf_path)  # architecture check before the slow part
     folder, name = str(gguf_path.parent), gguf_path.name
     log.info("converting %s to a Hugging Face folder (once; cached in %s)", gguf_path, out_dir.parent)
     with gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        if "head_dim" in metadata:  # transformers reads no head size for Qwen3 GGUFs (attention.key_length)
+            hf_config.head_dim = metadata["head_dim"]
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=hf_config, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     out_dir.mkdir(parents=True)
     tied = bool(model.config.tie_word_embeddings)
@@ -321,7 +334,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = model.config.to_dict()
     config.pop("quantization_config", None)
-    config["architectures"] = config.get("architectures") or ["LlamaForCausalLM"]
+    config["architectures"] = config.get("architectures") or [type(model).__name__]  # GGUF configs name none
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(out_dir))

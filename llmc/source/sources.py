@@ -28,6 +28,8 @@ GGUF_MAGIC = b"GGUF"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # GGUF metadata key (after the "<arch>." prefix) -> HF config field.
+# GGUF ``general.architecture`` -> the HF architecture its conversion (transformers' GGUF loader) gives.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _GGUF_TO_HF = {
     "embedding_length": "hidden_size",
     "feed_forward_length": "intermediate_size",
@@ -257,23 +259,26 @@ def _parse_gguf_header(buf: Any) -> tuple[dict[str, Any], list[str], int]:
 
 
 def read_gguf_config(path: Path) -> dict[str, Any]:
-    """An HF-style config dict from a GGUF file's metadata (llama.* keys mapped to HF names)."""
+    """An HF-style config dict from a GGUF file's metadata (``<arch>.*`` keys mapped to HF names) for the GGUF
+    architectures llmc converts (GGUF_ARCHITECTURES)."""
     kv, tensor_names = read_gguf_metadata(path)
     arch = kv.get("general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise SourceError(
             f"{path}: GGUF architecture {arch!r} is not supported. Fix: use a Llama-family model "
-            f"(general.architecture = llama)"
+            f"(general.architecture = {', '.join(GGUF_ARCHITECTURES)})"
         )
-    cfg: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    cfg: dict[str, Any] = {"architectures": [GGUF_ARCHITECTURES[arch]], "model_type": arch}
     for key, hf_key in _GGUF_TO_HF.items():
-        if f"llama.{key}" in kv:
-            cfg[hf_key] = kv[f"llama.{key}"]
+        if f"{arch}.{key}" in kv:
+            cfg[hf_key] = kv[f"{arch}.{key}"]
     if "vocab_size" not in cfg and isinstance(kv.get("tokenizer.ggml.tokens"), GGUFArray):
         cfg["vocab_size"] = kv["tokenizer.ggml.tokens"].length
     cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))
-    if "llama.rope.dimension_count" in kv:
-        cfg["head_dim"] = kv["llama.rope.dimension_count"]
+    if f"{arch}.attention.key_length" in kv:  # llama.cpp writes it where head_dim != hidden / heads (Qwen3)
+        cfg["head_dim"] = kv[f"{arch}.attention.key_length"]
+    elif f"{arch}.rope.dimension_count" in kv:
+        cfg["head_dim"] = kv[f"{arch}.rope.dimension_count"]
     elif "hidden_size" in cfg and "num_attention_heads" in cfg:
         cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names

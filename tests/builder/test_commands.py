@@ -53,13 +53,14 @@ def test_inspect_json_kv_plan_and_weight_bytes(built_dir, tiny_hf_dir):
             numel += f.get_tensor(name).numel()
     assert info["weights"]["bytes_by_dtype"] == {"F32": numel * 4}
     assert info["eos_token_ids"] == [2] and info["quantization"]["recipe"]["method"] == "none"
+    assert info["architecture"] == "LlamaForCausalLM"  # the IR's (a Qwen2 build: Qwen2ForCausalLM)
 
 
 def test_inspect_human_output(built_dir):
     _, out = built_dir
     result = CliRunner().invoke(inspect_cmd, [str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("tiny", "layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]", "quantization: none"):
+    for text in ("tiny", "model: LlamaForCausalLM, layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]", "quantization: none"):
         assert text in result.stdout, text
 
 

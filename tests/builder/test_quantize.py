@@ -326,26 +326,30 @@ def test_awq_gptq_and_gate_run_on_cuda(tiny_hf_dir, source, tmp_path):
     assert gate["mean"]["int4"]["kl_mean"] < gate["mean"]["rtn"]["kl_mean"]
 
 
-def test_calibration_attention_is_fused_and_restored(tiny_hf_dir):
-    """Inside llm-compressor's run, Llama's eager attention (which the library forces) computes through one SDPA
-    call on the same additive mask: the logits match transformers' own eager function, which comes back after."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_calibration_attention_is_fused_and_restored(family, tiny_hf_dir, tmp_path):
+    """Inside llm-compressor's run, Llama's (Qwen2's, Qwen3's) eager attention (which the library forces) computes
+    through one SDPA call on the same additive mask: the logits match transformers' own eager function, which comes
+    back after."""
     import contextlib
-
-    from transformers.models.llama import modeling_llama
+    import importlib
 
     from llmc.builder import llmcompressor_patches
+    from tests import factories
 
-    model = load_float32_model(tiny_hf_dir)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    hf_dir = tiny_hf_dir if family == "llama" else factories.make_tiny_qwen(tmp_path / "hf", tiny_hf_dir, family=family)
+    model = load_float32_model(hf_dir)
     model.config._attn_implementation = "eager"
     ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
-    original = modeling_llama.eager_attention_forward
+    original = module.eager_attention_forward
     with torch.no_grad():
         eager = model(input_ids=ids).logits
         with contextlib.ExitStack() as stack:
             llmcompressor_patches.fused_calibration_attention(stack)
-            assert modeling_llama.eager_attention_forward is llmcompressor_patches.sdpa_attention_forward
+            assert module.eager_attention_forward is llmcompressor_patches.sdpa_attention_forward
             fused = model(input_ids=ids).logits
-        assert modeling_llama.eager_attention_forward is original
+        assert module.eager_attention_forward is original
     assert torch.allclose(fused, eager, atol=1e-5, rtol=1e-5) and not torch.equal(fused, torch.zeros_like(fused))
 
 

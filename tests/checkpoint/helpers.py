@@ -23,6 +23,22 @@ LLAMA3_8B_HF = {
 }  # fmt: skip
 
 
+# Qwen2.5-7B-Instruct's and Qwen3-8B's published configs (the fields llmc reads).
+QWEN25_7B_HF = {
+    "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28, "tie_word_embeddings": False,
+}  # fmt: skip
+QWEN3_8B_HF = {
+    "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "attention_bias": False, "sliding_window": None, "use_sliding_window": False,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
 def tiny_hf(**overrides) -> dict:
     """A tiny Llama HF config: hidden 64, 4 heads of 16, 2 kv heads, intermediate 128, 2 layers."""
     cfg = {
@@ -33,6 +49,13 @@ def tiny_hf(**overrides) -> dict:
     }  # fmt: skip
     cfg.update(overrides)
     return cfg
+
+
+QWEN_TINY = {  # tiny Qwen2 / Qwen3 configs (Qwen3: head_dim 32, so nh * hd != hidden)
+    "qwen2": {**tiny_hf(), "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": False,
+              "sliding_window": 32},
+    "qwen3": {**tiny_hf(), "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
+}
 
 
 def hf_state_dict(hf: dict, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
@@ -57,6 +80,10 @@ def hf_state_dict(hf: dict, device: str = "cpu", seed: int = 0) -> dict[str, tor
                p + "self_attn.v_proj.weight": t(kv * hd, h), p + "self_attn.o_proj.weight": t(h, heads * hd),
                p + "mlp.gate_proj.weight": t(inter, h), p + "mlp.up_proj.weight": t(inter, h),
                p + "mlp.down_proj.weight": t(h, inter)}  # fmt: skip
+        if hf.get("model_type") == "qwen2":  # q, k and v biases, none on o
+            sd |= {p + f"self_attn.{m}_proj.bias": t(n) for m, n in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))}
+        if hf.get("model_type") == "qwen3":  # one RMSNorm weight per head size for the query heads, one for the keys
+            sd |= {p + "self_attn.q_norm.weight": t(hd), p + "self_attn.k_norm.weight": t(hd)}
         if hf.get("attention_bias"):
             sd |= {p + f"self_attn.{m}_proj.bias": t(n) for m, n in
                    (("q", heads * hd), ("k", kv * hd), ("v", kv * hd), ("o", h))}  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 from llmc.checkpoint.config import ModelShape, trtllm_config_from_hf, with_tp_size
 from llmc.errors import CheckpointError, SourceError
 from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
-from tests.checkpoint.helpers import LLAMA3_8B_HF, LLAMA3_ROPE, SMOLLM2_HF, tiny_hf
+from tests.checkpoint.helpers import LLAMA3_8B_HF, LLAMA3_ROPE, QWEN3_8B_HF, QWEN25_7B_HF, SMOLLM2_HF, tiny_hf
 
 # Field names exactly as shared/reference/tensorrt-llm.md lists them.
 REFERENCE_KEYS = {
@@ -92,12 +92,14 @@ def test_bad_inputs_raise_typed_errors(hf, dtype, tp, quant, error, words):
 
 
 def test_the_converter_takes_every_architecture_the_recipe_checks_accept():
-    """One list (``llmc.recipe.checks.SUPPORTED_ARCHITECTURES``): a Mistral-layout model that passes the recipe
-    checks converts too, always as the IR's LlamaForCausalLM."""
+    """One list (``llmc.recipe.checks.SUPPORTED_ARCHITECTURES``): a model that passes the recipe checks converts
+    too; Llama layouts (Mistral's too) as the IR's LlamaForCausalLM, Qwen models as their own architecture."""
+    written = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
     for arch, model_type in SUPPORTED_ARCHITECTURES.items():
         config = trtllm_config_from_hf(tiny_hf(model_type=model_type, architectures=[arch]), "float16")
-        assert config["architecture"] == "LlamaForCausalLM"
-    for config in (tiny_hf(model_type="llama", architectures=["Qwen2ForCausalLM"]), tiny_hf(model_type="qwen2")):
+        assert config["architecture"] == written[model_type]
+    for config in (tiny_hf(model_type="llama", architectures=["GPT2LMHeadModel"]), tiny_hf(model_type="gemma")):
         assert not is_supported_architecture(config)
         with pytest.raises(SourceError, match="unsupported architecture"):
             trtllm_config_from_hf(config, "float16")
@@ -120,3 +122,38 @@ def test_model_shape_refuses_kv_heads_that_do_not_divide_the_heads():
         ModelShape.from_config({**config, "num_key_value_heads": 3})
     with pytest.raises(CheckpointError, match="max_position_embeddings.*Fix: re-export"):
         ModelShape.from_config({k: v for k, v in config.items() if k != "max_position_embeddings"})
+
+
+def test_qwen2_config_is_tensorrt_llms_qwen_checkpoint():
+    """As TensorRT-LLM's QWenConfig.from_hugging_face writes it: the HF architecture, qwen_type, seq_length (HF's,
+    else 8192), attn_bias true (q, k, v biases; the output projection has none: dense_bias=False upstream)."""
+    cfg = trtllm_config_from_hf(QWEN25_7B_HF, "bfloat16", tp_size=2)
+    assert set(cfg) == REFERENCE_KEYS | {"qwen_type", "seq_length"}
+    assert (cfg["architecture"], cfg["qwen_type"], cfg["seq_length"]) == ("Qwen2ForCausalLM", "qwen2", 8192)
+    assert cfg["attn_bias"] is True and cfg["mlp_bias"] is False
+    assert (cfg["head_size"], cfg["rotary_base"], cfg["norm_epsilon"]) == (128, 1000000.0, 1e-6)
+    shape = ModelShape.from_config(cfg)
+    assert [shape.has_bias(m) for m in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.proj")] == [
+        True, False, False, False]
+    assert not shape.qk_norm
+
+
+def test_qwen3_config_has_head_norms_and_no_biases():
+    cfg = trtllm_config_from_hf(QWEN3_8B_HF, "bfloat16")
+    assert (cfg["architecture"], cfg["qwen_type"], cfg["attn_bias"]) == ("Qwen3ForCausalLM", "qwen3", False)
+    shape = ModelShape.from_config(cfg)
+    assert shape.qk_norm and not shape.has_bias("attention.qkv") and shape.head_size == 128
+    assert shape.attn_in == 4096 and shape.qkv_out == (32 + 16) * 128
+
+
+def test_llama_attention_bias_is_on_qkv_and_dense():
+    shape = ModelShape.from_config(trtllm_config_from_hf(tiny_hf(attention_bias=True), "float32"))
+    assert shape.has_bias("attention.qkv") and shape.has_bias("attention.dense") and not shape.has_bias("mlp.fc")
+
+
+@pytest.mark.parametrize("change", [{"qwen_type": None}, {"qwen_type": "qwen3"}, {"architecture": "LlamaForCausalLM"},
+                                    {"qwen_type": "qwen9"}])
+def test_qwen_architecture_and_qwen_type_must_agree(change):
+    cfg = {**trtllm_config_from_hf(QWEN25_7B_HF, "bfloat16"), **change}
+    with pytest.raises(CheckpointError, match="qwen_type|architecture"):
+        ModelShape.from_config(cfg)

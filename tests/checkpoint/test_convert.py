@@ -12,6 +12,7 @@ from llmc.checkpoint.convert import (
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
 from llmc.errors import CheckpointError, SourceError
 from tests.checkpoint.helpers import LLAMA3_8B_HF, SMOLLM2_HF, hf_state_dict, rtn_quantized, tiny_hf
+from tests.checkpoint.helpers import QWEN_TINY
 
 L = "transformer.layers.{}."
 
@@ -205,3 +206,45 @@ def test_trtllm_to_hf_cuts_the_groupwise_padding():
     assert record["intermediate_size"] == {"original": 96, "padded": 128}
     back = trtllm_to_hf(ir, hf)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_biases_and_head_norms_convert_both_ways(family):
+    hf = QWEN_TINY[family]
+    sd = hf_state_dict(hf)
+    cfg = trtllm_config_from_hf(hf, "float32")
+    ir = hf_to_trtllm(sd, cfg)
+    p, hp = "transformer.layers.1.attention.", "model.layers.1.self_attn."
+    if family == "qwen2":
+        want = torch.cat([sd[hp + f"{m}_proj.bias"] for m in "qkv"])
+        assert torch.equal(ir[p + "qkv.bias"], want) and want.shape == (128,)
+        assert p + "q_layernorm.weight" not in ir
+    else:
+        assert torch.equal(ir[p + "q_layernorm.weight"], sd[hp + "q_norm.weight"])
+        assert torch.equal(ir[p + "k_layernorm.weight"], sd[hp + "k_norm.weight"])
+        assert p + "qkv.bias" not in ir
+    assert p + "dense.bias" not in ir
+    back = trtllm_to_hf(ir, hf)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_shards_recombine_and_hold_their_ranks_tensors(family, tmp_path):
+    """tp 2 with 2 kv heads: the qkv bias splits with q, k, v's rows; the head norms are whole on both ranks."""
+    from llmc.checkpoint.io import read_checkpoint, write_checkpoint
+
+    hf = QWEN_TINY[family]
+    cfg = trtllm_config_from_hf(hf, "float32", 2)
+    ir = hf_to_trtllm(hf_state_dict(hf), cfg)
+    ranks = [shard(ir, cfg, r) for r in range(2)]
+    if family == "qwen2":
+        bias = ir["transformer.layers.0.attention.qkv.bias"]  # q 64, k 32, v 32 rows
+        assert torch.equal(ranks[1]["transformer.layers.0.attention.qkv.bias"],
+                           torch.cat([bias[32:64], bias[80:96], bias[112:128]]))
+    else:
+        norm = "transformer.layers.0.attention.k_layernorm.weight"
+        assert torch.equal(ranks[0][norm], ir[norm]) and torch.equal(ranks[1][norm], ir[norm])
+    write_checkpoint(tmp_path / "ir", cfg, ranks)  # checks every rank's tensors against the config
+    _, read = read_checkpoint(tmp_path / "ir")
+    merged = merge_shards(read, cfg)
+    assert merged.keys() == ir.keys() and all(torch.equal(merged[k], ir[k]) for k in ir)

@@ -107,6 +107,36 @@ def test_mistral_layout_accepted_without_sliding_window():
     assert "sliding-window" in err.problem
 
 
+QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                 hidden_act="silu", sliding_window=131072, use_sliding_window=False, max_window_layers=28)
+
+
+def test_qwen2_window_is_ignored_unless_the_config_uses_it():
+    """Released Qwen2 configs name a window with ``use_sliding_window: false`` (transformers and TensorRT-LLM then
+    attend over everything): accepted; a config that turns the window on is refused below the lengths it needs."""
+    check_recipe_against_model(recipe(engine={"max_seq_len": 16384}), dict(QWEN25_7B, sliding_window=4096))
+    err = check_error(recipe(engine={"max_seq_len": 16384}),
+                      dict(QWEN25_7B, sliding_window=4096, use_sliding_window=True))
+    assert "sliding-window" in err.problem and "4096" in err.fix
+
+
+def test_shipped_qwen_recipe_fits_qwen25_7b_instruct():
+    from llmc.recipe import load_recipe
+    from tests.recipe.conftest import RECIPES_DIR
+
+    shipped = load_recipe(RECIPES_DIR / "qwen2.5-7b-awq-torch.yaml", check_inputs=False)
+    check_recipe_against_model(shipped, dict(QWEN25_7B, head_dim=128, rope_theta=1000000.0))
+    assert shipped.model.eos_token_ids == (151645, 151643)
+
+
+def test_qwen3_with_attention_biases_is_refused():
+    qwen3 = dict(QWEN25_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
+    check_recipe_against_model(recipe(), qwen3)
+    err = check_error(recipe(), dict(qwen3, attention_bias=True))
+    assert err.key_path == "model.source" and "attention_bias" in err.problem
+
+
 def test_max_seq_len_within_position_embeddings():
     err = check_error(recipe(engine={"max_seq_len": 16384}), LLAMA3_8B)
     assert err.key_path == "engine.max_seq_len" and "8192" in err.fix

@@ -276,7 +276,7 @@ def test_magic_byte_sniffing(tiny_hf_dir, tmp_path):
     assert not sources.is_safetensors(fake)
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", untied: bool = False) -> Path:
+def write_tiny_gguf(path: Path, arch: str = "llama", untied: bool = False, key_length: int | None = None) -> Path:
     """A small GGUF file written with the gguf package's own writer (metadata + two small tensors)."""
     import gguf
     import numpy as np
@@ -291,6 +291,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", untied: bool = False) -> Pa
     w.add_rope_freq_base(5e5)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(8)
+    if key_length is not None:
+        w.add_key_length(key_length)
     w.add_token_list([f"t{i}" for i in range(300)])
     w.add_bos_token_id(7)
     w.add_eos_token_id(9)
@@ -329,6 +331,16 @@ def test_gguf_config_mapping(tmp_path):
                        tie_word_embeddings=True, bos_token_id=7, eos_token_id=9)
     untied = read_source_config(path_source(write_tiny_gguf(tmp_path / "untied.gguf", untied=True)))
     assert untied["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize("arch, hf_arch", [("qwen2", "Qwen2ForCausalLM"), ("qwen3", "Qwen3ForCausalLM")])
+def test_qwen_gguf_config_mapping(tmp_path, arch, hf_arch):
+    """A Qwen GGUF's ``<arch>.*`` keys map like Llama's; head_dim from ``attention.key_length`` where llama.cpp
+    writes it (Qwen3: head_dim is not hidden / heads)."""
+    cfg = read_source_config(path_source(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch=arch, key_length=16)))
+    assert cfg["architectures"] == [hf_arch] and cfg["model_type"] == arch
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (32, 4, 2)
+    assert cfg["head_dim"] == 16 and cfg["rope_theta"] == 5e5 and cfg["max_position_embeddings"] == 512
 
 
 def test_non_llama_gguf_is_unsupported(tmp_path):

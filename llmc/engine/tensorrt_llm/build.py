@@ -6,7 +6,7 @@ Order (each step fails with a typed error before the next starts):
    groupwise padding, FP8 KV scales when asked);
 3. import TensorRT-LLM (:func:`versions.require_tensorrt_llm`);
 4. write ``build_config.json`` and ``trtllm-build.sh`` next to the engines;
-5. per rank: ``LLaMAForCausalLM.from_checkpoint(ckpt_dir, rank=r)`` ->
+5. per rank: ``LLaMAForCausalLM.from_checkpoint(ckpt_dir, rank=r)`` (``QWenForCausalLM`` for a Qwen2 IR) ->
    ``tensorrt_llm.builder.build(model, build_config)`` -> ``engine.save(engine_dir)`` (reference line 69);
 6. write ``engine_manifest.json`` (versions, GPU, build time).
 
@@ -36,6 +36,13 @@ from llmc.engine.tensorrt_llm.ir import check_ir, hf_view, read_ir_config
 from llmc.engine.tensorrt_llm.manifest import FORMAT_VERSION, EngineManifest
 from llmc.engine.tensorrt_llm.versions import Importer, probe_module, require_tensorrt_llm
 from llmc.recipe import Recipe
+
+
+def model_class(models: Any, ir_config: dict) -> Any:
+    """TensorRT-LLM's model class of the IR's ``architecture``: ``LLaMAForCausalLM``, or ``QWenForCausalLM`` for
+    ``Qwen2ForCausalLM`` (what ``tensorrt_llm.models.MODEL_MAP`` maps it to; it reads ``qwen_type`` from the
+    config)."""
+    return models.QWenForCausalLM if ir_config.get("architecture") == "Qwen2ForCausalLM" else models.LLaMAForCausalLM
 
 
 def apply_kv_cache_quantization(recipe: Recipe, checkpoint_dir: Path, ir_config: dict) -> dict:
@@ -95,7 +102,7 @@ def build_engines(recipe: Recipe, checkpoint_dir: Path, engine_dir: Path,
     with tempfile.TemporaryDirectory(prefix=".timing-cache-", dir=engine_dir.parent) as cache_dir:
         run_config = {**build_config, "output_timing_cache": str(Path(cache_dir) / "model.cache")}
         for rank in range(world_size):
-            model = models.LLaMAForCausalLM.from_checkpoint(str(checkpoint_dir), rank=rank)
+            model = model_class(models, ir_config).from_checkpoint(str(checkpoint_dir), rank=rank)
             engine = builder.build(model, make_build_config(builder, run_config))
             engine.save(str(engine_dir))
     gpu_name, capability = gpu_identity()

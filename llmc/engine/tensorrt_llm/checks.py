@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from llmc.errors import RecipeError
-from llmc.recipe.checks import SUPPORTED_ARCHITECTURES, is_supported_architecture
+from llmc.recipe.checks import QK_NORM_TYPES, SUPPORTED_ARCHITECTURES, is_supported_architecture, model_family
 from llmc.recipe import Recipe
 
 ENGINE_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint dtype float16 | bfloat16
@@ -102,16 +102,23 @@ def _check_int4_sm(recipe: Recipe, file: str | None, local_sm: Callable[[], int 
 
 
 def _check_architecture(hf_config: dict, file: str | None) -> None:
-    # line 23: the IR is always written as LlamaForCausalLM, from any of the Llama-layout sources llmc converts
+    # line 23: Llama-layout sources are written as LlamaForCausalLM; Qwen2 as Qwen2ForCausalLM, which TensorRT-LLM's
+    # MODEL_MAP builds as QWenForCausalLM (tensorrt_llm/models/__init__.py; docs/TENSORRT_LLM.md cites the commits)
     archs = hf_config.get("architectures") or []
-    if is_supported_architecture(hf_config):
-        return
-    raise RecipeError(
-        file, "model.source",
-        f"architecture {archs or 'unknown'} is not supported by llmc's tensorrt_llm backend "
-        f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})",
-        "use a Llama-family model, or backend: torch",
-    )
+    if not is_supported_architecture(hf_config):
+        raise RecipeError(
+            file, "model.source",
+            f"architecture {archs or 'unknown'} is not supported by llmc's tensorrt_llm backend "
+            f"(supported: {', '.join(sorted(set(SUPPORTED_ARCHITECTURES) - {'Qwen3ForCausalLM'}))})",
+            "use a Llama-family model, or backend: torch",
+        )
+    if model_family(hf_config) in QK_NORM_TYPES:
+        raise RecipeError(
+            file, "model.source",
+            "Qwen3 (per-head q / k norms) is not built by llmc's tensorrt_llm backend: no TensorRT-LLM 1.2 source "
+            "read for it holds those norms in its TensorRT-engine Qwen model (only its PyTorch backend has them)",
+            "use backend: torch for Qwen3 (Qwen2 and Llama-family models build with either backend)",
+        )
 
 
 def _check_tensor_parallel(recipe: Recipe, hf_config: dict, file: str | None) -> None:

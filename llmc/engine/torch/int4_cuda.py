@@ -156,8 +156,9 @@ class Int4CudaLinear(nn.Module):
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
-        # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes.
-        rows = [m for m, _ in self._buckets] + [self.dense_from_m - 1]
+        # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes: each row
+        # count, as the heuristic's split-K (a shape without tuned buckets) varies with the rows.
+        rows = range(1, max(self.dense_from_m, 2))
         configs = [(m, self.config_for(m)) for m in rows] + [(m, heuristic_config(m, self.columns, in_features))
                                                             for m in rows]
         n = self.columns

@@ -22,7 +22,7 @@ from llmc.checkpoint.convert import dequantized_weights, merge_shards, torch_dty
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
 from llmc.engine.torch import cpu_ext, host_embedding, triton_support
-from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig
+from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig, state_dict_name
 from llmc.engine.torch.prefill_cpu import MixedLinear, prefill_precision
 from llmc.errors import CheckpointError
 
@@ -91,7 +91,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype=target_dtype)
     model.to_empty(device=device)
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(_model_names(weights), strict=True)
     model.reset_buffers()
     on_cpu = cpu_kernels and torch.device(device).type == "cpu"
     prefill = prefill_precision(config.dtype) if on_cpu and target_dtype == torch.float32 else "float32"
@@ -133,7 +133,7 @@ def _load_int4_cuda(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]
         model = LlamaForCausalLM(config, dtype=dtype)
     int4_install.remove_linears(model, set(quantized))
     model.to_empty(device=device)
-    model.load_state_dict(rest, strict=True)
+    model.load_state_dict(_model_names(rest), strict=True)
     model.reset_buffers()
     counts = int4_install.install(model, quantized, group_size, fold_prequant)
     logger.info("int4 CUDA layers: %s", counts)
@@ -291,7 +291,16 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for layer in range(config.num_layers):
         for module, shape in per_layer.items():
             shapes[names.trt_layer(layer, module)] = shape
+        if config.qkv_bias:
+            shapes[names.trt_layer(layer, "attention.qkv", names.BIAS)] = (config.qkv_size,)
+        for norm in names.QK_NORMS if config.qk_norm else ():
+            shapes[names.trt_layer(layer, norm)] = (config.head_size,)
     return shapes
+
+
+def _model_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """IR tensors keyed by the model's state-dict names (:func:`~llmc.engine.torch.model.state_dict_name`)."""
+    return {state_dict_name(name): tensor for name, tensor in weights.items()}
 
 
 def _check_quantized_shapes(prefix: str, packed: torch.Tensor, scales: torch.Tensor, prequant: torch.Tensor | None,
@@ -310,7 +319,8 @@ def _check_quantized_shapes(prefix: str, packed: torch.Tensor, scales: torch.Ten
 def _check_shapes(weights: dict[str, torch.Tensor], config: ModelConfig, skip: set[str] = frozenset()) -> None:
     """CheckpointError for a missing tensor or a shape the config does not imply; ``skip``: module prefixes held
     elsewhere (the packed int4 layers, checked by :func:`_check_quantized_shapes`)."""
-    expected = {k: v for k, v in _expected_shapes(config).items() if k.rsplit(".", 1)[0] not in skip}
+    expected = {k: v for k, v in _expected_shapes(config).items()
+                if not (k.endswith(f".{names.WEIGHT}") and k.rsplit(".", 1)[0] in skip)}  # a bias is checked
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise CheckpointError(

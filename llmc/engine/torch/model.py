@@ -1,7 +1,8 @@
 """A Llama-family decoder over a paged KV cache, laid out exactly like the TensorRT-LLM checkpoint IR.
 
 Module names equal the IR tensor names (``transformer.layers.N.attention.qkv.weight`` ...), so a merged,
-dequantized IR state dict loads with ``load_state_dict(strict=True)``. The fused layouts are used as-is:
+dequantized IR state dict loads with ``load_state_dict(strict=True)`` (the qkv bias: :func:`state_dict_name`). The
+fused layouts are used as-is:
 ``attention.qkv`` stacks q, k, v rows; ``mlp.fc`` is the SiLU branch (HF gate_proj), ``mlp.gate`` the linear
 branch (HF up_proj) and ``mlp.proj`` the down projection.
 """
@@ -18,8 +19,8 @@ from torch import nn
 from llmc.checkpoint.config import ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
+from llmc.engine.torch.layers import MLP, RMSNorm
 from llmc.engine.torch.pending_norm import PendingNorm, materialized
-from llmc.engine.torch.prefill_cpu import SplitLinear
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
 
@@ -43,6 +44,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str  # the IR's storage dtype: float16 | bfloat16 | float32
+    qkv_bias: bool = False  # Qwen2: q, k and v have biases (the IR's attention.qkv.bias)
+    qk_norm: bool = False  # Qwen3: each query and key head RMS-normed before RoPE (attention.q/k_layernorm)
 
     @classmethod
     def from_checkpoint_config(cls, cfg: dict) -> ModelConfig:
@@ -64,6 +67,8 @@ class ModelConfig:
             max_position_embeddings=shape.max_position_embeddings,
             tie_word_embeddings=shape.tie_word_embeddings,
             dtype=shape.dtype,
+            qkv_bias=shape.has_bias("attention.qkv"),
+            qk_norm=shape.qk_norm,
         )
 
     @property
@@ -73,50 +78,45 @@ class ModelConfig:
 
 
 def _check_supported(cfg: dict, shape: ModelShape) -> None:
-    """CheckpointError unless the config describes what this engine implements (bias-free SiLU Llama, NeoX RoPE)."""
+    """CheckpointError unless the config describes what this engine implements: a SiLU Llama with NeoX RoPE, or
+    Qwen2 (q, k, v biases) / Qwen3 (q, k head norms); no bias on the output projection or the MLP."""
     supported = {
-        "architecture": "LlamaForCausalLM",
-        "hidden_act": "silu",
-        "position_embedding_type": "rope_gpt_neox",
+        "architecture": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+        "hidden_act": ("silu",),
+        "position_embedding_type": ("rope_gpt_neox",),
     }
     for key, expected in supported.items():
-        if cfg.get(key, expected) != expected:
+        if cfg.get(key, expected[0]) not in expected:
             raise CheckpointError(
                 f"checkpoint config {key}={cfg.get(key)!r} is not supported by the torch engine (expects "
-                f"{expected}). Fix: use a Llama-family model"
+                f"{' or '.join(expected)}). Fix: use a Llama-family model"
             )
-    for key in ("attn_bias", "mlp_bias"):
-        if getattr(shape, key):
-            raise CheckpointError(f"checkpoint config {key}=True is not supported by the torch engine (expects "
-                                  f"False). Fix: use a Llama-family model")
+    for label, biased in (("attention.dense", shape.has_bias("attention.dense")), ("the MLP", shape.mlp_bias)):
+        if biased:
+            raise CheckpointError(f"checkpoint config gives {label} a bias (attn_bias / mlp_bias), which the torch "
+                                  f"engine does not implement. Fix: use a model without those biases (Llama, "
+                                  f"Qwen2, Qwen3)")
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back (as transformers does)."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if cpu_ext.fused_available(x):
-                return cpu_ext.rms_norm(x, self.weight, self.eps)  # one pass, one op
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the same math
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+def state_dict_name(ir_name: str) -> str:
+    """The model's state-dict name of an IR tensor: the IR's names, except that the qkv bias is the attention's
+    ``qkv_bias`` (added after the qkv product, whatever kernel module replaces ``attention.qkv``)."""
+    return ir_name[: -len("qkv.bias")] + "qkv_bias" if ir_name.endswith("attention.qkv.bias") else ir_name
 
 
 class Attention(nn.Module):
-    """GQA self-attention with fused qkv, NeoX RoPE and the paged reference attention."""
+    """GQA self-attention with fused qkv, NeoX RoPE and the paged reference attention; Qwen2's q, k, v biases
+    (``qkv_bias``) and Qwen3's per-head q, k norms (``q_layernorm``, ``k_layernorm``) where the config has them."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
         self.scale = config.head_size**-0.5
         self.qkv = nn.Linear(config.hidden_size, config.qkv_size, bias=False, dtype=dtype)
+        # Kept apart from the qkv layer, so every kernel module that replaces it (int4, 16-bit) stays bias-free.
+        self.qkv_bias = nn.Parameter(torch.zeros(config.qkv_size, dtype=dtype)) if config.qkv_bias else None
+        norm = (lambda: RMSNorm(config.head_size, config.norm_epsilon, dtype)) if config.qk_norm else (lambda: None)
+        self.q_layernorm, self.k_layernorm = norm(), norm()
         self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
         self.bf16_prefill = False  # CPU: prefill chunks attend in bfloat16 products (see use_bf16_prefill)
 
@@ -133,11 +133,34 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
-        qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk = self._norm_heads(qkv[:, : q_size + kv_size].view(t, -1, self.head_size))
+        qk = apply_rope(qk, cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """``qk [T, nh + nkv, hd]``: each query head through ``q_layernorm``, each key head through ``k_layernorm``
+        (Qwen3); unchanged without them."""
+        if self.q_layernorm is None or self.k_layernorm is None:
+            return qk
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        return torch.cat([self.q_layernorm(q.contiguous()), self.k_layernorm(k.contiguous())], dim=1)
+
+    def _qkv_for_rope(self, x: torch.Tensor) -> torch.Tensor:
+        """The qkv product ``[T, (nh + 2 nkv) hd]`` with the bias added and the q, k heads normed, ready for the
+        fused RoPE + cache write."""
+        qkv = self.qkv(x)
+        if self.qkv_bias is None and self.q_layernorm is None:
+            return qkv
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        t, split = qkv.shape[0], (self.num_heads + self.num_kv_heads) * self.head_size
+        qk = self._norm_heads(qkv[:, :split].view(t, -1, self.head_size)).view(t, split)
+        return torch.cat([qk, qkv[:, split:]], dim=1)
 
     def project(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -153,13 +176,14 @@ class Attention(nn.Module):
         if not getattr(self.qkv, "takes_pending_norm", False):
             x = materialized(x)  # an int4 layer takes the norm pending (and finishes it) where it can
         if decode:
-            rope = getattr(self.qkv, "rope_write_kv", None)
+            plain = self.qkv_bias is None and self.q_layernorm is None  # the epilogue adds no bias, norms no head
+            rope = getattr(self.qkv, "rope_write_kv", None) if plain else None
             q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
             if q is None:  # the layer has no epilogue, or it does not apply
-                q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh,
-                                               nkv, hd)
+                q = fused_triton.rope_write_kv(self._qkv_for_rope(x), cos, sin, kv_cache[0], kv_cache[1],
+                                               slot_mapping, nh, nkv, hd)
             return q, None, None
-        qkv = self.qkv(x)  # [T, (nh + 2 nkv) hd]
+        qkv = self._qkv_for_rope(x)  # [T, (nh + 2 nkv) hd]
         q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv, hd,
                                           return_k=True)
         return q, k, qkv[:, (nh + nkv) * hd :].view(x.shape[0], nkv, hd)
@@ -170,72 +194,6 @@ class Attention(nn.Module):
         if attn.all_decode:
             return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True)
-
-
-class MLP(nn.Module):
-    """proj(silu(fc(x)) * gate(x)) with the IR's names (fc = HF gate_proj, gate = HF up_proj).
-
-    After :meth:`fuse_fc_gate`, fc and gate run as one GEMM over their stacked weights.
-    """
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
-        self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, dtype=dtype)
-        self.proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
-        self.fc_gate: torch.Tensor | None = None  # [2I, H] once fused
-        self.fc_gate_kernel: nn.Module | None = None  # a kernel's module over [fc; gate], see use_fc_gate_kernel
-        self.cuda_fused = False  # SiLU x gate as one Triton kernel (set by LlamaForCausalLM.use_cuda_fused)
-
-    def fuse_fc_gate(self) -> bool:
-        """Stack the fc and gate weights into one ``[2I, H]`` tensor; both Linear weights become views of it, so
-        the state dict and memory stay the same. Only plain Linear layers fuse (int4 ones fuse through
-        :meth:`use_fc_gate_kernel`). Returns whether fc and gate are fused (also when they already were)."""
-        if self.fc_gate is not None:
-            return True
-        if type(self.fc) is not nn.Linear or type(self.gate) is not nn.Linear:
-            return False
-        fused = torch.cat([self.fc.weight.detach(), self.gate.weight.detach()])
-        size = self.fc.out_features
-        self.fc.weight = nn.Parameter(fused[:size], requires_grad=False)
-        self.gate.weight = nn.Parameter(fused[size:], requires_grad=False)
-        self.fc_gate = fused
-        return True
-
-    def use_fc_gate_kernel(self, fused: nn.Module) -> None:
-        """Run fc and gate as one kernel module over the stacked rows ``[fc; gate]``: on CPU a
-        :class:`~llmc.engine.torch.prefill_cpu.SplitLinear` (``Int4Linear``, ``Dense16Linear`` or ``MixedLinear``)
-        built over :attr:`fc_gate`, whose ``silu_mul(x)`` gives ``silu(fc) * gate`` (fc and gate stay plain Linear
-        views of the stacked weight until :meth:`drop_float_fc_gate`); on CUDA an ``Int4CudaLinear`` over the
-        stacked packed weights (fc and gate are then removed by the loader: the model holds no float copy)."""
-        assert self.fc_gate is not None or (self.fc is None and self.gate is None), \
-            "fuse_fc_gate() first: a CPU kernel's module shares the stacked float weight"
-        self.fc_gate_kernel = fused
-
-    def drop_float_fc_gate(self) -> None:
-        """Free the stacked float weight and its fc / gate views (which become None) once :attr:`fc_gate_kernel`
-        keeps every form of the weight it multiplies itself (CPU, prefill in bfloat16): a third of the MLP's
-        memory. Only :meth:`forward` runs the MLP after that."""
-        assert self.fc_gate_kernel is not None, "use_fc_gate_kernel() first"
-        self.fc_gate, self.fc, self.gate = None, None, None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(self.fc_gate_kernel, "silu_output", False):
-            return self.proj(self.fc_gate_kernel(x))  # an int4 CUDA layer whose epilogue gives silu(fc) * gate
-        if isinstance(self.fc_gate_kernel, SplitLinear):  # CPU: silu(fc) * gate by the kernel's module
-            return self.proj(self.fc_gate_kernel.silu_mul(x))  # (fused into the bfloat16 prefill GEMM)
-        if self.fc_gate_kernel is not None or self.fc_gate is not None:
-            both = self.fc_gate_kernel(x) if self.fc_gate_kernel is not None else F.linear(x, self.fc_gate)  # [T, 2I]
-            if self.cuda_fused:
-                from llmc.engine.torch.int4_cuda import silu_mul  # optional dependency: Triton
-
-                return self.proj(silu_mul(both))
-            if cpu_ext.fused_available(both):
-                return self.proj(cpu_ext.silu_mul(both))
-            fc, gate = both.chunk(2, dim=-1)  # [T, I] each
-        else:
-            fc, gate = self.fc(x), self.gate(x)
-        return self.proj(F.silu(fc) * gate)
 
 
 def _linear_add_norm(linear: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor | PendingNorm:
@@ -259,7 +217,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
         self.attention = Attention(config, dtype)
         self.post_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata, kv_cache: KVCache

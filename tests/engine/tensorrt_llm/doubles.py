@@ -70,6 +70,12 @@ class RecordingBuildApi:
                 api.calls.append(("LLaMAForCausalLM.from_checkpoint", {"ckpt_dir": ckpt_dir, "rank": rank}))
                 return SimpleNamespace(rank=rank)
 
+        class QwenDouble:
+            @classmethod
+            def from_checkpoint(cls, ckpt_dir: str, rank: int) -> Any:
+                api.calls.append(("QWenForCausalLM.from_checkpoint", {"ckpt_dir": ckpt_dir, "rank": rank}))
+                return SimpleNamespace(rank=rank)
+
         def build(model: Any, build_config: Any) -> Any:
             api.calls.append(("builder.build", {"model": model, "build_config": build_config}))
             # Like tensorrt_llm.builder.build: rank 0 saves the timing cache to output_timing_cache, whose
@@ -81,7 +87,7 @@ class RecordingBuildApi:
         self.modules = {
             "tensorrt_llm": SimpleNamespace(__version__=version),
             "tensorrt_llm.builder": SimpleNamespace(BuildConfig=BuildConfigDouble, build=build),
-            "tensorrt_llm.models": SimpleNamespace(LLaMAForCausalLM=LlamaDouble),
+            "tensorrt_llm.models": SimpleNamespace(LLaMAForCausalLM=LlamaDouble, QWenForCausalLM=QwenDouble),
             "tensorrt": SimpleNamespace(__version__=tensorrt_version),
         }
 

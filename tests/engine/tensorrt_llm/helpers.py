@@ -52,16 +52,17 @@ def smollm2_ir_config(dtype: str = "bfloat16", quantization: dict | None = None)
 
 
 def write_tiny_ir(out_dir: Path, tp_size: int = 1, group_size: int | None = 64, kv_fp8: bool = False,
-                  dtype: str = "float16") -> dict:
-    """A tiny Llama IR (hidden 64, 4 heads x 16, 2 kv heads, intermediate 128) written by llmc.checkpoint.
+                  dtype: str = "float16", family: str = "llama") -> dict:
+    """A tiny Llama IR (hidden 64, 4 heads x 16, 2 kv heads, intermediate 128) written by llmc.checkpoint
+    (``family`` qwen2: the same sizes as a Qwen2 IR, q, k, v biases included).
 
     ``group_size`` None = 16-bit, else W4A16_AWQ through round-to-nearest int4. Returns the config.
     """
     from llmc.checkpoint.convert import hf_to_trtllm, shard
     from llmc.checkpoint.io import write_checkpoint
-    from tests.checkpoint.helpers import hf_state_dict, rtn_quantized, tiny_hf
+    from tests.checkpoint.helpers import QWEN_TINY, hf_state_dict, rtn_quantized, tiny_hf
 
-    hf = {**tiny_hf(), "architectures": ["LlamaForCausalLM"]}
+    hf = QWEN_TINY[family] if family in QWEN_TINY else {**tiny_hf(), "architectures": ["LlamaForCausalLM"]}
     quant: dict = {"quant_algo": "W4A16_AWQ", "group_size": group_size} if group_size else {}
     if kv_fp8:
         quant["kv_cache_quant_algo"] = "FP8"

@@ -94,6 +94,18 @@ def test_unsupported_version_builds_nothing(tmp_path):
     assert [c for c in api.calls if c[0] != "import"] == []
 
 
+def test_a_qwen2_ir_builds_through_tensorrt_llms_qwen_model(tmp_path):
+    """A Qwen2 IR (architecture Qwen2ForCausalLM, qwen_type qwen2, q, k, v biases) is loaded by QWenForCausalLM,
+    the class TensorRT-LLM's MODEL_MAP gives that architecture; its rank holds the biases the contract names."""
+    config = write_tiny_ir(tmp_path / "ckpt", group_size=None, family="qwen2")
+    assert (config["architecture"], config["qwen_type"], config["attn_bias"]) == ("Qwen2ForCausalLM", "qwen2", True)
+    api = RecordingBuildApi()
+    build_engines(recipe(tmp_path), tmp_path / "ckpt", tmp_path / "engine", importer=api.importer)
+    loads = [args for name, args in api.calls if name.endswith("from_checkpoint")]
+    assert [name for name, _ in api.calls if name.endswith("from_checkpoint")] == ["QWenForCausalLM.from_checkpoint"]
+    assert loads == [{"ckpt_dir": str(tmp_path / "ckpt"), "rank": 0}]
+
+
 def test_one_engine_per_rank_through_the_documented_api(tmp_path):
     config = write_tiny_ir(tmp_path / "ckpt", tp_size=2, group_size=None)
     r = recipe(tmp_path, **TP2_16BIT)

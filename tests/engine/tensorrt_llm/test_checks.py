@@ -36,9 +36,19 @@ def test_smollm2_awq_g64_passes(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     with pytest.raises(RecipeError) as exc:
-        check_recipe(write_recipe(tmp_path), {**SMOLLM2, "architectures": ["Qwen2ForCausalLM"]}, local_sm=no_gpu)
+        check_recipe(write_recipe(tmp_path), {**SMOLLM2, "architectures": ["GPT2LMHeadModel"]}, local_sm=no_gpu)
     assert exc.value.key_path == "model.source"
-    assert "['Qwen2ForCausalLM'] is not supported by llmc's tensorrt_llm backend" in str(exc.value)
+    assert "['GPT2LMHeadModel'] is not supported by llmc's tensorrt_llm backend" in str(exc.value)
+    assert "Qwen2ForCausalLM" in str(exc.value) and "Qwen3ForCausalLM" not in str(exc.value)
+    assert "backend: torch" in exc.value.fix
+
+
+def test_qwen2_passes_and_qwen3_is_refused_with_the_reason(tmp_path):
+    qwen2 = {**SMOLLM2, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    check_recipe(awq_recipe(tmp_path, 64), qwen2, local_sm=no_gpu)
+    with pytest.raises(RecipeError) as exc:
+        check_recipe(awq_recipe(tmp_path, 64), {**qwen2, "architectures": ["Qwen3ForCausalLM"]}, local_sm=no_gpu)
+    assert exc.value.key_path == "model.source" and "q / k norms" in exc.value.problem
     assert "backend: torch" in exc.value.fix
 
 

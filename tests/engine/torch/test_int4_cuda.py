@@ -123,6 +123,24 @@ def test_dense_path_and_layer_dispatch(silu_output):
         assert ((got.double() - expected[:rows]).norm() / expected[:rows].norm()) < 2e-3
 
 
+@pytest.mark.parametrize("n,k,group", [(3072, 576, 64), (6144, 4096, 128), (4096, 14336, 128)])
+def test_untuned_layers_reserve_split_k_room_for_every_row_count(n, k, group):
+    """Without tuned buckets (a GPU the table does not name: an H100, 2026-12-05) every row count takes the
+    heuristic config, whose split-K varies with the rows: the shared buffers must hold the largest (they were sized
+    at dense_from_m - 1 rows only, where nothing splits, and 1-row steps failed)."""
+    scratch = Scratch(torch.bfloat16, torch.device("cpu"))
+    words = torch.zeros(k // 8, n, dtype=torch.int32)
+    layer = Int4CudaLinear(words, torch.ones(k // group, n, dtype=torch.bfloat16), None, k, group, scratch)
+    assert not layer._buckets  # nothing tuned for "cpu": the heuristic for every row count
+    splits = {layer.config_for(m).split_k for m in range(1, layer.dense_from_m)}
+    assert max(splits) > 1
+    for m in range(1, layer.dense_from_m):
+        config = layer.config_for(m)
+        assert config.workspace(m, n) <= scratch.sizes["partials"]
+        if config.split_k > 1:
+            assert config.grid(m, n)[0] * config.grid(m, n)[1] <= scratch.sizes["counters"]
+
+
 def test_silu_mul_kernel_plain_and_interleaved():
     x = torch.randn(5, 2 * 300)
     assert torch.allclose(silu_mul(x), F.silu(x[:, :300]) * x[:, 300:], atol=1e-6)
@@ -140,7 +158,7 @@ def test_heuristic_config_pads_rows_and_splits_narrow_layers():
 
 def test_fused_norm_and_rope_kernels_match_the_reference_ops():
     from llmc.engine.torch import fused_triton
-    from llmc.engine.torch.model import RMSNorm
+    from llmc.engine.torch.layers import RMSNorm
     from llmc.engine.torch.rope import apply_rope, rope_cos_sin, rope_inv_freq
 
     gen = torch.Generator().manual_seed(0)

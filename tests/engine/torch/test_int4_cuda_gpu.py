@@ -208,7 +208,7 @@ def test_split_k_is_bitwise_repeatable_and_leaves_its_counters_at_zero(n, k, pre
 
 def test_fused_kernels_on_cuda_round_like_the_reference():
     from llmc.engine.torch import fused_triton
-    from llmc.engine.torch.model import RMSNorm
+    from llmc.engine.torch.layers import RMSNorm
 
     h = torch.randn(7, 4096, device="cuda").bfloat16()
     a = torch.randn(7, 4096, device="cuda").bfloat16()
