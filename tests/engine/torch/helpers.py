@@ -170,6 +170,26 @@ class MiniScheduler:
             self.reqs[rid]["out"].append(token)
 
 
+def graph_and_eager_tokens(build: Path) -> dict[bool, dict[str, list[int]]]:
+    """Greedy tokens of three requests (prompt chunks of 64, then decodes) through the CUDA runner of ``build`` with
+    CUDA graphs (``True``) and eagerly (``False``), one runner at a time."""
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    outs = {}
+    for graphs in (True, False):
+        runner = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=graphs)
+        assert (runner.graphs is not None) == graphs
+        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=64)
+        for i in range(3):
+            sched.add(f"r{i}", list(range(500 + 7 * i, 540 + 11 * i)), max_new=12)
+        for step in range(20):
+            sched.update(runner.execute(sched.schedule(step)).sampled_token_ids)
+        outs[graphs] = {rid: r["out"] for rid, r in sched.reqs.items()}
+        del runner
+        torch.cuda.empty_cache()
+    return outs
+
+
 def forget_cpu_kernels() -> None:
     """Make :func:`cpu_ext.load` answer afresh, as in a new process (after changing ``LLMC_CPU_KERNELS`` or the
     build); a background build must have finished."""

@@ -306,23 +306,10 @@ def test_int4_decode_steps_replayed_from_cuda_graphs_equal_eager(smollm2_w4a16_i
     through SDPA, and in bfloat16 the two round differently (test_cuda_graphs.py checks graph-run chunks against
     eager ones in float32)."""
     from llmc.engine.torch.cuda_graphs import CHUNKS_ENV
-    from llmc.engine.torch.runner import TorchModelRunner
-    from tests.engine.torch.helpers import MiniScheduler, build_dir_around
+    from tests.engine.torch.helpers import build_dir_around, graph_and_eager_tokens
 
     monkeypatch.setenv(CHUNKS_ENV, "0")
-    build = build_dir_around(smollm2_w4a16_ir, tmp_path / "build")
-    outs = {}
-    for graphs in (True, False):
-        runner = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=graphs)
-        assert (runner.graphs is not None) == graphs
-        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=64)
-        for i in range(3):
-            sched.add(f"r{i}", list(range(500 + 7 * i, 540 + 11 * i)), max_new=12)
-        for step in range(20):
-            sched.update(runner.execute(sched.schedule(step)).sampled_token_ids)
-        outs[graphs] = {rid: r["out"] for rid, r in sched.reqs.items()}
-        del runner
-        torch.cuda.empty_cache()
+    outs = graph_and_eager_tokens(build_dir_around(smollm2_w4a16_ir, tmp_path / "build"))
     assert outs[True] == outs[False]
 
 

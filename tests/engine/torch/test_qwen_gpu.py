@@ -52,8 +52,7 @@ def test_qwen_int4_on_cuda_matches_the_cpu_engine_and_graphs_equal_eager(family,
     same IR dequantized to bf16 on CUDA is the yardstick); then decode steps from CUDA graphs give eager's tokens."""
     from llmc.engine.torch.cuda_graphs import CHUNKS_ENV
     from llmc.engine.torch.int4_cuda import Int4CudaLinear
-    from llmc.engine.torch.runner import TorchModelRunner
-    from tests.engine.torch.helpers import MiniScheduler, build_dir_around
+    from tests.engine.torch.helpers import build_dir_around, graph_and_eager_tokens
 
     hf_dir = random_qwen(tmp_path, family, **SHAPES[family])
     quantized, _ = rtn_quantize_hf(hf_dir, group_size=64)
@@ -70,17 +69,5 @@ def test_qwen_int4_on_cuda_matches_the_cpu_engine_and_graphs_equal_eager(family,
     assert kl(got, ref) <= 1.25 * yardstick + 1e-3
     del cuda_model
     monkeypatch.setenv(CHUNKS_ENV, "0")  # prompt chunks eager (see test_int4_cuda_gpu's graph test)
-    build = build_dir_around(ir, tmp_path / "build")
-    outs = {}
-    for graphs in (True, False):
-        runner = TorchModelRunner(build, device="cuda", num_blocks=64, cuda_graphs=graphs)
-        assert (runner.graphs is not None) == graphs
-        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=64)
-        for i in range(3):
-            sched.add(f"r{i}", list(range(500 + 7 * i, 540 + 11 * i)), max_new=12)
-        for step in range(20):
-            sched.update(runner.execute(sched.schedule(step)).sampled_token_ids)
-        outs[graphs] = {rid: r["out"] for rid, r in sched.reqs.items()}
-        del runner
-        torch.cuda.empty_cache()
+    outs = graph_and_eager_tokens(build_dir_around(ir, tmp_path / "build"))
     assert outs[True] == outs[False]
