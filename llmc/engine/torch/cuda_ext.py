@@ -105,8 +105,8 @@ def build(nvcc: str, arch: str, out_dir: Path) -> Path:
     concurrent processes from building twice; the result appears under its final name only when complete).
 
     The source compiles as :data:`PARTS` objects, :func:`build_jobs` nvcc processes at a time, then one link: about
-    3.5 minutes of compiling in all (one 2.6 GHz core): 1 min 53 s on two cores (measured), about 30 s expected
-    on eight."""
+    3.5 minutes of compiling in all (one 2.6 GHz core): 1 min 53 s on two cores, 76-89 s on the device tool's
+    16-core H100 box, 8 at a time (measured; its cores are slower for nvcc: one call took over 5.5 minutes)."""
     target = library_path(nvcc, arch, out_dir)
     gencode, flags = _flags(arch)
     if target.exists():
