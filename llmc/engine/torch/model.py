@@ -21,7 +21,7 @@ from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
 from llmc.engine.torch.layers import MLP, RMSNorm
 from llmc.engine.torch.pending_norm import PendingNorm, materialized
-from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_cos_sin, rope_inv_freq
+from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_size]
@@ -269,6 +269,11 @@ class LlamaForCausalLM(nn.Module):
         if self.inv_freq.device.type != "meta":
             self.inv_freq.copy_(inv_freq)
 
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, hd]`` of ``positions`` (:func:`~llmc.engine.torch.rope.rope_cos_sin`, with YaRN's
+        attention factor where the config scales RoPE that way)."""
+        return rope_cos_sin(self.inv_freq, positions, dtype, rope_attention_factor(self.config.rope_scaling))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -281,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
         Writes this step's keys and values into ``kv_caches`` (one ``(k, v)`` pair per layer).
         """
         h = self.transformer.vocab_embedding(input_ids)  # [T, H]
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)  # [T, 1, hd] each, shared by all layers
+        cos, sin = self.rope_tables(positions, h.dtype)  # [T, 1, hd] each, shared by all layers
         # prompt chunks attend through SDPA: never through a backend that plans per shape (planless_sdpa)
         with contextlib.nullcontext() if attn.all_decode else planless_sdpa():
             if self.cuda_fused:

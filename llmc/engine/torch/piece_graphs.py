@@ -28,7 +28,6 @@ import torch
 from llmc.engine.torch import triton_support
 from llmc.engine.torch.attention import AttentionMetadata, planless_sdpa
 from llmc.engine.torch.model import KVCache, LlamaForCausalLM
-from llmc.engine.torch.rope import rope_cos_sin
 
 PIECES_ENV = "LLMC_PIECE_GRAPHS"  # "0": steps with prompt tokens run eagerly
 MAX_PIECE_TOKENS = 2048  # larger steps are GPU-bound: their launches hide behind their kernels
@@ -95,7 +94,7 @@ class PieceGraphs:
         h = self._h[:t]
         if j == 0:
             h.copy_(model.transformer.vocab_embedding(self._ids[:t]))
-            cos, sin = rope_cos_sin(model.inv_freq, self._positions[:t], h.dtype)
+            cos, sin = model.rope_tables(self._positions[:t], h.dtype)
             self._cos[:t].copy_(cos)
             self._sin[:t].copy_(sin)
             normed = model.fused_first_norm(h)

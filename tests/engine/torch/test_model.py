@@ -79,8 +79,9 @@ def test_mixed_prefill_chunks_and_decodes_in_one_step(tiny_model, tiny_hf_model)
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 64},
         {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},  # cos, sin scaled too
     ],
-    ids=["llama3", "linear"],
+    ids=["llama3", "linear", "yarn"],
 )
 def test_rope_scaling_matches_transformers(rope, tiny_hf_dir, tmp_path):
     from transformers import LlamaForCausalLM

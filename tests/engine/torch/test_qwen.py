@@ -137,3 +137,17 @@ def test_qwen_gguf_converts_to_the_same_model(qwen_hf_dir, tmp_path):
     model = load_model(write_ir(source.hf_dir, tmp_path / "ir"), "cpu")
     seqs = {"a": random_ids(12, 1), "b": random_ids(15, 2)}
     assert_matches(_hf_model(qwen_hf_dir), run_schedule(model, SCHEDULE, seqs), seqs)
+
+
+def test_qwen_with_yarn_matches_transformers(tmp_path, smollm2_tokenizer_dir):
+    """Qwen2.5's documented long-context setting (YaRN rope scaling added to its config), here with an original
+    context of 16 tokens so the test's positions lie past it: paged prefill chunks and decodes equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    hf_dir = factories.make_tiny_qwen(tmp_path / "hf", smollm2_tokenizer_dir, rope_parameters=yarn)
+    model = load_model(write_ir(hf_dir, tmp_path / "ir"), "cpu")
+    assert model.config.rope_scaling.rope_type == "yarn"
+    seqs = {"a": random_ids(40, 30)}
+    got = run_schedule(model, [{"a": (0, 25)}, {"a": (25, 26)}, {"a": (26, 40)}], seqs)
+    assert_matches(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), got, seqs)

@@ -47,3 +47,37 @@ def test_position_zero_is_identity():
     x = torch.randn(1, 2, 8)
     cos, sin = rope_cos_sin(inv_freq, torch.tensor([0]))
     assert torch.equal(apply_rope(x, cos, sin), x)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's documented 128K setting
+    {"factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.8},
+    {"factor": 2.0, "original_max_position_embeddings": 2048, "attention_factor": 1.3},
+], ids=["qwen", "betas", "mscale", "attention_factor"])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(params):
+    """YaRN's inverse frequencies and the factor on cos / sin, against transformers' own YaRN parameters."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmc.engine.torch.rope import RopeScaling, rope_attention_factor
+
+    base, head_size = 1000000.0, 128
+    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, head_dim=head_size, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": base, **params})
+    want_inv_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    scaling = RopeScaling.from_config({"type": "yarn", **params})
+    got = rope_inv_freq(head_size, base, scaling)
+    assert torch.allclose(got, want_inv_freq.float(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(scaling) == pytest.approx(want_factor, rel=1e-12)
+    assert not torch.allclose(got, rope_inv_freq(head_size, base, None))  # the scaling changes something
+    cos, sin = rope_cos_sin(got, torch.tensor([0, 5]), torch.float32, rope_attention_factor(scaling))
+    assert cos[0, 0, 0].item() == pytest.approx(want_factor) and sin[0, 0].abs().max().item() == 0
+
+
+def test_yarn_needs_its_original_context():
+    from llmc.engine.torch.rope import RopeScaling
+    from llmc.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="original_max_position_embeddings"):
+        RopeScaling.from_config({"rope_type": "yarn", "factor": 4.0})
