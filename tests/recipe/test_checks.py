@@ -130,6 +130,19 @@ def test_shipped_qwen_recipe_fits_qwen25_7b_instruct():
     assert shipped.model.eos_token_ids == (151645, 151643)
 
 
+def test_shipped_qwen3_recipe_fits_qwen3_8b():
+    from llmc.recipe import load_recipe
+    from tests.recipe.conftest import RECIPES_DIR
+
+    qwen3_8b = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                    max_position_embeddings=40960, hidden_act="silu", attention_bias=False, sliding_window=None,
+                    use_sliding_window=False)
+    shipped = load_recipe(RECIPES_DIR / "qwen3-8b-awq-torch.yaml", check_inputs=False)
+    check_recipe_against_model(shipped, qwen3_8b)
+    assert shipped.backend == "torch" and shipped.model.eos_token_ids == (151645, 151643)
+
+
 def test_qwen3_with_attention_biases_is_refused():
     qwen3 = dict(QWEN25_7B, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128)
     check_recipe_against_model(recipe(), qwen3)
