@@ -3,7 +3,7 @@
 - :func:`add_rms_norm_`: ``h += a`` (the residual add, in place) then ``RMSNorm(h) * weight``;
 - :func:`rms_norm`: the same without the add (the first layer's input norm);
 - :func:`rope_write_kv`: RoPE on the q and k heads of a fused qkv output, k and v written to their paged-cache
-  slots, rotated q returned.
+  slots, rotated q returned (Qwen2's qkv bias and Qwen3's per-head q / k norms applied first, in the same kernel).
 
 Numerics follow the reference ops of :mod:`llmc.engine.torch.model` (transformers' order of roundings): the
 residual sum is rounded to the activations' dtype, the norm is computed in float32 from that rounded sum and
@@ -48,13 +48,36 @@ def _add_rms_norm_kernel(h_ptr, a_ptr, w_ptr, out_ptr, H, stride_h, stride_a, st
 
 
 @triton.jit
+def _heads(row, bias_ptr, norm_ptr, eps, h, ok, d, rot, HD: tl.constexpr, HAS_BIAS: tl.constexpr,
+           HAS_NORM: tl.constexpr):
+    """Heads ``h`` of one token's qkv row (the q part, or the k part with ``row`` and ``bias_ptr`` advanced to it),
+    and each element's NeoX partner, in float32: the bias added and the head RMS-normed first where asked, rounded
+    to the activations' dtype after each op as the reference (``qkv + bias``, then :class:`RMSNorm`) rounds."""
+    x = tl.load(row + h * HD + d[None, :], mask=ok, other=0.0)
+    xr = tl.load(row + h * HD + rot[None, :], mask=ok, other=0.0)
+    act = x.dtype
+    if HAS_BIAS:
+        x = (x.to(tl.float32) + tl.load(bias_ptr + h * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)).to(act)
+        xr = (xr.to(tl.float32) + tl.load(bias_ptr + h * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)).to(act)
+    x, xr = x.to(tl.float32), xr.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]  # one per head
+        w, wr = tl.load(norm_ptr + d).to(tl.float32)[None, :], tl.load(norm_ptr + rot).to(tl.float32)[None, :]
+        x = ((x * rstd).to(act).to(tl.float32) * w).to(act).to(tl.float32)
+        xr = ((xr * rstd).to(act).to(tl.float32) * wr).to(act).to(tl.float32)
+    return x, xr
+
+
+@triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr,
+                    bias_ptr, q_norm_ptr, k_norm_ptr, eps,
                     stride_qkv, stride_cs, stride_q, stride_slot, stride_k_out, NH, NKV,
                     HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_K_OUT: tl.constexpr,
-                    PDL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot,
     and to ``k_out`` when given), copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened
-    blocks)."""
+    blocks). ``HAS_BIAS``: q, k and v get the qkv bias first (Qwen2); ``HAS_NORM``: each q and k head is
+    RMS-normed (``q_norm`` / ``k_norm`` weights ``[HD]``, Qwen3) before the rotation."""
     if PDL:  # launched while the previous kernel runs: the next may launch now, and we wait for the previous one
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -68,16 +91,14 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
 
     h = tl.arange(0, BLOCK_H)[:, None]  # q heads
     ok = h < NH
-    x = tl.load(row + h * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    xr = tl.load(row + h * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
+    x, xr = _heads(row, bias_ptr, q_norm_ptr, eps, h, ok, d, rot, HD, HAS_BIAS, HAS_NORM)
     q = tl.fma(x, cos, xr * sin)  # one fma, as the int4 qkv layers' RoPE epilogue (csrc_cuda/w4a16_mma.cu) computes
     tl.store(q_ptr + t * stride_q + h * HD + d[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
 
     g = tl.arange(0, BLOCK_KV)[:, None]  # kv heads
     ok = g < NKV
     k_row = row + NH * HD
-    x = tl.load(k_row + g * HD + d[None, :], mask=ok, other=0.0).to(tl.float32)
-    xr = tl.load(k_row + g * HD + rot[None, :], mask=ok, other=0.0).to(tl.float32)
+    x, xr = _heads(k_row, bias_ptr + NH * HD, k_norm_ptr, eps, g, ok, d, rot, HD, HAS_BIAS, HAS_NORM)
     # Round like the reference: k is rotated in the activations' dtype, then stored in the cache's dtype.
     k = tl.fma(x, cos, xr * sin).to(qkv_ptr.dtype.element_ty)
     cache = slot * NKV * HD + g * HD + d[None, :]
@@ -85,6 +106,9 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     if HAS_K_OUT:
         tl.store(k_out_ptr + t * stride_k_out + g * HD + d[None, :], k, mask=ok)
     v = tl.load(k_row + NKV * HD + g * HD + d[None, :], mask=ok, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + (NH + NKV) * HD + g * HD + d[None, :], mask=ok, other=0.0)
+        v = (v.to(tl.float32) + b.to(tl.float32)).to(qkv_ptr.dtype.element_ty)
     tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
@@ -112,19 +136,28 @@ def _norm(h: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: fl
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_size: int, return_k: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  head_size: int, return_k: bool = False, bias: torch.Tensor | None = None,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RoPE + KV-cache write of one step: ``qkv [T, (nh + 2 nkv) hd]``, tables ``cos, sin [T, 1, hd]`` (from
     :func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``.
     Returns the rotated queries ``[T, nh, hd]``; with ``return_k`` also the rotated keys ``[T, nkv, hd]`` in the
-    activations' dtype (what a fresh prompt's attention reads, instead of gathering them back from the cache)."""
+    activations' dtype (what a fresh prompt's attention reads, instead of gathering them back from the cache).
+    ``bias [(nh + 2 nkv) hd]`` (Qwen2) is added to q, k and v first; ``q_norm, k_norm [hd]`` (Qwen3, both or
+    neither) RMS-norm each q and k head (``eps``) before the rotation: what the model's reference path does in
+    separate ops, in this one kernel."""
+    assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together"
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, num_kv_heads, head_size, dtype=qkv.dtype, device=qkv.device) if return_k else q
     if t:
         assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
         cos2, sin2 = cos.reshape(t, head_size), sin.reshape(t, head_size)
-        _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k, qkv.stride(0), cos2.stride(0),
+        _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k,
+                              qkv if bias is None else bias, qkv if q_norm is None else q_norm,
+                              qkv if k_norm is None else k_norm, eps, qkv.stride(0), cos2.stride(0),
                               q.stride(0), slot_mapping.stride(0), k.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
-                              HAS_K_OUT=return_k, num_warps=4, **pdl_kwargs(qkv.device))
+                              HAS_K_OUT=return_k, HAS_BIAS=bias is not None, HAS_NORM=q_norm is not None,
+                              num_warps=4, **pdl_kwargs(qkv.device))
     return (q, k) if return_k else q

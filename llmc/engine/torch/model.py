@@ -162,6 +162,13 @@ class Attention(nn.Module):
         qk = self._norm_heads(qkv[:, :split].view(t, -1, self.head_size)).view(t, split)
         return torch.cat([qk, qkv[:, split:]], dim=1)
 
+    def _rope_extras(self) -> dict:
+        """The fused rope kernel's bias and head-norm arguments (``fused_triton.rope_write_kv``)."""
+        if self.q_layernorm is None or self.k_layernorm is None:
+            return {"bias": self.qkv_bias}
+        return {"bias": self.qkv_bias, "q_norm": self.q_layernorm.weight, "k_norm": self.k_layernorm.weight,
+                "eps": self.q_layernorm.eps}
+
     def project(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 slot_mapping: torch.Tensor, decode: bool) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                    torch.Tensor | None]:
@@ -179,9 +186,9 @@ class Attention(nn.Module):
             plain = self.qkv_bias is None and self.q_layernorm is None  # the epilogue adds no bias, norms no head
             rope = getattr(self.qkv, "rope_write_kv", None) if plain else None
             q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
-            if q is None:  # the layer has no epilogue, or it does not apply
-                q = fused_triton.rope_write_kv(self._qkv_for_rope(x), cos, sin, kv_cache[0], kv_cache[1],
-                                               slot_mapping, nh, nkv, hd)
+            if q is None:  # the layer has no epilogue, or it does not apply: the rope kernel adds the bias, norms
+                q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh,
+                                               nkv, hd, **self._rope_extras())  # the heads (one kernel)
             return q, None, None
         qkv = self._qkv_for_rope(x)  # [T, (nh + 2 nkv) hd]
         q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv, hd,

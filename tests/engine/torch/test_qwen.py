@@ -151,3 +151,48 @@ def test_qwen_with_yarn_matches_transformers(tmp_path, smollm2_tokenizer_dir):
     seqs = {"a": random_ids(40, 30)}
     got = run_schedule(model, [{"a": (0, 25)}, {"a": (25, 26)}, {"a": (26, 40)}], seqs)
     assert_matches(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), got, seqs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_rope_kernel_adds_the_bias_and_norms_the_heads_like_the_reference(family):
+    """CUDA decode steps of Qwen run one Triton kernel (here Triton's interpreter) for the bias, the per-head norms,
+    RoPE and the KV write: its q, cached k and cached v equal the reference ops' (the model's ``_qkv_for_rope`` then
+    the rope kernel without extras) within one bf16 rounding, and the extras change the result."""
+    from llmc.engine.torch import fused_triton, triton_support
+    from llmc.engine.torch.model import Attention, ModelConfig
+    from llmc.engine.torch.rope import rope_cos_sin, rope_inv_freq
+
+    if not triton_support.interpreting():
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1, set by the test session)")
+    nh, nkv, hd, t = 4, 2, 32, 3
+    config = ModelConfig(vocab_size=8, hidden_size=64, num_layers=1, num_heads=nh, num_kv_heads=nkv, head_size=hd,
+                         intermediate_size=64, norm_epsilon=1e-6, rotary_base=10000.0, rope_scaling=None,
+                         max_position_embeddings=64, tie_word_embeddings=True, dtype="bfloat16",
+                         qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+    gen = torch.Generator().manual_seed(0)
+    attention = Attention(config, torch.bfloat16)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if p.dim() == 1 else 0.1) + (p.dim() == 1))
+    x = torch.randn(t, 64, generator=gen).bfloat16()
+    cos, sin = rope_cos_sin(rope_inv_freq(hd, 10000.0, None), torch.tensor([1, 7, 30]), torch.bfloat16)
+    slots = torch.tensor([2, 5, 11])
+
+    def run(fused: bool):
+        caches = torch.zeros(2, 4, 4, nkv, hd, dtype=torch.bfloat16)
+        with torch.no_grad():
+            if fused:
+                q = fused_triton.rope_write_kv(attention.qkv(x), cos, sin, caches[0], caches[1], slots, nh, nkv, hd,
+                                               **attention._rope_extras())
+            else:
+                q = fused_triton.rope_write_kv(attention._qkv_for_rope(x), cos, sin, caches[0], caches[1], slots, nh,
+                                               nkv, hd)
+        return q.float(), caches.float()
+
+    (q, caches), (q_ref, caches_ref) = run(True), run(False)
+    for got, want in ((q, q_ref), (caches, caches_ref)):
+        assert (got - want).abs().max() <= 2 ** -6 * want.abs().max()
+    with torch.no_grad():
+        plain_q = fused_triton.rope_write_kv(attention.qkv(x), cos, sin, torch.zeros_like(caches_ref[0]).bfloat16(),
+                                             torch.zeros_like(caches_ref[1]).bfloat16(), slots, nh, nkv, hd).float()
+    assert (plain_q - q_ref).abs().max() > 0.05 * q_ref.abs().max()
