@@ -115,8 +115,8 @@ def _check_architecture(hf_config: dict, file: str | None) -> None:
     if model_family(hf_config) in QK_NORM_TYPES:
         raise RecipeError(
             file, "model.source",
-            "Qwen3 (per-head q / k norms) is not built by llmc's tensorrt_llm backend: no TensorRT-LLM 1.2 source "
-            "read for it holds those norms in its TensorRT-engine Qwen model (only its PyTorch backend has them)",
+            "Qwen3 (per-head q / k norms) is not built by llmc's tensorrt_llm backend: no upstream TensorRT-LLM "
+            "source read shows those norms in its TensorRT-engine Qwen model (docs/TENSORRT_LLM.md, U16)",
             "use backend: torch for Qwen3 (Qwen2 and Llama-family models build with either backend)",
         )
 
