@@ -60,7 +60,8 @@ def test_inspect_human_output(built_dir):
     _, out = built_dir
     result = CliRunner().invoke(inspect_cmd, [str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("tiny", "model: LlamaForCausalLM, layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]", "quantization: none"):
+    for text in ("tiny", "model: LlamaForCausalLM, layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]",
+                 "quantization: none"):
         assert text in result.stdout, text
 
 
