@@ -26,8 +26,9 @@ CONFIG_KEYS = (
 )  # fmt: skip
 # Written for Qwen models only (TensorRT-LLM's QWenForCausalLM reads them; tensorrt_llm/models/qwen/config.py).
 QWEN_KEYS = ("qwen_type", "seq_length")
-QWEN_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QWEN_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items() if kind in QWEN_TYPES}
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+IR_ARCHITECTURES = (LLAMA_ARCHITECTURE, *QWEN_ARCHITECTURES.values())  # what llmc writes as ``architecture``
 W4A16_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "has_zero_point", "pre_quant_scale", "exclude_modules")
 
 

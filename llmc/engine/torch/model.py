@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.checkpoint.config import ModelShape
+from llmc.checkpoint.config import IR_ARCHITECTURES, ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
 from llmc.engine.torch.layers import MLP, RMSNorm
@@ -81,7 +81,7 @@ def _check_supported(cfg: dict, shape: ModelShape) -> None:
     """CheckpointError unless the config describes what this engine implements: a SiLU Llama with NeoX RoPE, or
     Qwen2 (q, k, v biases) / Qwen3 (q, k head norms); no bias on the output projection or the MLP."""
     supported = {
-        "architecture": ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+        "architecture": IR_ARCHITECTURES,
         "hidden_act": ("silu",),
         "position_embedding_type": ("rope_gpt_neox",),
     }
@@ -132,35 +132,25 @@ class Attention(nn.Module):
         :meth:`project` and :meth:`attend` instead, then the dense layer."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        qkv = self.qkv(x)  # [T, q_size + 2 * kv_size]
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        qk = self._norm_heads(qkv[:, : q_size + kv_size].view(t, -1, self.head_size))
-        qk = apply_rope(qk, cos, sin)  # q and k heads at once
+        qkv = self._qkv_for_rope(x)  # [T, q_size + 2 * kv_size]
+        qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
 
-    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
-        """``qk [T, nh + nkv, hd]``: each query head through ``q_layernorm``, each key head through ``k_layernorm``
-        (Qwen3); unchanged without them."""
-        if self.q_layernorm is None or self.k_layernorm is None:
-            return qk
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        return torch.cat([self.q_layernorm(q.contiguous()), self.k_layernorm(k.contiguous())], dim=1)
-
     def _qkv_for_rope(self, x: torch.Tensor) -> torch.Tensor:
-        """The qkv product ``[T, (nh + 2 nkv) hd]`` with the bias added and the q, k heads normed, ready for the
-        fused RoPE + cache write."""
+        """The qkv product ``[T, (nh + 2 nkv) hd]`` with Qwen2's bias added and Qwen3's q, k heads normed (in place:
+        the product is this step's own), ready for RoPE; the plain product for Llama."""
         qkv = self.qkv(x)
-        if self.qkv_bias is None and self.q_layernorm is None:
-            return qkv
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
-        t, split = qkv.shape[0], (self.num_heads + self.num_kv_heads) * self.head_size
-        qk = self._norm_heads(qkv[:, :split].view(t, -1, self.head_size)).view(t, split)
-        return torch.cat([qk, qkv[:, split:]], dim=1)
+        if self.q_layernorm is not None and self.k_layernorm is not None:
+            nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+            heads = qkv[:, : (nh + nkv) * hd].view(qkv.shape[0], nh + nkv, hd)
+            heads[:, :nh] = self.q_layernorm(heads[:, :nh].contiguous())
+            heads[:, nh:] = self.k_layernorm(heads[:, nh:].contiguous())
+        return qkv
 
     def _rope_extras(self) -> dict:
         """The fused rope kernel's bias and head-norm arguments (``fused_triton.rope_write_kv``)."""
