@@ -50,6 +50,7 @@ class BenchOptions:
     prefix_caching: str = "auto"
     mixed_step_tokens: int | None = None  # None: the build's serving.mixed_step_tokens
     step_log: Path | None = None  # keep the engine's per-step records (JSON lines) here
+    speculative_tokens: int | None = None  # None: the build's serving.speculative_tokens
 
 
 def parse_levels(text: str) -> tuple[int, ...]:
@@ -119,13 +120,14 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
     with tempfile.TemporaryDirectory(prefix="llmc-bench-") as tmp:
         step_log = Path(tmp) / "steps.jsonl"
         engine = Engine.from_dir(opts.engine_dir, device=opts.device, metrics_log=step_log, prefix_caching=override,
-                                 mixed_step_tokens=opts.mixed_step_tokens)
+                                 mixed_step_tokens=opts.mixed_step_tokens, speculative_tokens=opts.speculative_tokens)
         try:
             workload, plan = load_plan(opts, engine.tokenizer, engine.recipe.model.add_special_tokens,
                                        engine.eos_token_ids)
             if opts.baseline == "hf":
                 baseline = load_baseline(opts, str(engine.runner.device))
             levels, base_levels = run_offline(engine, plan, params, step_log, _progress(), baseline)
+            drafts = engine.stats()  # warm-up included: its requests are greedy too
         finally:
             engine.shutdown()
         if opts.step_log is not None:
@@ -142,6 +144,9 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
                       else "--mixed-step-tokens",
                       # token counts whose steps replay CUDA graphs in pieces (llmc.engine.torch.piece_graphs)
                       "piece_graph_buckets": getattr(getattr(engine.runner, "pieces", None), "buckets", []),
+                      # prompt-lookup draft tokens per step (0: off) and those the model accepted over the run
+                      "speculative_tokens": getattr(engine.scheduler.speculator, "num_draft", 0),
+                      "draft_tokens": drafts["draft_tokens"], "accepted_draft_tokens": drafts["accepted_draft_tokens"],
                       "prefix_caching": engine.block_manager.enable_prefix_caching},
            # The weights as the engine holds them on its device (int4 layers packed on CUDA), by dtype.
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),
@@ -319,6 +324,9 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
               help="Offline: the token budget of a step that carries decodes (prefill chunks ride along up to it), "
                    "instead of the build's serving.mixed_step_tokens; 0 = no budget (engine.max_num_tokens). Smaller "
                    "budgets cut ITL tails behind long prompts and cost TTFT. Reported per run.")
+@click.option("--speculative-tokens", type=click.IntRange(0, 16), default=None,
+              help="Offline: draft tokens per step by prompt lookup for greedy requests, instead of the build's "
+                   "serving.speculative_tokens; 0 = off. The report counts the drafts and those accepted.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
                    "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "
@@ -332,13 +340,17 @@ def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: st
               prompts: Path | None, concurrency: str, temperature: float, top_p: float, top_k: int,
               sampling_seed: int | None, baseline: str | None, baseline_model: Path | None, device: str,
               warmup: int, json_out: Path | None, plots: Path | None, seed: int, threads: int | None,
-              prefix_caching: str, repeat: int, mixed_step_tokens: int | None, step_log: Path | None) -> None:
+              prefix_caching: str, repeat: int, speculative_tokens: int | None, mixed_step_tokens: int | None,
+              step_log: Path | None) -> None:
     """Benchmark ENGINE_DIR offline (in-process) or a server with --url: TTFT, ITL, TGS per concurrency level."""
     if baseline and url:
         raise RequestError("baseline", "--baseline hf runs in-process; drop --url to compare against transformers")
     if url and mixed_step_tokens is not None:
         raise RequestError("mixed_step_tokens", "a server schedules steps as its build's serving.mixed_step_tokens "
                                                 "says; drop --mixed-step-tokens with --url")
+    if url and speculative_tokens is not None:
+        raise RequestError("speculative_tokens", "a server drafts as its build's serving.speculative_tokens says; "
+                                                 "drop --speculative-tokens with --url")
     if url and step_log is not None:
         raise RequestError("step_log", "a server's engine steps are not visible to a client; drop --step-log with "
                                        "--url")
@@ -350,4 +362,4 @@ def bench_cmd(engine_dir: Path | None, url: str | None, protocol: str, model: st
     execute(BenchOptions(engine_dir, url, protocol, model, tokenizer, isl, osl, isl_dist, osl_dist, spread,
                          num_prompts, prompts, parse_levels(concurrency), sampling, baseline, baseline_model, device,
                          max(0, warmup), json_out, plots, seed, threads, repeat, prefix_caching, mixed_step_tokens,
-                         step_log))
+                         step_log, speculative_tokens))

@@ -52,6 +52,11 @@ class ScheduledSequence:
     # The token ids the request's output format allows next (SamplingParams.structured), for a sequence that samples:
     # int32 [ceil(vocab / 32)] on the host, bit i % 32 of word i // 32 set for an allowed id i; None: any id.
     token_mask: Any = field(default=None, compare=False)
+    # Draft tokens (speculation, llmc.runtime.scheduler.speculate): the last ``num_draft`` of ``token_ids`` are
+    # guesses that follow the decode token before them; the runner returns the token it chooses after each new token
+    # (ModelRunnerOutput.verify_token_ids, then sampled_token_ids after the last), greedy or sampled as that output
+    # position would be without drafts (its seed index, penalties and min_tokens count the drafts before it).
+    num_draft: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -82,6 +87,9 @@ class ModelRunnerOutput:
     # Prompt log-probabilities of this step's prompt chunks (SamplingParams.prompt_logprobs): request id ->
     # (the first prompt position they score, one entry per position from there), for any sequence, sampled or not.
     prompt_logprobs: dict[str, tuple[int, tuple[TokenLogprob, ...]]] = field(default_factory=dict)
+    # Sequences with draft tokens (ScheduledSequence.num_draft): the token chosen after each of their new tokens but
+    # the last (num_draft of them; ``sampled_token_ids`` has the one after the last).
+    verify_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -109,6 +117,7 @@ class StepRunner(ModelRunner, Protocol):
     # Runners with ``late_masks = True`` take ``launch(scheduled, previous, masks)``: ``masks()``, called once the
     # step's forward pass is queued and before it samples, returns the step with its output-format masks set (the
     # engine collects ``previous`` in it, so the masks see its tokens while the device runs the forward pass).
+    # Runners with ``verifies_drafts = True`` take sequences with draft tokens (ScheduledSequence.num_draft).
 
 
 @runtime_checkable

@@ -245,6 +245,9 @@ class ServingSpec:
     enable_chunked_context: bool = True
     mixed_step_tokens: int = spec(0, bounds=Range(ge=0),
                                   hint="0 lets a step with decodes take engine.max_num_tokens tokens")
+    speculative_tokens: int = spec(0, bounds=Range(ge=0, le=16), hint="0 turns speculation (prompt lookup) off")
+    prompt_lookup_min: int = spec(1, bounds=Range(ge=1, le=8), hint="the shortest n-gram a draft is looked up by")
+    prompt_lookup_max: int = spec(3, bounds=Range(ge=1, le=8), hint="the longest n-gram a draft is looked up by")
     model_name: str | None = spec(None, pattern=MODEL_NAME_PATTERN, hint="null means the recipe name")
     tool_call_syntax: ToolCallSyntax = "auto"
     reasoning_syntax: ReasoningSyntax = "auto"

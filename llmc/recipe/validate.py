@@ -177,6 +177,13 @@ def _check_serving(recipe: Recipe, ctx: Context) -> None:
     if recipe.serving.port == recipe.serving.grpc_port:
         raise ctx.error("serving.grpc_port", f"port and grpc_port are both {recipe.serving.port}",
                         "give the HTTP and gRPC servers different ports")
+    serving = recipe.serving
+    if serving.prompt_lookup_min > serving.prompt_lookup_max:
+        raise ctx.error("serving.prompt_lookup_min", f"{serving.prompt_lookup_min} is above prompt_lookup_max "
+                        f"({serving.prompt_lookup_max})", "set prompt_lookup_min <= prompt_lookup_max")
+    if serving.speculative_tokens and recipe.backend == "tensorrt_llm":
+        raise ctx.error("serving.speculative_tokens", "prompt-lookup speculation is llmc's scheduler's (torch "
+                        "backend); a tensorrt_llm engine builds its speculative decoding in", "set it to 0")
 
 
 def _check_inputs(recipe: Recipe, ctx: Context) -> None:

@@ -42,6 +42,7 @@ from llmc.runtime.compute import run_compute
 from llmc.runtime.request_events import RequestEvents
 from llmc.runtime.step_cycle import StepCycle
 from llmc.runtime.scheduler import Request, Scheduler
+from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS, PromptLookup
 from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,13 +58,17 @@ class Engine:
     ``runtime.sampling``. ``num_blocks`` uses only part of the runner's KV cache (tests force preemption
     with it); ``max_wait_s`` bounds how long a low-priority request waits before it is served first;
     ``prefix_caching`` overrides the recipe's ``serving.enable_kv_cache_reuse`` (None keeps it), and
-    ``mixed_step_tokens`` its ``serving.mixed_step_tokens`` (None keeps it; 0 = no budget for steps with decodes).
+    ``mixed_step_tokens`` its ``serving.mixed_step_tokens`` (None keeps it; 0 = no budget for steps with decodes),
+    ``speculative_tokens`` its ``serving.speculative_tokens`` (None keeps it; 0 = no draft tokens): requests
+    then verify up to that many tokens looked up in their own context each step (:mod:`llmc.runtime.scheduler.
+    speculate`; ``stats()`` counts the drafted and accepted tokens).
     """
 
     def __init__(self, runner: StepRunner, tokenizer: Any, recipe: Recipe, eos_token_ids: Sequence[int],
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
                  num_blocks: int | None = None, clock: Callable[[], float] = time.perf_counter,
-                 prefix_caching: bool | None = None, mixed_step_tokens: int | None = None):
+                 prefix_caching: bool | None = None, mixed_step_tokens: int | None = None,
+                 speculative_tokens: int | None = None):
         if not isinstance(runner, StepRunner):
             raise EngineError(f"Engine drives step runners (block_size, num_blocks, execute), not a "
                               f"{type(runner).__name__}. Fix: open the build folder with Engine.from_dir, which "
@@ -88,7 +93,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, limits.max_batch_size, limits.max_num_tokens,
                                    limits.max_seq_len, recipe.serving.max_queue_size, max_wait_s, clock,
                                    max_mixed_tokens=recipe.serving.mixed_step_tokens
-                                   if mixed_step_tokens is None else mixed_step_tokens)
+                                   if mixed_step_tokens is None else mixed_step_tokens,
+                                   speculator=_speculator(runner, recipe.serving, speculative_tokens),
+                                   draft_limits=getattr(runner, "draft_limits", None))
         self._outputs: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()  # scheduler + outputs; re-entrant so a sink may call abort()
         self._steps = StepCycle(self.scheduler, runner, self._outputs, self._lock, clock,
@@ -99,7 +106,7 @@ class Engine:
     def from_dir(cls, path: str | Path, device: str = "auto", num_blocks: int | None = None,
                  metrics_log: str | Path | None = None, max_wait_s: float | None = None,
                  warmup: bool = True, prefix_caching: bool | None = None,
-                 mixed_step_tokens: int | None = None) -> Engine:
+                 mixed_step_tokens: int | None = None, speculative_tokens: int | None = None) -> Engine:
         """Load a build folder (``llmc build`` output). ``device``: "auto" (CUDA if available), "cpu", "cuda".
 
         A ``backend: tensorrt_llm`` build returns a :class:`~llmc.engine.tensorrt_llm.engine.TrtllmEngine`
@@ -108,8 +115,9 @@ class Engine:
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one, and builds the
         structured outputs' tokenizer index in the background.
-        ``prefix_caching`` and ``mixed_step_tokens`` override the recipe's ``serving.enable_kv_cache_reuse`` and
-        ``serving.mixed_step_tokens`` (torch backend only)."""
+        ``prefix_caching``, ``mixed_step_tokens`` and ``speculative_tokens`` override the recipe's
+        ``serving.enable_kv_cache_reuse``, ``serving.mixed_step_tokens`` and ``serving.speculative_tokens`` (torch
+        backend only)."""
         build_dir = Path(path)
         manifest = read_manifest(build_dir)
         if manifest.backend == "tensorrt_llm":
@@ -119,6 +127,9 @@ class Engine:
             if mixed_step_tokens is not None:  # TensorRT-LLM's own scheduler batches the steps
                 raise RequestError("mixed_step_tokens", "a tensorrt_llm build schedules its steps in TensorRT-LLM's "
                                    "batch manager; mixed_step_tokens applies to the torch backend only")
+            if speculative_tokens:
+                raise RequestError("speculative_tokens", "a tensorrt_llm build decodes in TensorRT-LLM's batch "
+                                   "manager; prompt-lookup speculation applies to the torch backend only")
             return TrtllmEngine.from_build_dir(build_dir)  # type: ignore[return-value]
         recipe = manifest.recipe_obj()
         tokenizer = load_tokenizer(build_dir / "tokenizer")
@@ -137,7 +148,8 @@ class Engine:
 
         runner = run_compute(load)  # loading, warm-up and steps share one thread (llmc/runtime/compute.py)
         engine = cls(runner, tokenizer, recipe, manifest.eos_token_ids, metrics_log=metrics_log,
-                     max_wait_s=max_wait_s, prefix_caching=prefix_caching, mixed_step_tokens=mixed_step_tokens)
+                     max_wait_s=max_wait_s, prefix_caching=prefix_caching, mixed_step_tokens=mixed_step_tokens,
+                     speculative_tokens=speculative_tokens)
         if warmup:  # structured outputs' tokenizer index, off the first such request's path
             engine.grammars.prepare_in_background()
         return engine
@@ -340,7 +352,23 @@ class Engine:
                 "prefix_cache_hit_tokens": self.block_manager.hit_tokens,
                 "structured_masks": self._steps.masks_total,
                 "structured_mask_seconds": self._steps.mask_seconds_total,
+                "draft_tokens": self.scheduler.drafted_tokens_total,
+                "accepted_draft_tokens": self.scheduler.accepted_tokens_total,
             }
+
+
+def _speculator(runner: StepRunner, serving: Any, speculative_tokens: int | None) -> PromptLookup | None:
+    """The scheduler's draft-token proposer (``serving.speculative_tokens``, overridden by ``speculative_tokens``;
+    None when 0)."""
+    count = serving.speculative_tokens if speculative_tokens is None else speculative_tokens
+    if not 0 <= count <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative_tokens must be in 0..{MAX_DRAFT_TOKENS} (0: off), got {count}")
+    if not count:
+        return None
+    if not getattr(runner, "verifies_drafts", False):
+        raise EngineError(f"{type(runner).__name__} cannot verify draft tokens. Fix: set serving.speculative_tokens "
+                          "to 0 (or pass speculative_tokens=0)")
+    return PromptLookup(count, serving.prompt_lookup_min, serving.prompt_lookup_max)
 
 
 def _raise_if_error(event: StreamEvent) -> None:

@@ -20,7 +20,9 @@ Penalties read earlier tokens' values: while a running request uses them, the en
 planning step n + 1. Output formats (structured outputs) need them only to sample: with a runner that takes late
 masks (``late_masks``, the torch runner), step n + 1 is planned and its forward pass queued with placeholders as
 above, then, before its sampler, the engine collects step n (each constraint sees its token) and computes the
-masks on the host while the device runs that forward pass; other runners wait for step n first.
+masks on the host while the device runs that forward pass; other runners wait for step n first. Draft tokens
+(``Scheduler.speculator``) follow a request's last token: while a request that may draft runs, the engine waits for
+step n before planning step n + 1, and a drafted step's tokens (1 to drafts + 1 of them) are always collected first.
 
 The scheduler and the outputs are shared with :class:`~llmc.runtime.api.Engine` under its lock, which is not held
 while the model runs (callers add and abort requests during a step).
@@ -40,6 +42,7 @@ from llmc.request.outputs import RequestOutput, StreamEvent
 from llmc.request.structured import Constraint
 from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
+from llmc.runtime.scheduler.speculate import speculable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ def _short(scheduled: SchedulerOutput, mixed_budget: int | None) -> bool:
     mixed-step budget ``mixed_budget`` bounded it (see :class:`~llmc.runtime.scheduler.Scheduler`)."""
     if scheduled.num_tokens == len(scheduled.sequences):  # one token each: all decodes
         return True
+    if any(s.num_draft for s in scheduled.sequences):  # how many tokens it yields is known only at its end
+        return False
     if not mixed_budget:
         return False
     decodes = sum(1 for s in scheduled.sequences if s.is_decode)
@@ -180,10 +185,12 @@ class StepCycle:
 
     def _needs_token_values(self) -> bool:
         """Whether a running request samples with penalties, or with an output format where the runner cannot take
-        late masks (they read the values of earlier tokens before the step is launched)."""
+        late masks (they read the values of earlier tokens before the step is launched), or may draft tokens (they
+        follow its last token's value)."""
+        drafting = self.scheduler.speculator is not None
         with self._lock:
             return any(r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
-                       for r in self.scheduler.running)
+                       or (drafting and speculable(r.params)) for r in self.scheduler.running)
 
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
@@ -225,9 +232,11 @@ class StepCycle:
             if self._metrics_log is not None:
                 self._metrics_log.flush()
 
-    def process(self, new_tokens: dict[str, int], result: ModelRunnerOutput | None = None) -> list[StreamEvent]:
+    def process(self, new_tokens: dict[str, int | tuple[int, ...]], result: ModelRunnerOutput | None = None
+                ) -> list[StreamEvent]:
         """Turn sampled tokens (and the step's log-probabilities, where asked for: ``result``) into events;
-        finished requests leave the scheduler (blocks freed). Under the lock."""
+        finished requests leave the scheduler (blocks freed). A tuple is a request's several new tokens (accepted
+        draft tokens, then the model's own): an event each, up to the one that ends the request. Under the lock."""
         logprobs = result.logprobs if result is not None else {}
         if result is not None and result.prompt_logprobs:
             for request_id, (start, entries) in result.prompt_logprobs.items():
@@ -236,7 +245,7 @@ class StepCycle:
                     output.add_prompt_logprobs(start, entries)
         now = self.clock()
         events = []
-        for request_id, token in new_tokens.items():
+        for request_id, tokens in new_tokens.items():
             output = self._outputs.get(request_id)
             if output is None:
                 continue
@@ -244,11 +253,13 @@ class StepCycle:
             output.metrics.record_scheduled(request.first_scheduled_time)
             output.metrics.num_preemptions = request.num_preemptions
             output.metrics.cached_tokens = request.cached_tokens
-            event = output.on_token(token, now, logprobs.get(request_id) if logprobs else None)
-            events.append(event)
-            self.emit(output, event)
-            if event.finished:
-                self.retire(request_id)
+            for token in tokens if isinstance(tokens, tuple) else (tokens,):
+                event = output.on_token(token, now, logprobs.get(request_id) if logprobs else None)
+                events.append(event)
+                self.emit(output, event)
+                if event.finished:
+                    self.retire(request_id)
+                    break
         return events
 
     def emit(self, output: RequestOutput, event: StreamEvent) -> None:
@@ -288,7 +299,7 @@ class StepCycle:
     def _record_step(self, scheduled: SchedulerOutput, start: float) -> None:
         if self._metrics_log is None:
             return
-        decode = sum(1 for s in scheduled.sequences if s.is_decode)
+        decode = sum(1 + s.num_draft for s in scheduled.sequences if s.is_decode or s.num_draft)  # drafts: decoding
         self._metrics_log.log_step(StepMetrics(
             step=scheduled.step,
             time=start,

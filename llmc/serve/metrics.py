@@ -48,6 +48,10 @@ ENGINE_COUNTERS = {
                                                   "(one per constrained token)."),
     "structured_mask_seconds": ("llmc_structured_mask_seconds", "Host seconds computing those masks on the step "
                                                                 "loop."),
+    "draft_tokens": ("llmc_draft_tokens", "Draft tokens verified (prompt-lookup speculation, "
+                                          "serving.speculative_tokens)."),
+    "accepted_draft_tokens": ("llmc_accepted_draft_tokens", "Draft tokens the model's own choice confirmed (each "
+                                                            "one a token generated without a step of its own)."),
 }
 
 

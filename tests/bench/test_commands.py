@@ -131,6 +131,20 @@ def test_mixed_step_budget_is_a_bench_option(bench_build_dir, tmp_path):
     assert budget["levels"][0]["steps"]["count"] > build_default["levels"][0]["steps"]["count"]
 
 
+def test_speculative_tokens_are_a_bench_option(bench_build_dir, tmp_path):
+    out = tmp_path / "spec.json"
+    result = CliRunner().invoke(bench_cmd, [str(bench_build_dir), "--isl", "40", "--osl", "24", "--num-prompts", "2",
+                                            "--concurrency", "2", "--json", str(out), "--device", "cpu", "--warmup",
+                                            "0", "--temperature", "0", "--speculative-tokens", "3"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["speculative_tokens"] == 3 and engine["draft_tokens"] >= engine["accepted_draft_tokens"] > 0
+    with pytest.raises(RequestError, match="drop --speculative-tokens"):
+        CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--speculative-tokens", "2"],
+                           catch_exceptions=False)
+
+
 def test_mixed_step_budget_is_offline_only():
     with pytest.raises(RequestError, match="drop --mixed-step-tokens"):
         CliRunner().invoke(bench_cmd, ["--url", "http://127.0.0.1:9", "--mixed-step-tokens", "512"],

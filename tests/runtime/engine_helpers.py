@@ -50,6 +50,7 @@ class LazyStepRunner:
     def __init__(self, runner, fail_on_launch: set[int] = frozenset(), late_masks: bool = True):
         self._runner = runner
         self.late_masks = late_masks
+        self.verifies_drafts = getattr(runner, "verifies_drafts", False)
         self.block_size, self.num_blocks, self.vocab_size = runner.block_size, runner.num_blocks, runner.vocab_size
         self.fail_on_launch = set(fail_on_launch)
         self.launches = 0

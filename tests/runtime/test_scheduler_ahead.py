@@ -89,7 +89,7 @@ def test_a_request_at_its_length_limit_is_not_planned_again():
     sched.add(make_request("b", 5, max_new=3))
     first = runner.execute(sched.schedule())
     ticket = sched.advance()  # both sampled their first token: placeholders
-    assert [r.output_token_ids for r, _ in ticket] == [[PLACEHOLDER], [PLACEHOLDER]]
+    assert [r.output_token_ids for r, _, _ in ticket] == [[PLACEHOLDER], [PLACEHOLDER]]
     out = sched.schedule()
     assert [(s.request_id, s.token_ids) for s in out.sequences] == [("a", (PLACEHOLDER,)), ("b", (PLACEHOLDER,))]
     second = runner.execute(resolve_placeholders(out, first))

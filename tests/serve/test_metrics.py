@@ -17,7 +17,8 @@ class FakeEngine:
         return {"waiting": 1, "running": 2, "kv_blocks_used": self.used, "kv_blocks_free": 10 - self.used,
                 "kv_blocks_total": 10, "preemptions": self.used // 2, "prefix_cache_queried_tokens": 64 * self.used,
                 "prefix_cache_hit_tokens": 32 * self.used, "structured_masks": 5 * self.used,
-                "structured_mask_seconds": 0.001 * self.used}
+                "structured_mask_seconds": 0.001 * self.used, "draft_tokens": 8 * self.used,
+                "accepted_draft_tokens": 3 * self.used}
 
 
 def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -57,6 +58,7 @@ def test_counters_histograms_and_callback_gauges():
     assert got[("llmc_prefix_cache_queried_tokens_total", ())] == 256
     assert got[("llmc_prefix_cache_hit_tokens_total", ())] == 128
     assert got[("llmc_structured_masks_total", ())] == 20 and got[("llmc_structured_mask_seconds_total", ())] == 0.004
+    assert got[("llmc_draft_tokens_total", ())] == 32 and got[("llmc_accepted_draft_tokens_total", ())] == 12
     assert got[("llmc_request_format_compile_seconds_bucket", (("le", "0.0025"),))] == 1
     assert got[("llmc_request_format_compile_seconds_count", ())] == 1  # the request without a format: not observed
     assert got[("llmc_num_requests_running", ())] == 2 and got[("llmc_requests_in_flight", ())] == 3

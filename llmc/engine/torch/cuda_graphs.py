@@ -55,6 +55,12 @@ def last_rows(seqs: tuple[ScheduledSequence, ...]) -> list[int]:
     return [end - 1 for end in itertools.accumulate(len(s.token_ids) for s in seqs)]
 
 
+def verify_rows(seqs: tuple[ScheduledSequence, ...]) -> list[int]:
+    """The rows whose greedy tokens verify draft tokens (``ScheduledSequence.num_draft``): of each sequence with
+    drafts, the rows of its new tokens but the last (its decode token and every draft but the last), in order."""
+    return [row for end, s in zip(last_rows(seqs), seqs) for row in range(end - s.num_draft, end)]
+
+
 def graph_rows(seqs: tuple[ScheduledSequence, ...], block_size: int, max_blocks: int, max_decodes: int,
                chunk_rows: int) -> int:
     """The rows a step takes in the graphs (its new tokens), or 0 where it cannot replay them: no sequences, a
@@ -112,6 +118,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._argmax: dict[int, torch.Tensor] = {}  # greedy token of each row, computed inside the graph
+        self._replayed = 0  # the rows of the graph run() replayed last
         self._pad_all()
 
     def _pad_all(self) -> None:
@@ -168,6 +175,11 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
+    def draft_limits(self) -> tuple[int, int]:
+        """The rows and the row contexts (tokens each row attends to, summed) a step may have and still replay a
+        graph (:func:`graph_rows`): what the scheduler's draft tokens must stay within."""
+        return self.chunk_rows, self.max_batch_size * self.max_blocks * self.block_size
+
     def can_run(self, seqs: tuple[ScheduledSequence, ...]) -> bool:
         """True for a step the captured graphs can run (:func:`graph_rows`)."""
         return bool(self._graphs) and graph_rows(seqs, self.block_size, self.max_blocks, self.max_batch_size,
@@ -187,8 +199,15 @@ class DecodeGraphs:
             at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
             self._dev[:, 0].index_copy_(0, at, fill[1].to(torch.int64))
         self._graphs[b].replay()
+        self._replayed = b
         if len(ends) == ends[-1] + 1 and all(s.sample for s in seqs):  # a row per sequence: the first rows
             return self._logits[b][: len(ends)], self._argmax[b][: len(ends)]
         picked = [end for end, s in zip(ends, seqs, strict=True) if s.sample]
         index = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
         return self._logits[b].index_select(0, index), self._argmax[b].index_select(0, index)
+
+    def rows_at(self, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits ``[R, V]`` and greedy tokens ``[R]`` of those rows of the last :meth:`run` (every row's are
+        computed in the graph: draft tokens are verified without running the model again)."""
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self._logits[self._replayed].index_select(0, index), self._argmax[self._replayed].index_select(0, index)

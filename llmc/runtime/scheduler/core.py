@@ -25,6 +25,11 @@ sampled token, and :meth:`fill` puts the tokens in place once they arrive. A req
 reached is never scheduled again; one that a stop token ends runs one more (discarded) row. The engine decides
 when a request is done (stop tokens, stop strings, lengths) and calls :meth:`finish_request`; finish, abort and
 error all return every block.
+
+With a ``speculator`` (:mod:`llmc.runtime.scheduler.speculate`), a request's decode token may be followed by
+draft tokens in the same step (within the token budget and the request's length limit, KV slots reserved for all of
+them); :meth:`fill` keeps the drafts the runner's chosen tokens confirm, appends the model's own next token and
+counts the confirmed drafts as computed (a rejected draft's KV entry is overwritten by the next step).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from llmc.errors import RequestError
 from llmc.runtime.kv_cache import BlockManager
 from llmc.runtime.scheduler.queue import WaitingQueue
 from llmc.runtime.scheduler.request import Request, RequestStatus
+from llmc.runtime.scheduler.speculate import PromptLookup, speculable
 
 
 class Scheduler:
@@ -52,6 +58,8 @@ class Scheduler:
         max_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_mixed_tokens: int | None = None,
+        speculator: PromptLookup | None = None,
+        draft_limits: tuple[int, int] | None = None,
     ):
         if max_num_seqs <= 0 or max_num_tokens <= 0 or max_model_len <= 0:
             raise ValueError("max_num_seqs, max_num_tokens and max_model_len must be positive")
@@ -66,7 +74,13 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._next_seq_no = 0
         self._step = 0
-        self._last_scheduled: list[tuple[Request, int, bool]] = []  # (request, num tokens, sample)
+        self.speculator = speculator  # draft tokens after decodes (None: off)
+        # (rows, row contexts) a step with drafts may have in all (the runner's CUDA graphs'), None: no bound
+        self.draft_limits = draft_limits
+        # (request, tokens, sample, drafts) of the last schedule()
+        self._last_scheduled: list[tuple[Request, int, bool, tuple[int, ...]]] = []
+        self.drafted_tokens_total = 0  # draft tokens verified so far
+        self.accepted_tokens_total = 0  # of which the model's own choice equalled the draft
         self.num_preemptions_total = 0
         self.last_step_preemptions = 0
 
@@ -132,6 +146,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         return True
 
     abort = finish_request
@@ -141,7 +157,7 @@ class Scheduler:
         """Plan one step (see the module docstring)."""
         self._step += 1
         budget = self.max_num_tokens
-        planned: list[tuple[Request, int, bool]] = []
+        planned: list[tuple[Request, int, bool, tuple[int, ...]]] = []
         preempted: list[str] = []
         order = sorted(self.running, key=lambda r: r.rank)
         decodes = [r for r in order if is_decode(r.num_remaining)]
@@ -149,6 +165,7 @@ class Scheduler:
         if decodes and self.max_mixed_tokens:
             budget = min(budget, max(self.max_mixed_tokens, len(decodes)))
         planned_ids: set[int] = set()  # id() of the planned requests (preemption never picks them)
+        room = self._draft_room(decodes)
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -157,8 +174,10 @@ class Scheduler:
             if request.num_tokens >= self._max_total(request):
                 continue  # its last token is sampled (a placeholder until the step ends): it ends on it
             n = min(request.num_remaining, budget)
+            drafts = self._drafts(request, budget, room) if is_decode(n) else ()
+            n += len(drafts)
             if self._reserve(request, n, planned_ids, preempted):
-                planned.append((request, n, request.num_computed + n == request.num_tokens))
+                planned.append((request, n, request.num_computed + n - len(drafts) == request.num_tokens, drafts))
                 planned_ids.add(id(request))
                 budget -= n
         if not preempted:
@@ -168,9 +187,35 @@ class Scheduler:
         self.num_preemptions_total += len(preempted)
         return SchedulerOutput(
             step=self._step,
-            sequences=tuple(self._to_scheduled(r, n, sample) for r, n, sample in planned),
+            sequences=tuple(self._to_scheduled(*entry) for entry in planned),
             preempted_request_ids=tuple(preempted),
         )
+
+    def _draft_room(self, decodes: list[Request]) -> list[int] | None:
+        """What the step's drafts may add to its decodes' rows and row contexts (``draft_limits``), or None."""
+        if self.speculator is None or self.draft_limits is None:
+            return None
+        rows, context = self.draft_limits
+        return [rows - len(decodes), context - sum(r.num_computed + 1 for r in decodes)]
+
+    def _drafts(self, request: Request, budget: int, room: list[int] | None) -> tuple[int, ...]:
+        """Draft tokens to verify after a decode's token (:mod:`~llmc.runtime.scheduler.speculate`): within the
+        step's token budget, short enough that every accepted token stays within the request's length limit, and
+        within ``room`` (rows, row contexts left under ``draft_limits``; taken from it): a drafted row reads its
+        context like a decode, and on CUDA drafts never push a step of decodes off the captured graphs into eager
+        launches (prompt chunks that join the step count as they do without drafts)."""
+        if self.speculator is None or not speculable(request.params):
+            return ()
+        limit = min(budget, self._max_total(request) - request.num_tokens) - 1
+        if room is not None:
+            first = request.num_computed + 2  # the first draft's row reads this many tokens
+            while limit > 0 and (limit > room[0] or limit * first + limit * (limit - 1) // 2 > room[1]):
+                limit -= 1
+        drafts = self.speculator.propose(request.request_id, request.all_token_ids, limit)
+        if room is not None and drafts:
+            room[0] -= len(drafts)
+            room[1] -= len(drafts) * first + len(drafts) * (len(drafts) - 1) // 2
+        return drafts
 
     def _reserve(self, request: Request, n: int, planned_ids: set[int], preempted: list[str]) -> bool:
         """Reserve KV slots for ``n`` more tokens of a running request, preempting as needed.
@@ -198,7 +243,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.push_front(request)
 
-    def _admit(self, budget: int, planned: list[tuple[Request, int, bool]]) -> int:
+    def _admit(self, budget: int, planned: list[tuple[Request, int, bool, tuple[int, ...]]]) -> int:
         """Admit waiting requests in queue order while budget, sequence cap and blocks allow."""
         bm = self.block_manager
         while budget > 0 and len(self.running) < self.max_num_seqs:
@@ -220,15 +265,16 @@ class Scheduler:
                 request.cached_tokens = request.num_computed
             self.running.append(request)
             n = min(request.num_remaining, budget)
-            planned.append((request, n, request.num_computed + n == request.num_tokens))
+            planned.append((request, n, request.num_computed + n == request.num_tokens, ()))
             budget -= n
         return budget
 
-    def _to_scheduled(self, request: Request, n: int, sample: bool) -> ScheduledSequence:
+    def _to_scheduled(self, request: Request, n: int, sample: bool, drafts: tuple[int, ...]) -> ScheduledSequence:
         start = request.num_computed
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.token_slice(start, start + n),
+            token_ids=request.token_slice(start, start + n - len(drafts)) + drafts,
+            num_draft=len(drafts),
             num_computed=start,
             block_ids=self.block_manager.block_table(request.request_id),
             sample=sample,
@@ -242,41 +288,68 @@ class Scheduler:
         return min(len(request.prompt_token_ids) + request.params.max_new_tokens, self.max_model_len)
 
     # ----------------------------------------------------------------------------------------- update
-    def advance(self) -> list[tuple[Request, int]]:
+    def advance(self) -> list[tuple[Request, int, tuple[int, ...]]]:
         """Apply the last :meth:`schedule` as if its step had run, before its tokens are known (the runner
         launches the next step while this one runs): ``num_computed`` advances and each sampling request gets a
         :data:`PLACEHOLDER` token at the end of its outputs. Returns the ticket :meth:`fill` takes with the step's
-        result. Requests finished or aborted meanwhile are skipped."""
-        ticket: list[tuple[Request, int]] = []
-        for request, n, sample in self._last_scheduled:
+        result. Requests finished or aborted meanwhile are skipped. Draft tokens count as computed only once
+        :meth:`fill` knows which were accepted."""
+        ticket: list[tuple[Request, int, tuple[int, ...]]] = []
+        for request, n, sample, drafts in self._last_scheduled:
             if request.status is not RequestStatus.RUNNING or self._requests.get(request.request_id) is not request:
                 continue
-            request.num_computed += n
+            request.num_computed += n - len(drafts)
             self.block_manager.commit(request.request_id, request.num_computed, request.token_slice)
             if sample:
                 request.output_token_ids.append(PLACEHOLDER)
-                ticket.append((request, len(request.output_token_ids) - 1))
+                ticket.append((request, len(request.output_token_ids) - 1, drafts))
         self._last_scheduled = []
         return ticket
 
-    def fill(self, ticket: list[tuple[Request, int]], output: ModelRunnerOutput) -> dict[str, int]:
+    def fill(self, ticket: list[tuple[Request, int, tuple[int, ...]]], output: ModelRunnerOutput
+             ) -> dict[str, int | tuple[int, ...]]:
         """Put a step's sampled tokens in place of the placeholders :meth:`advance` left; returns {request_id:
         token} of the requests still live (running, or preempted since: their token is real and recomputed with
-        the rest). Requests finished or aborted meanwhile are skipped."""
-        new_tokens: dict[str, int] = {}
-        for request, index in ticket:
+        the rest). Requests finished or aborted meanwhile are skipped. A request that verified draft tokens gets
+        a tuple instead: the drafts the model's own choices confirmed, then its next token (1 to drafts + 1 tokens,
+        all appended; the confirmed drafts' KV entries count as computed)."""
+        new_tokens: dict[str, int | tuple[int, ...]] = {}
+        for request, index, drafts in ticket:
             if self._requests.get(request.request_id) is not request:
                 continue
             token = output.sampled_token_ids.get(request.request_id)
             assert token is not None, f"runner returned no token for {request.request_id!r}"
             request.output_token_ids[index] = int(token)
             new_tokens[request.request_id] = int(token)
+            if drafts:
+                tokens = _accepted(drafts, output.verify_token_ids.get(request.request_id), int(token))
+                request.output_token_ids[index:] = tokens
+                if request.status is RequestStatus.RUNNING:  # (preempted since: every token is recomputed)
+                    request.num_computed += len(tokens) - 1
+                    self.block_manager.commit(request.request_id, request.num_computed, request.token_slice)
+                self.drafted_tokens_total += len(drafts)
+                self.accepted_tokens_total += len(tokens) - 1
+                if self.speculator is not None:
+                    self.speculator.verified(request.request_id, len(tokens) - 1)
+                new_tokens[request.request_id] = tokens
         return new_tokens
 
-    def update(self, output: ModelRunnerOutput) -> dict[str, int]:
+    def update(self, output: ModelRunnerOutput) -> dict[str, int | tuple[int, ...]]:
         """Apply the last step's results: advance ``num_computed``, append sampled tokens (:meth:`advance`, then
         :meth:`fill` at once).
 
         Returns {request_id: new token} for the live requests that sampled. Requests finished or aborted
         while the step ran are skipped."""
         return self.fill(self.advance(), output)
+
+
+def _accepted(drafts: tuple[int, ...], verify: tuple[int, ...] | None, last: int) -> tuple[int, ...]:
+    """A drafted step's new tokens: the token the model chose after each new token (``verify``: after the decode
+    token and each draft but the last; ``last``: after the last draft), kept while it equals the draft it checks;
+    the first that differs is kept and ends them."""
+    if verify is None or len(verify) != len(drafts):
+        raise RuntimeError(f"the runner verified {0 if verify is None else len(verify)} of {len(drafts)} drafts")
+    for i, (draft, chosen) in enumerate(zip(drafts, verify)):
+        if chosen != draft:
+            return tuple(verify[:i + 1])
+    return (*verify, last)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmc.engine.torch.cuda_graphs import decode_rows, graph_batch_sizes, graph_rows, last_rows
+from llmc.engine.torch.cuda_graphs import (DecodeGraphs, decode_rows, graph_batch_sizes, graph_rows, last_rows,
+                                           verify_rows)
 from llmc.engine.torch.triton_attention import kernel_available
 from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
@@ -25,6 +26,21 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
     assert graph_batch_sizes(64, chunk_rows=256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # and prompt chunks
     assert graph_batch_sizes(48, chunk_rows=200) == [1, 2, 4, 8, 16, 32, 48, 96, 192, 200]
     assert graph_batch_sizes(64, chunk_rows=64) == graph_batch_sizes(64)
+
+
+def test_drafted_rows_are_verified_from_the_replayed_graphs_rows():
+    a = ScheduledSequence("a", (11,), 5, (7, 3), True, GREEDY)
+    b = ScheduledSequence("b", (12, 40, 41, 42), 9, (9, 4, 5), True, GREEDY, num_draft=3)  # rows 1-4: 1-3 verify
+    c = ScheduledSequence("c", (21, 22), 2, (6,), False, GREEDY)
+    d = ScheduledSequence("d", (13, 50), 7, (2, 8), True, GREEDY, num_draft=1)  # rows 7-8: 7 verifies
+    seqs = (a, b, c, d)
+    assert last_rows(seqs) == [0, 4, 6, 8] and verify_rows(seqs) == [1, 2, 3, 7]
+    graphs = object.__new__(DecodeGraphs)  # only the replayed graph's outputs matter here
+    graphs.device, graphs._replayed = torch.device("cpu"), 16
+    graphs._logits = {16: torch.arange(16.0)[:, None].expand(16, 5)}
+    graphs._argmax = {16: torch.arange(100, 116)}
+    logits, greedy = graphs.rows_at(verify_rows(seqs))
+    assert logits[:, 0].tolist() == [1.0, 2.0, 3.0, 7.0] and greedy.tolist() == [101, 102, 103, 107]
 
 
 def test_decode_rows_pack_each_sequence_then_pad_into_the_scratch_block():

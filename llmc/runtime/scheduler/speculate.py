@@ -1,0 +1,115 @@
+"""Draft tokens by prompt lookup (n-gram speculation): guesses of a request's next tokens that one step verifies.
+
+Outputs often repeat their context: a summary quotes the document, an edit copies the code around the change, an
+answer repeats the question's names. :class:`PromptLookup` finds the most recent earlier occurrence of the
+sequence's last ``n`` tokens (prompt and output; ``n`` from ``max_ngram`` down to ``min_ngram``) and proposes the
+tokens that followed it (continued periodically where they run into the tail: a loop gets a full draft). The
+scheduler appends them to the request's decode token; the step computes all of them (a short chunk over the cached
+context), and the runner returns the token the model chooses after each, greedy or sampled as that output position
+would be in plain decoding: the drafts are accepted up to the first that differs from the model's choice, which
+replaces it. For a sampled request this is speculative sampling's rule for a draft of one token per position (a draw
+from p equals the draft with probability p(draft), else it is a draw from p without it), so the output keeps plain
+decoding's distribution; a seeded request, whose draws follow its seed and output position, even keeps its tokens
+(up to the rounding of a chunk's kernels against a one-token step's). A step yields 1 to ``num_draft + 1`` tokens
+for one read of the weights. Not drafted (:func:`speculable`): requests with an output format or token
+log-probabilities.
+
+Lookups are O(max_ngram) dictionary reads per step: each request's n-grams are indexed as its tokens become
+known (a token whose value is still on the device, :data:`~llmc.engine.types.PLACEHOLDER`, ends the known part).
+
+Failed drafts are not free (a chunk of 1 + num_draft tokens costs more than a one-token step, most on a CPU), so a
+request whose drafts were all rejected skips its next 1, then 3, 7, ... up to :data:`MAX_BACKOFF` lookups (free
+text finds few true continuations); a step that accepts a draft ends the backoff.
+"""
+
+from __future__ import annotations
+
+from llmc.engine.types import PLACEHOLDER
+from llmc.request.params import SamplingParams
+
+MAX_DRAFT_TOKENS = 16  # serving.speculative_tokens' bound: longer drafts are rarely all accepted
+MAX_NGRAM = 8
+MAX_BACKOFF = 31  # lookups a request skips at most after drafts that were all rejected
+
+
+def speculable(params: SamplingParams) -> bool:
+    """Whether a request's next tokens may be drafted: no output format (its masks would have to follow the drafts)
+    and no token log-probabilities. Greedy and sampled requests, with penalties, a logit bias or ``min_tokens``:
+    each drafted row chooses its token as that output position would in plain decoding (the runner's rule)."""
+    return params.structured is None and params.logprobs is None
+
+
+class _Index:
+    """One request's n-grams: for each length, the start of its latest occurrence that a known token follows."""
+
+    def __init__(self, min_ngram: int, max_ngram: int):
+        self.indexed = 0  # tokens whose n-grams ending just before them are indexed
+        self.misses = 0  # drafts all rejected in a row
+        self.skip = 0  # lookups to skip before the next one
+        self.by_len = {n: {} for n in range(min_ngram, max_ngram + 1)}
+
+    def extend(self, tokens: tuple[int, ...]) -> int:
+        """Index every known token up to the first :data:`PLACEHOLDER`; returns the known length."""
+        known = len(tokens)
+        if known and tokens[-1] == PLACEHOLDER:  # only the last token can be on the device still
+            known -= 1
+        for end in range(max(self.indexed, 1), known):  # tokens[end] follows the n-grams ending at end - 1
+            for n, table in self.by_len.items():
+                if end >= n:
+                    table[tokens[end - n:end]] = end - n
+        self.indexed = max(self.indexed, known)
+        return known
+
+
+class PromptLookup:
+    """Proposes up to ``num_draft`` tokens per request (see the module docstring); ``min_ngram`` <= ``max_ngram``."""
+
+    def __init__(self, num_draft: int, min_ngram: int = 1, max_ngram: int = 3):
+        if not 1 <= num_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft must be in 1..{MAX_DRAFT_TOKENS}, got {num_draft}")
+        if not 1 <= min_ngram <= max_ngram <= MAX_NGRAM:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {min_ngram} and {max_ngram}")
+        self.num_draft, self.min_ngram, self.max_ngram = num_draft, min_ngram, max_ngram
+        self._indexes: dict[str, _Index] = {}
+
+    def propose(self, request_id: str, tokens: tuple[int, ...], limit: int) -> tuple[int, ...]:
+        """Draft tokens to follow ``tokens`` (a request's prompt and outputs), at most ``min(num_draft, limit)``;
+        none when the last token is not known yet or no n-gram of the tail occurred before."""
+        limit = min(limit, self.num_draft)
+        if limit <= 0 or not tokens or tokens[-1] == PLACEHOLDER:
+            return ()
+        index = self._indexes.get(request_id)
+        if index is None:
+            index = self._indexes[request_id] = _Index(self.min_ngram, self.max_ngram)
+        if index.skip:
+            index.skip -= 1
+            return ()
+        known = index.extend(tokens)
+        for n in range(min(self.max_ngram, known - 1), self.min_ngram - 1, -1):
+            start = index.by_len[n].get(tokens[known - n:known])
+            if start is not None:
+                return _continuation(tokens, start + n, known, limit)
+        return ()
+
+    def verified(self, request_id: str, accepted: int) -> None:
+        """A step verified the request's drafts and accepted ``accepted`` of them (0 starts or lengthens the
+        backoff, more ends it)."""
+        index = self._indexes.get(request_id)
+        if index is None:
+            return
+        index.misses = 0 if accepted else index.misses + 1
+        index.skip = min(2 ** index.misses - 1, MAX_BACKOFF)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's index."""
+        self._indexes.pop(request_id, None)
+
+
+def _continuation(tokens: tuple[int, ...], at: int, known: int, limit: int) -> tuple[int, ...]:
+    """``limit`` tokens from ``tokens[at]`` on, where the n-gram before ``at`` equals the tail: past the known tokens
+    the draft repeats itself with the period ``known - at`` (a loop such as "x x x" or "a b a b" drafts ``limit``
+    tokens, not the one or two before the tail)."""
+    draft: list[int] = []
+    for i in range(limit):
+        draft.append(tokens[at + i] if at + i < known else draft[i - (known - at)])
+    return tuple(draft)
