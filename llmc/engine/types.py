@@ -90,6 +90,8 @@ class ModelRunnerOutput:
     # Sequences with draft tokens (ScheduledSequence.num_draft): the token chosen after each of their new tokens but
     # the last (num_draft of them; ``sampled_token_ids`` has the one after the last).
     verify_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Their log-probabilities, one per drafted row, for the sequences whose SamplingParams ask for them.
+    verify_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
 
 @runtime_checkable

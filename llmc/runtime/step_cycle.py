@@ -253,8 +253,11 @@ class StepCycle:
             output.metrics.record_scheduled(request.first_scheduled_time)
             output.metrics.num_preemptions = request.num_preemptions
             output.metrics.cached_tokens = request.cached_tokens
-            for token in tokens if isinstance(tokens, tuple) else (tokens,):
-                event = output.on_token(token, now, logprobs.get(request_id) if logprobs else None)
+            drafted = result.verify_logprobs.get(request_id, ()) if result is not None else ()
+            for i, token in enumerate(tokens if isinstance(tokens, tuple) else (tokens,)):
+                # a drafted row's own log-probabilities, then (all drafts accepted) the step's last row's
+                logprob = drafted[i] if i < len(drafted) else logprobs.get(request_id) if logprobs else None
+                event = output.on_token(token, now, logprob)
                 events.append(event)
                 self.emit(output, event)
                 if event.finished:

@@ -60,10 +60,10 @@ def test_rejected_drafts_back_off_and_an_accepted_one_ends_the_backoff():
     assert sum(lookup.propose("r", tokens, 2) == () for _ in range(MAX_BACKOFF + 1)) == MAX_BACKOFF
 
 
-def test_requests_with_an_output_format_or_token_logprobs_are_not_drafted():
+def test_requests_with_an_output_format_are_not_drafted():
     assert speculable(SamplingParams(temperature=0.0))
-    assert speculable(SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={5: 1.0}, min_tokens=3))
-    assert not speculable(SamplingParams(logprobs=2))
+    assert speculable(SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={5: 1.0}, min_tokens=3,
+                                     logprobs=2))
     assert not speculable(SamplingParams(structured={"type": "regex", "pattern": "[a-z]+"}))
 
 
@@ -219,10 +219,25 @@ def test_drafts_of_sampled_requests_are_accepted_at_the_models_rate(tiny_build_d
     assert [len(c.token_ids) for c in done] == [48, 48]
 
 
-def test_requests_with_logprobs_are_not_drafted(tiny_build_dir):
-    spec = make_engine(tiny_build_dir, speculative_tokens=4)
-    spec.generate(random_prompts(3, [9]), dataclasses.replace(GREEDY, max_new_tokens=30, logprobs=1))
-    assert spec.stats()["draft_tokens"] == 0
+@pytest.mark.parametrize("overlap", [False, True])
+def test_drafted_tokens_carry_the_log_probabilities_plain_decoding_gives(tiny_build_dir, overlap):
+    """Each token of a drafted step, accepted draft or the model's own, gets its row's log-probabilities: the same
+    tokens, chosen log-probabilities and alternatives as plain decoding (float32), greedy and seeded sampling."""
+    prompts = random_prompts(6, [9, 25])
+    cases = [dataclasses.replace(GREEDY, max_new_tokens=40, logprobs=3),
+             SamplingParams(max_new_tokens=40, temperature=0.05, seed=4, logprobs=0, ignore_eos=True)]
+    plain = make_engine(tiny_build_dir, overlap=overlap)
+    expected = [plain.generate(prompts, params) for params in cases]
+    for params, want in zip(cases, expected):
+        spec = make_engine(tiny_build_dir, overlap=overlap, speculative_tokens=4)
+        got = spec.generate(prompts, params)
+        assert spec.stats()["accepted_draft_tokens"] > 0
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 40
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
 
 
 def test_bad_speculation_settings_get_one_clear_error(tiny_build_dir):

@@ -14,13 +14,25 @@ from typing import Any
 
 import pytest
 
+from llmc.errors import ServeError
 from llmc.serve.run import ServeOptions, load_engine, serve_async
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: every socket stays bound until all are picked (two separate picks could return
+    one port, and the gRPC server then failed to bind the HTTP server's)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @dataclass
@@ -83,23 +95,31 @@ def start_server(build_dir: Path, max_queue_size: int | None = None, request_tim
                  body_timeout_s: float = 60.0, tool_call_syntax: str | None = None,
                  reasoning_syntax: str | None = None) -> RunningServer:
     engine = load_engine(build_dir, "cpu", max_queue_size)
-    options = ServeOptions("127.0.0.1", free_port(), free_port(), api_key, request_timeout_s, grace_s,
-                           keepalive_timeout_s, body_timeout_s, tool_call_syntax, reasoning_syntax)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    holder: dict[str, Any] = {}
+    for _ in range(3):  # a port picked free can be taken by another process before the server binds it
+        options = ServeOptions("127.0.0.1", *free_ports(2), api_key, request_timeout_s, grace_s,
+                               keepalive_timeout_s, body_timeout_s, tool_call_syntax, reasoning_syntax)
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        holder: dict[str, Any] = {}
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        holder["stop"] = asyncio.Event()
-        loop.run_until_complete(serve_async(engine, options, holder["stop"], ready.set))
-        loop.close()
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            holder["stop"] = asyncio.Event()
+            try:
+                loop.run_until_complete(serve_async(engine, options, holder["stop"], ready.set))
+            except ServeError as exc:  # a port taken meanwhile: try others
+                holder["error"] = exc
+                ready.set()
+            loop.close()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(30), "the server did not start"
-    return RunningServer(engine, f"http://127.0.0.1:{options.port}", f"127.0.0.1:{options.grpc_port}",
-                         engine.recipe.served_model_name, loop, holder["stop"], thread)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        assert ready.wait(30), "the server did not start"
+        if "error" not in holder:
+            return RunningServer(engine, f"http://127.0.0.1:{options.port}", f"127.0.0.1:{options.grpc_port}",
+                                 engine.recipe.served_model_name, loop, holder["stop"], thread)
+        thread.join(10)
+    raise AssertionError(f"the server did not start: {holder['error']}")
 
 
 @pytest.fixture(scope="session")

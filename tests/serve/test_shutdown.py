@@ -11,11 +11,11 @@ import threading
 import time
 import urllib.request
 
-from tests.serve.conftest import free_port
+from tests.serve.conftest import free_ports
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(serve_tiny_build):
-    port, grpc_port = free_port(), free_port()
+    port, grpc_port = free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", str(serve_tiny_build), "--port", str(port),
                              "--grpc-port", str(grpc_port), "--device", "cpu", "--grace", "20",
                              "--reasoning-syntax", "think"],

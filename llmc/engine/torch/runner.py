@@ -10,7 +10,6 @@ tokens taken from this step's ids on the device, and processes this step's token
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -19,10 +18,11 @@ from pathlib import Path
 import torch
 
 from llmc.checkpoint.convert import torch_dtype
-from llmc.engine.torch import attention, cpu_ext, prompt_logprobs
+from llmc.engine.torch import attention, cpu_ext, drafts, prompt_logprobs
 from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows, verify_rows
+from llmc.engine.torch.drafts import DraftRows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
@@ -112,7 +112,7 @@ class TorchModelRunner:
             self.graphs.capture()
 
     late_masks = True  # launch() takes output-format masks after queuing the forward pass (its ``masks``)
-    verifies_drafts = True  # steps may carry draft tokens (ScheduledSequence.num_draft): the token chosen after each
+    verifies_drafts = True  # steps may carry draft tokens (ScheduledSequence.num_draft): llmc.engine.torch.drafts
 
     @property
     def draft_limits(self) -> tuple[int, int] | None:
@@ -149,19 +149,19 @@ class TorchModelRunner:
         self._check_blocks(seqs)
         fill = _placeholder_fill(seqs, previous)
         sampled = tuple(s for s in seqs if s.sample)
-        drafts = verify_rows(seqs)  # rows whose chosen tokens check draft tokens (none without speculation)
+        draft_rows = verify_rows(seqs)  # rows whose chosen tokens check draft tokens (none without speculation)
         score = prompt_logprobs.wanted(seqs)  # prompt log-probabilities need every row's hidden state: eager
         if self.graphs is not None and not score and self.graphs.can_run(seqs):
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs, fill)
-                verify = self._verify(seqs, *self.graphs.rows_at(drafts)) if drafts else None
-                sampled = _after_drafts(_late_masks(masks, sampled))
+                verify = drafts.choose(self.sampler, seqs, *self.graphs.rows_at(draft_rows)) if draft_rows else None
+                sampled = drafts.after_drafts(_late_masks(masks, sampled))
                 if not sampled:  # prompt chunks that end no prompt
                     return PendingStep(())
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
                 token_ids = greedy if self.sampler.plain_greedy(sampled) else self.sampler(logits, list(sampled))
                 logprobs = token_logprobs(logits, token_ids, sampled)
-            return PendingStep(sampled, token_ids, logprobs, verify=_Verify.of(seqs, verify))
+            return PendingStep(sampled, token_ids, logprobs, drafts=verify)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
         with torch.inference_mode():
@@ -173,31 +173,18 @@ class TorchModelRunner:
             else:
                 hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             scored = prompt_logprobs.prompt_rows(self.model.compute_logits, hidden, seqs) if score else None
-            sampled = _after_drafts(_late_masks(masks, sampled))
+            sampled = drafts.after_drafts(_late_masks(masks, sampled))
             if not sampled:
                 return PendingStep((), prompt=scored)
             rows = meta.logits_indices
-            if drafts:  # the drafted rows' logits in the same product (one read of the lm_head)
-                rows = torch.cat([rows, torch.tensor(drafts, dtype=torch.int64).to(self.device)])
+            if draft_rows:  # the drafted rows' logits in the same product (one read of the lm_head)
+                rows = torch.cat([rows, torch.tensor(draft_rows, dtype=torch.int64).to(self.device)])
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S (+ R), V] float32
-            verify = self._verify(seqs, logits[len(sampled):]) if drafts else None
+            verify = drafts.choose(self.sampler, seqs, logits[len(sampled):]) if draft_rows else None
             logits = logits[:len(sampled)]
             token_ids = self.sampler(logits, list(sampled))  # [S] on device
             logprobs = token_logprobs(logits, token_ids, sampled)  # None unless a request asks for them
-        return PendingStep(sampled, token_ids, logprobs, scored, _Verify.of(seqs, verify))
-
-    def _verify(self, seqs: tuple[ScheduledSequence, ...], logits: torch.Tensor,
-                greedy: torch.Tensor | None = None) -> torch.Tensor:
-        """The token each drafted row chooses (``logits`` ``[R, V]``: the rows of :func:`verify_rows`; ``greedy``:
-        their argmax where already computed), sampled as that sequence's next output token would be
-        (:func:`_draft_views`). A draft is accepted where its row chose it: for greedy rows that is the argmax; for
-        sampled rows, a token drawn from the row's distribution p equals the draft with probability p(draft) and is
-        otherwise a draw from p without the draft, which is speculative sampling's rule for a draft given as one
-        token, so the output keeps the distribution (and a seeded request its tokens) of plain decoding."""
-        views = _draft_views(seqs)
-        if self.sampler.plain_greedy(views):
-            return greedy if greedy is not None else torch.nan_to_num(logits, nan=float("-inf")).argmax(dim=-1)
-        return self.sampler(logits, views)
+        return PendingStep(sampled, token_ids, logprobs, scored, verify)
 
     def capture_pieces(self, budget: int) -> list[int]:
         """CUDA with the decode graphs: capture the steps a mixed-step ``budget`` (``serving.mixed_step_tokens``;
@@ -282,25 +269,6 @@ def _late_masks(masks: Callable[[], SchedulerOutput] | None, sampled: tuple[Sche
     return late
 
 
-def _draft_views(seqs: tuple[ScheduledSequence, ...]) -> list[ScheduledSequence]:
-    """One view per drafted row (:func:`verify_rows`' order): row ``i`` of a sequence with drafts chooses its output
-    token number ``len(output_token_ids) + i``, after its first ``i`` drafts (the seeds, ``min_tokens`` and the
-    penalties follow that index and those tokens, as in plain decoding)."""
-    views = []
-    for s in seqs:
-        drafts = s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else ()
-        views.extend(dataclasses.replace(s, output_token_ids=s.output_token_ids + drafts[:i])
-                     for i in range(len(drafts)))
-    return views
-
-
-def _after_drafts(sampled: tuple[ScheduledSequence, ...]) -> tuple[ScheduledSequence, ...]:
-    """The sampled sequences as their last row chooses: a drafted one after all its drafts (its output token number
-    ``len(output_token_ids) + num_draft``)."""
-    return tuple(dataclasses.replace(s, output_token_ids=s.output_token_ids + s.token_ids[-s.num_draft:])
-                 if s.num_draft else s for s in sampled)
-
-
 def _placeholder_fill(seqs: tuple[ScheduledSequence, ...], previous: PendingStep | None
                       ) -> tuple[list[int], torch.Tensor] | None:
     """For the sequences whose token is a :data:`PLACEHOLDER` (a sequence's last new token): its row among the
@@ -323,9 +291,10 @@ class PendingStep:
     the next step take the ids on the device."""
 
     def __init__(self, seqs: tuple[ScheduledSequence, ...], token_ids: torch.Tensor | None = None,
-                 logprobs: LogprobRows | None = None, prompt: PromptRows | None = None, verify: _Verify | None = None):
+                 logprobs: LogprobRows | None = None, prompt: PromptRows | None = None,
+                 drafts: DraftRows | None = None):
         self._ids = tuple(s.request_id for s in seqs)
-        self._verify = verify
+        self._drafts = drafts
         self._event: torch.cuda.Event | None = None
         self._host = token_ids
         self.device_ids = token_ids
@@ -336,12 +305,12 @@ class PendingStep:
         # the tensors result() reads: on CUDA, copies to page-locked host memory behind the step's kernels
         self._lp_host = (logprobs.chosen, logprobs.top_logprobs, logprobs.top_ids) if logprobs else ()
         self._prompt_host = prompt.tensors() if prompt else ()
+        self._drafts_host = drafts.tensors() if drafts else ()
         if (token_ids is not None and token_ids.is_cuda) or (prompt is not None and prompt.chosen.is_cuda):
             self._host = _to_host(token_ids) if token_ids is not None else None
             self._lp_host = tuple(_to_host(t) for t in self._lp_host)
             self._prompt_host = tuple(_to_host(t) for t in self._prompt_host)
-            if verify is not None:
-                verify.ids = _to_host(verify.ids)
+            self._drafts_host = tuple(_to_host(t) for t in self._drafts_host)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -355,9 +324,10 @@ class PendingStep:
                 self._result = ModelRunnerOutput(prompt_logprobs=prompt)
             else:
                 ids = self._host.tolist()
+                verify, verify_lps = self._drafts.entries(self._drafts_host) if self._drafts else ({}, {})
                 self._result = ModelRunnerOutput(sampled_token_ids=dict(zip(self._ids, ids, strict=True)),
                                                  logprobs=self._token_logprobs(ids), prompt_logprobs=prompt,
-                                                 verify_token_ids=self._verify.tokens() if self._verify else {})
+                                                 verify_token_ids=verify, verify_logprobs=verify_lps)
         return self._result
 
     def _token_logprobs(self, ids: list[int]) -> dict[str, TokenLogprob]:
@@ -368,26 +338,6 @@ class PendingStep:
         for j, (row, count) in enumerate(zip(self._logprobs.rows, self._logprobs.counts)):
             top = tuple(zip(top_ids[j][:count], top_lps[j][:count]))
             out[self._ids[row]] = TokenLogprob(ids[row], chosen[j], top)
-        return out
-
-
-class _Verify:
-    """A step's verifying greedy tokens (``ids``, on the device until the step's copy) and whose they are: (request
-    id, number of drafts), in row order."""
-
-    def __init__(self, counts: list[tuple[str, int]], ids: torch.Tensor):
-        self.counts, self.ids = counts, ids
-
-    @classmethod
-    def of(cls, seqs: tuple[ScheduledSequence, ...], ids: torch.Tensor | None) -> _Verify | None:
-        return None if ids is None else cls([(s.request_id, s.num_draft) for s in seqs if s.num_draft], ids)
-
-    def tokens(self) -> dict[str, tuple[int, ...]]:
-        """{request id: its greedy tokens} (ModelRunnerOutput.verify_token_ids); the step's copy has arrived."""
-        ids, out, at = self.ids.tolist(), {}, 0
-        for request_id, count in self.counts:
-            out[request_id] = tuple(ids[at:at + count])
-            at += count
         return out
 
 

@@ -1,7 +1,7 @@
 """Draft tokens on CUDA (gpu-marked, run through the device tool): a drafted step replays the CUDA graphs like a
 short prompt chunk and verifies its drafts with the logits and greedy tokens the graph computed for every row; the
 eager path computes them from the drafted rows' hidden states. Both give plain decoding's tokens (float32), greedy
-and seeded sampling alike."""
+and seeded sampling (with token log-probabilities) alike."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 def _generate(runner, speculate: bool) -> tuple[dict[str, list[int]], Scheduler]:
     sched = Scheduler(BlockManager(runner.num_blocks, runner.block_size), 8, 64, 512, 16,
                       speculator=PromptLookup(5) if speculate else None)
-    seeded = SamplingParams(max_new_tokens=48, temperature=0.05, seed=11)  # random weights: flat logits
+    seeded = SamplingParams(max_new_tokens=48, temperature=0.05, seed=11, logprobs=2)  # random weights: flat logits
     for i, n in enumerate([9, 30, 17]):
         request = make_request(f"r{i}", [300 + (7 * j + i) % 40 for j in range(n)], max_new=48)
         if i == 2:
