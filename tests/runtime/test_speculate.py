@@ -5,6 +5,7 @@ the tokens equal plain decoding's, stops inside accepted drafts end the output w
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -260,3 +261,34 @@ def test_bad_speculation_settings_get_one_clear_error(tiny_build_dir):
             raise AssertionError("not reached")
     with pytest.raises(EngineError, match="cannot verify draft tokens"):
         Engine(NoDrafts(), engine.tokenizer, engine.recipe, engine.eos_token_ids, speculative_tokens=2)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staggered_arrivals_preemption_and_aborts_with_drafts(tiny_build_dir, overlap):
+    """Requests arriving every step into a cache too small for all of them (preemption), greedy and seeded, some
+    aborted mid-way: the others' tokens equal plain decoding's, and every block comes back."""
+    rng = random.Random(11)
+    prompts = random_prompts(12, [rng.randint(5, 40) for _ in range(8)])
+    params = [SamplingParams(max_new_tokens=rng.randint(10, 40), temperature=0.0 if i % 2 else 0.05, seed=i,
+                             ignore_eos=True) for i in range(8)]
+    plain = make_engine(tiny_build_dir, overlap=overlap)
+    expected = [c.token_ids for c in plain.generate(prompts, params)]
+    spec = make_engine(tiny_build_dir, num_blocks=14, overlap=overlap, speculative_tokens=4)
+    ids, tokens, done, step, aborted = {}, {}, set(), 0, set()
+    while len(done) < len(prompts):
+        if step < len(prompts):
+            ids[spec.add_request(prompts[step], params[step])] = step
+        if step in (6, 11):  # the earliest live request, mid-way
+            rid = min((r for r in ids if r not in done), key=ids.get)
+            assert spec.abort(rid)
+            done.add(rid)
+            aborted.add(ids[rid])
+        for event in spec.step():
+            tokens.setdefault(ids[event.request_id], []).extend(event.token_ids)
+            if event.finished:
+                done.add(event.request_id)
+        step += 1
+    assert spec.stats()["preemptions"] > 0 and spec.stats()["accepted_draft_tokens"] > 0 and len(aborted) == 2
+    for i in set(range(len(prompts))) - aborted:
+        assert tuple(tokens[i]) == expected[i], f"request {i}"
+    assert_all_blocks_free(spec)
