@@ -18,6 +18,7 @@ from typing import Any, Callable
 import click
 
 from llmc.errors import RequestError
+from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,7 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
               help="Offline: the token budget of a step that carries decodes (prefill chunks ride along up to it), "
                    "instead of the build's serving.mixed_step_tokens; 0 = no budget (engine.max_num_tokens). Smaller "
                    "budgets cut ITL tails behind long prompts and cost TTFT. Reported per run.")
-@click.option("--speculative-tokens", type=click.IntRange(0, 16), default=None,
+@click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
               help="Offline: draft tokens per step by prompt lookup (requests without an output format), instead "
                    "of the build's serving.speculative_tokens; 0 = off. The report counts the drafts and those "
                    "accepted.")

@@ -58,6 +58,8 @@ def last_rows(seqs: tuple[ScheduledSequence, ...]) -> list[int]:
 def verify_rows(seqs: tuple[ScheduledSequence, ...]) -> list[int]:
     """The rows whose chosen tokens verify draft tokens (``ScheduledSequence.num_draft``): of each sequence with
     drafts, the rows of its new tokens but the last (its decode token and every draft but the last), in order."""
+    if not any(s.num_draft for s in seqs):
+        return []
     return [row for end, s in zip(last_rows(seqs), seqs) for row in range(end - s.num_draft, end)]
 
 

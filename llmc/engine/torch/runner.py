@@ -155,7 +155,9 @@ class TorchModelRunner:
             with torch.inference_mode():
                 logits, greedy = self.graphs.run(seqs, fill)
                 verify = drafts.choose(self.sampler, seqs, *self.graphs.rows_at(draft_rows)) if draft_rows else None
-                sampled = drafts.after_drafts(_late_masks(masks, sampled))
+                sampled = _late_masks(masks, sampled)
+                if draft_rows:
+                    sampled = drafts.after_drafts(sampled)
                 if not sampled:  # prompt chunks that end no prompt
                     return PendingStep(())
                 # Plain greedy rows need nothing the graph did not compute: no sampler kernels for the step.
@@ -173,7 +175,9 @@ class TorchModelRunner:
             else:
                 hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)  # [T, H]
             scored = prompt_logprobs.prompt_rows(self.model.compute_logits, hidden, seqs) if score else None
-            sampled = drafts.after_drafts(_late_masks(masks, sampled))
+            sampled = _late_masks(masks, sampled)
+            if draft_rows:
+                sampled = drafts.after_drafts(sampled)
             if not sampled:
                 return PendingStep((), prompt=scored)
             rows = meta.logits_indices

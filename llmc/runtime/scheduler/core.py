@@ -211,7 +211,7 @@ class Scheduler:
             first = request.num_computed + 2  # the first draft's row reads this many tokens
             while limit > 0 and (limit > room[0] or limit * first + limit * (limit - 1) // 2 > room[1]):
                 limit -= 1
-        drafts = self.speculator.propose(request.request_id, request.all_token_ids, limit)
+        drafts = self.speculator.propose(request.request_id, request.token_view, limit)
         if room is not None and drafts:
             room[0] -= len(drafts)
             room[1] -= len(drafts) * first + len(drafts) * (len(drafts) - 1) // 2

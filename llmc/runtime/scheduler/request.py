@@ -63,6 +63,28 @@ class Request:
         return self.prompt_token_ids[start:] + tuple(self.output_token_ids[: end - p])
 
     @property
+    def token_view(self) -> TokenView:
+        """``all_token_ids`` as a sequence whose slices are read with :meth:`token_slice` (no concatenation)."""
+        return TokenView(self)
+
+    @property
     def rank(self) -> tuple[int, int]:
         """Sort key of importance: smaller is served first and preempted last."""
         return (self.priority, self.seq_no)
+
+
+class TokenView:
+    """A request's prompt and generated tokens, read by slices (``view[a:b]``, a tuple) without building the whole
+    sequence: what the draft-token lookup reads each step (a few tokens of a 2,048-token request)."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: Request):
+        self._request = request
+
+    def __len__(self) -> int:
+        return self._request.num_tokens
+
+    def __getitem__(self, key: slice) -> tuple[int, ...]:
+        start, stop, _ = key.indices(len(self))
+        return self._request.token_slice(start, max(start, stop))

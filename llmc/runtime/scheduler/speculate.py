@@ -23,6 +23,8 @@ text finds few true continuations); a step that accepts a draft ends the backoff
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from llmc.engine.types import PLACEHOLDER
 from llmc.request.params import SamplingParams
 
@@ -48,17 +50,14 @@ class _Index:
         self.skip = 0  # lookups to skip before the next one
         self.by_len = {n: {} for n in range(min_ngram, max_ngram + 1)}
 
-    def extend(self, tokens: tuple[int, ...]) -> int:
-        """Index every known token up to the first :data:`PLACEHOLDER`; returns the known length."""
-        known = len(tokens)
-        if known and tokens[-1] == PLACEHOLDER:  # only the last token can be on the device still
-            known -= 1
-        for end in range(max(self.indexed, 1), known):  # tokens[end] follows the n-grams ending at end - 1
+    def extend(self, window: tuple[int, ...], lo: int, total: int) -> None:
+        """Index the n-grams followed by the tokens not indexed yet; ``window`` = the sequence's tokens ``lo`` ..
+        ``total`` - 1, from ``max_ngram`` tokens before the first of them."""
+        for end in range(max(self.indexed, 1), total):  # token end follows the n-grams ending at end - 1
             for n, table in self.by_len.items():
                 if end >= n:
-                    table[tokens[end - n:end]] = end - n
-        self.indexed = max(self.indexed, known)
-        return known
+                    table[window[end - n - lo:end - lo]] = end - n
+        self.indexed = max(self.indexed, total)
 
 
 class PromptLookup:
@@ -72,11 +71,14 @@ class PromptLookup:
         self.num_draft, self.min_ngram, self.max_ngram = num_draft, min_ngram, max_ngram
         self._indexes: dict[str, _Index] = {}
 
-    def propose(self, request_id: str, tokens: tuple[int, ...], limit: int) -> tuple[int, ...]:
-        """Draft tokens to follow ``tokens`` (a request's prompt and outputs), at most ``min(num_draft, limit)``;
-        none when the last token is not known yet or no n-gram of the tail occurred before."""
+    def propose(self, request_id: str, tokens: Sequence[int], limit: int) -> tuple[int, ...]:
+        """Draft tokens to follow ``tokens`` (a request's prompt and outputs: any sequence whose slices are tuples;
+        the scheduler's view reads them without concatenating), at most ``min(num_draft, limit)``; none when the
+        last token is not known yet or no n-gram of the tail occurred before. Reads only the tokens not indexed
+        yet, the tail and the draft."""
         limit = min(limit, self.num_draft)
-        if limit <= 0 or not tokens or tokens[-1] == PLACEHOLDER:
+        total = len(tokens)
+        if limit <= 0 or not total or tokens[total - 1:total][0] == PLACEHOLDER:
             return ()
         index = self._indexes.get(request_id)
         if index is None:
@@ -84,11 +86,13 @@ class PromptLookup:
         if index.skip:
             index.skip -= 1
             return ()
-        known = index.extend(tokens)
-        for n in range(min(self.max_ngram, known - 1), self.min_ngram - 1, -1):
-            start = index.by_len[n].get(tokens[known - n:known])
+        lo = max(0, index.indexed - self.max_ngram)
+        window = tokens[lo:total]  # the tokens not indexed yet, and the tail's n-grams
+        index.extend(window, lo, total)
+        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
+            start = index.by_len[n].get(window[total - n - lo:])
             if start is not None:
-                return _continuation(tokens, start + n, known, limit)
+                return _continuation(tokens, start + n, total, limit)
         return ()
 
     def verified(self, request_id: str, accepted: int) -> None:
@@ -105,11 +109,11 @@ class PromptLookup:
         self._indexes.pop(request_id, None)
 
 
-def _continuation(tokens: tuple[int, ...], at: int, known: int, limit: int) -> tuple[int, ...]:
-    """``limit`` tokens from ``tokens[at]`` on, where the n-gram before ``at`` equals the tail: past the known tokens
-    the draft repeats itself with the period ``known - at`` (a loop such as "x x x" or "a b a b" drafts ``limit``
+def _continuation(tokens: Sequence[int], at: int, total: int, limit: int) -> tuple[int, ...]:
+    """``limit`` tokens from ``tokens[at]`` on, where the n-gram before ``at`` equals the tail: past the sequence's
+    end the draft repeats itself with the period ``total - at`` (a loop such as "x x x" or "a b a b" drafts ``limit``
     tokens, not the one or two before the tail)."""
-    draft: list[int] = []
-    for i in range(limit):
-        draft.append(tokens[at + i] if at + i < known else draft[i - (known - at)])
+    draft = list(tokens[at:min(at + limit, total)])
+    for i in range(len(draft), limit):
+        draft.append(draft[i - (total - at)])
     return tuple(draft)
