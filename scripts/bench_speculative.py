@@ -4,15 +4,16 @@ draft tokens, on one build, in one process (two engines over one loaded runner).
 
     python scripts/bench_speculative.py BUILD_DIR --speculative-tokens 4 --concurrency 1,8 --device cpu
 
-Three workloads of chat requests, each prompt distinct (Python's own documentation and sources, so nothing is
+Four workloads of chat requests, each prompt distinct (Python's own documentation and sources, so nothing is
 downloaded and no prefix is shared between requests): ``quote`` asks to repeat a paragraph word for word, ``edit``
 to add type hints to a function (answers that copy their prompt: where drafts are accepted), ``free`` to write a
-story (little to look up: what the drafts cost when they fail). Greedy (``--temperature`` samples, each request with
-its own seed), the model's own end ids, ``--new-tokens`` at most; no prefix caching in either mode. The modes
-alternate within each round; every round's requests are new. Reports generated tokens per second (the best round),
-the ratio to plain decoding, the draft tokens verified and accepted (with the tokens generated), and how many
-requests' tokens differ between the modes (0 on CPU in float32; a chunk's kernels round differently from a one-token
-step's, so in 16-bit a near-tie may break the other way). Prints one JSON object.
+story (little to look up: what the drafts cost when they fail), ``json`` (not by default) to describe a function
+in a JSON schema's object (structured outputs: the format's forced tokens and the values copied from the prompt).
+Greedy (``--temperature`` samples, each request with its own seed), the model's own end ids, ``--new-tokens`` at most;
+no prefix caching in either mode. The modes alternate within each round; every round's requests are new. Reports
+generated tokens per second (the best round), the ratio to plain decoding, the draft tokens verified and accepted (with
+the tokens generated), and how many requests' tokens differ between the modes (0 on CPU in float32; a chunk's kernels
+round differently from a one-token step's, so in 16-bit a near-tie may break the other way). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ MODULES = ["json", "csv", "heapq", "bisect", "textwrap", "string", "shlex", "fnm
            "random", "statistics", "fractions", "decimal", "difflib", "pprint", "secrets", "uuid", "calendar",
            "colorsys", "queue", "sched", "weakref", "copy", "enum", "graphlib", "zlib", "gzip", "tarfile", "zipfile",
            "argparse", "logging", "getopt", "tempfile", "shutil", "filecmp", "sqlite3", "html", "email"]
+# the json workload's output format (structured outputs: keys the format forces, values copied from the prompt)
+FUNCTION_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "parameters": {
+    "type": "array", "items": {"type": "string"}}, "docstring": {"type": "string"}},
+    "required": ["name", "parameters", "docstring"], "additionalProperties": False}
 TOPICS = ["a lighthouse keeper", "a lost robot", "a desert town", "the first snow", "a clockmaker", "a night train",
           "an old library", "a river festival", "a chess champion", "a hidden garden", "a storm at sea", "a baker",
           "the last dragon", "a mountain rescue", "a street musician", "a moon colony"]
@@ -66,6 +71,8 @@ def workloads(n: int, round_no: int) -> dict[str, list[str]]:
                  f"{_function(m)}" for i, m in enumerate(picks)],
         "free": [f"Write a short story about {TOPICS[(round_no * n + i) % len(TOPICS)]}{tag.format(i)}."
                  for i in range(n)],
+        "json": [f"Describe this Python function in JSON: its name, its parameters' names and the first line of its "
+                 f"docstring word for word{tag.format(i)}.\n\n{_function(m)}" for i, m in enumerate(picks)],
     }
 
 
@@ -76,7 +83,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1", help="comma-separated request counts submitted at once")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--workloads", default="quote,edit,free")
+    parser.add_argument("--workloads", default="quote,edit,free", help="of quote, edit, free, json")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy; above 0 each request samples with its own seed (the same in both modes)")
     parser.add_argument("--device", default="auto")
@@ -100,7 +107,9 @@ def main() -> None:
             messages = workloads(n, round_no * len(levels) + levels.index(n))
             for w in names:
                 prompts = [[{"role": "user", "content": text}] for text in messages[w]]
-                seeded = [params.replace(seed=i) if args.temperature else params for i in range(len(prompts))]
+                base = params.replace(structured={"type": "json_schema", "schema": FUNCTION_SCHEMA}) \
+                    if w == "json" else params
+                seeded = [base.replace(seed=i) if args.temperature else base for i in range(len(prompts))]
                 outputs = {}
                 for mode, engine in engines.items():
                     before = engine.stats()

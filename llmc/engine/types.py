@@ -57,6 +57,9 @@ class ScheduledSequence:
     # (ModelRunnerOutput.verify_token_ids, then sampled_token_ids after the last), greedy or sampled as that output
     # position would be without drafts (its seed index, penalties and min_tokens count the drafts before it).
     num_draft: int = 0
+    # The drafted rows' masks (an output format's request with drafts): int32 [num_draft, words], row i for the row
+    # that chooses output position len(output_token_ids) + i; token_mask is then the last row's (after every draft).
+    draft_masks: Any = field(default=None, compare=False)
 
     @property
     def is_decode(self) -> bool:

@@ -32,6 +32,7 @@ MIN_POOL_CPUS = 4  # fewer CPUs: a step's masks are computed one after the other
 # one thread took 130 us a mask at 8 rows against 121 us in turn: scripts/bench_structured.py, SmolLM2, regex format)
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "ebnf")
 _FIELD = "structured"
+PROBE = "Paris is green\n\tand {\"x\": 1}"  # llguidance must read its tokens back as these bytes
 _SPEC_KEY = {"json_schema": "schema", "regex": "pattern", "choice": "choices", "grammar": "grammar", "ebnf": "grammar"}
 _EXAMPLE = ('{"type": "json_schema", "schema": {...}}, {"type": "json_object"}, {"type": "regex", "pattern": "..."}, '
             '{"type": "choice", "choices": ["yes", "no"]}, {"type": "grammar", "grammar": "start: ..."} (Lark syntax), '
@@ -119,17 +120,46 @@ class Constraint:
         return out
 
     @staticmethod
-    def masks(constraints: Sequence[Constraint]) -> np.ndarray:
+    def masks(constraints: Sequence[Constraint], drafts: Sequence[Sequence[int]] | None = None) -> np.ndarray:
         """Every constraint's :meth:`mask` (int32 ``[len(constraints), words]``): several in parallel on llguidance's
         own threads where the engine has a pool (a step's masked rows take tens of microseconds to a few hundred
-        each, which would add up on the step loop), else one after the other."""
-        pool = constraints[0]._executor() if len(constraints) > 1 else None
-        if pool is None:
-            return np.stack([c.mask() for c in constraints])
-        out = np.zeros((len(constraints), constraints[0]._words), dtype=np.int32)
-        rows = [(c._matcher, i) for i, c in enumerate(constraints)]
-        pool.unsafe_compute_mask_ptr(rows, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+        each, which would add up on the step loop), else one after the other. ``drafts`` (one sequence per
+        constraint, each from :meth:`drafts`): a constraint with ``k`` draft tokens gets ``k + 1`` rows, its mask
+        now and after each of its drafts (the rows a drafted step samples); its state is left as it was."""
+        counts = [len(d) for d in drafts] if drafts is not None else [0] * len(constraints)
+        out = np.zeros((len(constraints) + sum(counts), constraints[0]._words), dtype=np.int32)
+        pool = constraints[0]._executor() if len(out) > 1 else None
+        if pool is not None:
+            starts = _starts(counts)
+            rows = [(c._matcher, at) for c, at, n in zip(constraints, starts, counts) if not n]
+            if rows:
+                pool.unsafe_compute_mask_ptr(rows, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+            drafted = [(c._matcher, at, list(d)) for c, at, d in zip(constraints, starts, drafts or ()) if d]
+            if drafted:  # (llguidance's call takes only constraints that have drafts)
+                pool.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, out.shape[1] * 4,
+                                                              out.shape[0])
+        else:
+            for j, (c, at) in enumerate(zip(constraints, _starts(counts))):
+                out[at] = c.mask()
+                for i, token in enumerate(drafts[j] if counts[j] else ()):
+                    if not c._matcher.consume_token(token):
+                        raise ValueError(f"draft token {token} is not allowed by the output format")
+                    out[at + 1 + i] = c.mask()
+                if counts[j]:
+                    c._matcher.rollback(counts[j])
         return out
+
+    def drafts(self, proposed: Sequence[int], limit: int) -> tuple[int, ...]:
+        """Draft tokens for the output's next positions (speculation): the tokens the format forces from here (a
+        schema's next key, the rest of the only choice left: llguidance's fast-forward tokens), else the longest
+        prefix of ``proposed`` (prompt lookup's) that the format allows; at most ``limit``."""
+        if limit <= 0:
+            return ()
+        forced = self._matcher.compute_ff_tokens()
+        if forced:
+            return tuple(forced[:limit])
+        proposed = list(proposed[:limit])
+        return tuple(proposed[:self._matcher.validate_tokens(proposed)]) if proposed else ()
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False when the format does not allow it (the constraint is then broken)."""
@@ -220,19 +250,44 @@ class Grammars:
             backend = copy.copy(backend)  # its JSON without the padding and truncation a caller may have set
             backend.no_padding()
             backend.no_truncation()
+            text = byte_level_decoder(backend.to_str())
             ends = self.eos_token_ids or None
             try:
                 try:
-                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=ends)
+                    index = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=ends)
                 except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin) takes one end id: the first one
-                    self._index = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                         eos_token=ends[0] if ends else None)
+                    index = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                   eos_token=ends[0] if ends else None)
             except (ValueError, RuntimeError) as exc:  # e.g. a decoder it cannot map tokens to bytes through
                 raise RequestError(_FIELD, f"is not available for this engine's tokenizer: llguidance cannot "
                                            f"read it ({exc}); structured outputs need a byte-level BPE, "
                                            f"SentencePiece (byte-fallback) or similar tokenizer") from None
+            ids = self._hf.encode(PROBE, add_special_tokens=False)
+            read = bytes(index.decode_bytes(list(ids)))
+            if read.strip() != PROBE.encode().strip():  # (SentencePiece tokens keep their word's leading space)
+                raise RequestError(_FIELD, f"is not available for this engine's tokenizer: llguidance reads its "
+                                           f"tokens as other bytes ({PROBE!r} -> {read!r}), so every mask would "
+                                           f"be wrong; structured outputs need a byte-level BPE, SentencePiece "
+                                           f"(byte-fallback) or similar tokenizer")
+            self._index = index
         return self._index
+
+
+def byte_level_decoder(tokenizer_json: str) -> str:
+    """``tokenizer_json`` (a Hugging Face ``tokenizer.json``) as llguidance must read it: a byte-level BPE (its
+    pre-tokenizer maps bytes to printable characters, "Ġ" for a space) whose decoder is a chain that also holds
+    byte-fallback steps (what converting a GGUF's BPE vocabulary gives, the embedded SmolLM2's among them) gets its
+    ByteLevel decoder alone; llguidance otherwise takes the chain for SentencePiece's and reads "Ġtea" as those
+    five bytes, so a space is never allowed where the format needs one. Anything else is returned unchanged."""
+    spec = json.loads(tokenizer_json)
+    pre, decoder = spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    chain = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    byte_level = [d for d in chain if d.get("type") == "ByteLevel"]
+    if not byte_level or not any(p.get("type") == "ByteLevel" for p in steps):
+        return tokenizer_json
+    spec["decoder"] = byte_level[0]
+    return json.dumps(spec)
 
 
 def _llguidance() -> Any:
@@ -242,6 +297,15 @@ def _llguidance() -> Any:
         raise RequestError(_FIELD, f"structured outputs need the llguidance package ({exc}); install it: "
                                    f"pip install 'llguidance>=0.7.29,<2'") from None
     return llguidance
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    """The first row of each constraint in :meth:`Constraint.masks`' output (one row and one per draft each)."""
+    starts, at = [], 0
+    for n in counts:
+        starts.append(at)
+        at += 1 + n
+    return starts
 
 
 def _first_lines(text: str) -> str:

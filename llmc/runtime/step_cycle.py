@@ -91,6 +91,8 @@ class StepCycle:
         self._inflight: _Inflight | None = None  # overlapped steps: the launched step whose tokens are not known
         self._step_masks = (0, 0.0)  # the planned step's output-format masks: rows, host seconds
         self.masks_total, self.mask_seconds_total = 0, 0.0  # since the engine started (Engine.stats)
+        if scheduler.speculator is not None:  # output formats vet their requests' drafts and add forced tokens
+            scheduler.format_drafts = self._format_drafts
 
     def step(self) -> list[StreamEvent]:
         """Run one engine step; returns the events it produced (also delivered to each request's sink).
@@ -186,11 +188,11 @@ class StepCycle:
     def _needs_token_values(self) -> bool:
         """Whether a running request samples with penalties, or with an output format where the runner cannot take
         late masks (they read the values of earlier tokens before the step is launched), or may draft tokens (they
-        follow its last token's value)."""
+        follow its last token's value; an output format's constraint vets them at planning)."""
         drafting = self.scheduler.speculator is not None
         with self._lock:
             return any(r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
-                       or (drafting and speculable(r.params)) for r in self.scheduler.running)
+                       or (drafting and speculable(r.params, True)) for r in self.scheduler.running)
 
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format
@@ -211,14 +213,27 @@ class StepCycle:
                     constraints.append(output.constraint)
         if not rows:
             return scheduled
+        drafts = [seqs[i].token_ids[len(seqs[i].token_ids) - seqs[i].num_draft:] for i in rows]
         start = self.clock()
-        masks = Constraint.masks(constraints)  # together on llguidance's threads where the engine has a pool
-        self._step_masks = (len(rows), self.clock() - start)
-        self.masks_total += len(rows)
+        # together on llguidance's threads where the engine has a pool; a drafted row's mask after each draft too
+        masks = Constraint.masks(constraints, drafts if any(drafts) else None)
+        self._step_masks = (len(masks), self.clock() - start)
+        self.masks_total += len(masks)
         self.mask_seconds_total += self._step_masks[1]
-        for j, i in enumerate(rows):
-            seqs[i] = dataclasses.replace(seqs[i], token_mask=masks[j])
+        at = 0
+        for i, d in zip(rows, drafts):
+            seqs[i] = dataclasses.replace(seqs[i], token_mask=masks[at + len(d)],
+                                          draft_masks=masks[at:at + len(d)] if d else None)
+            at += 1 + len(d)
         return dataclasses.replace(scheduled, sequences=tuple(seqs))
+
+    def _format_drafts(self, request_id: str, proposed: tuple[int, ...], limit: int) -> tuple[int, ...]:
+        """The scheduler's ``format_drafts``: a request's drafts as its output format allows them (planning runs on
+        this thread, after every earlier token reached the constraint)."""
+        output = self._outputs.get(request_id)
+        if output is None or output.constraint is None:
+            return ()
+        return output.constraint.drafts(proposed, limit)
 
     @property
     def overlapped_steps(self) -> bool:

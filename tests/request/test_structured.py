@@ -10,7 +10,8 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
-from llmc.request.structured import KINDS, Constraint, Grammars, OutputFormat
+from llmc.request import structured
+from llmc.request.structured import KINDS, Constraint, Grammars, OutputFormat, byte_level_decoder
 from llmc.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},
@@ -148,3 +149,71 @@ def test_a_token_the_format_refuses_ends_its_request_with_an_error_event(tokeniz
     events = [done.on_token(t, 1.0) for t in tokenizer.encode("red", add_special_tokens=False)]
     assert events[-1].finish_reason == "stop" and events[-1].stop_reason is None
     assert "".join(e.text for e in events) == "red"
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_drafts_are_the_forced_tokens_else_the_proposals_prefix_the_format_allows(tokenizer, grammars):
+    """Speculation (``Constraint.drafts``): where the format forces the next bytes (a schema's key) the drafts are
+    those tokens whatever was proposed; elsewhere the proposal is cut at the first token the format refuses, and
+    never runs past the limit. Drafting leaves the constraint's state as it was."""
+    constraint = grammars.compile(OutputFormat.from_dict({"type": "json_schema", "schema": PERSON}))
+    answer = tokenizer.encode('{"name":"Bob","age":3}', add_special_tokens=False)
+    before = constraint.mask()
+    assert constraint.drafts(answer + answer[:1], 64) == tuple(answer)  # after "}" only an end id may follow
+    assert constraint.drafts(answer, 3) == tuple(answer[:3]) and constraint.drafts(answer, 0) == ()
+    junk = tokenizer.encode("x", add_special_tokens=False)
+    assert constraint.drafts(answer[:2] + junk + answer[2:], 64) == tuple(answer[:2])
+    assert constraint.drafts(junk, 64) == () and np.array_equal(constraint.mask(), before)
+    assert constraint.accept(answer[0])  # '{"': the key is forced now
+    forced = constraint.drafts(junk, 64)
+    assert forced and tokenizer.decode(list(forced)) == "name" and constraint.drafts(junk, 1) == forced[:1]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_masks_after_each_draft_equal_masks_taken_token_by_token_and_leave_the_state(tokenizer, threads):
+    """A drafted row samples under the mask its position would have: ``Constraint.masks(.., drafts)`` gives each
+    constraint its mask now and after each of its drafts (in turn, and on llguidance's pool), then rolls back."""
+    grammars = Grammars(tokenizer, len(tokenizer), [2], mask_threads=threads)
+    formats = [{"type": "json_schema", "schema": PERSON}, {"type": "regex", "pattern": "[0-9]+"},
+               {"type": "choice", "choices": ["green tea", "green"]}]
+    constraints = [grammars.compile(OutputFormat.from_dict(f)) for f in formats]
+    drafts = [tokenizer.encode('{"name":"Al', add_special_tokens=False), [],
+              tokenizer.encode("green tea", add_special_tokens=False)]
+    before = [c.mask() for c in constraints]
+    rows = Constraint.masks(constraints, drafts)
+    assert rows.shape == (3 + sum(map(len, drafts)), before[0].shape[0])
+    at = 0
+    for c, d, mask in zip(constraints, drafts, before):
+        assert np.array_equal(rows[at], mask)
+        for i, token in enumerate(d):
+            assert c.accept(token)
+            assert np.array_equal(rows[at + 1 + i], c.mask())
+        at += 1 + len(d)
+    assert not np.array_equal(rows[1], rows[0])  # the masks do move with the drafts
+    fresh = [grammars.compile(OutputFormat.from_dict(f)) for f in formats]
+    Constraint.masks(fresh, drafts)
+    assert all(np.array_equal(c.mask(), m) for c, m in zip(fresh, before))  # each state is where it was
+
+
+def test_a_gguf_byte_level_vocabulary_reads_a_space_as_a_space(tokenizer, grammars, monkeypatch):
+    """The embedded SmolLM2's tokenizer, converted from its GGUF, decodes through a chain of byte-fallback and
+    ByteLevel steps; read as is, llguidance took " tea" for the bytes of "Ġtea" and refused every space a format
+    spells out. The index is built from the ByteLevel decoder alone, and an index that misreads its tokens is
+    refused with one clear error instead of masks that are wrong."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    assert [d["type"] for d in spec["decoder"]["decoders"]][-1] == "ByteLevel"  # the chain this is about
+    assert json.loads(byte_level_decoder(json.dumps(spec)))["decoder"]["type"] == "ByteLevel"
+    plain = dict(spec, decoder={"type": "ByteLevel"})
+    assert byte_level_decoder(json.dumps(plain)) == json.dumps(plain)
+    for fmt in ({"type": "choice", "choices": ["green tea", "red"]}, {"type": "regex", "pattern": "[a-z]+ [a-z]+"}):
+        constraint = grammars.compile(OutputFormat.from_dict(fmt))
+        ids = tokenizer.encode("green tea", add_special_tokens=False)
+        assert len(ids) == 2 and all(constraint.accept(t) for t in ids), constraint.error
+        assert fmt["type"] == "regex" or constraint.complete
+    monkeypatch.setattr(structured, "byte_level_decoder", lambda text: text)  # the index as it was read before
+    with pytest.raises(RequestError) as info:
+        Grammars(tokenizer, len(tokenizer), [2]).compile(OutputFormat.from_dict(EXAMPLES[2]))
+    assert info.value.field == "structured" and "reads its tokens as other bytes" in info.value.message

@@ -61,11 +61,12 @@ def test_rejected_drafts_back_off_and_an_accepted_one_ends_the_backoff():
     assert sum(lookup.propose("r", tokens, 2) == () for _ in range(MAX_BACKOFF + 1)) == MAX_BACKOFF
 
 
-def test_requests_with_an_output_format_are_not_drafted():
+def test_requests_with_an_output_format_are_drafted_only_where_the_engine_vets_their_drafts():
     assert speculable(SamplingParams(temperature=0.0))
     assert speculable(SamplingParams(temperature=0.7, repetition_penalty=1.2, logit_bias={5: 1.0}, min_tokens=3,
                                      logprobs=2))
-    assert not speculable(SamplingParams(structured={"type": "regex", "pattern": "[a-z]+"}))
+    regex = SamplingParams(structured={"type": "regex", "pattern": "[a-z]+"})
+    assert not speculable(regex) and speculable(regex, formats=True)  # (test_speculate_structured.py)
 
 
 def cyclic_token(context: list[int]) -> int:

@@ -4,11 +4,12 @@ A sequence with ``num_draft`` drafts runs its decode token and the drafts as one
 its new tokens but the last (:func:`~llmc.engine.torch.cuda_graphs.verify_rows`) choose the token that follows,
 and the last row is sampled as usual. Each drafted row chooses as that output position would without drafts
 (:func:`draft_views`: the sampler sees the output so far plus the drafts before the row, so a seed's index,
-``min_tokens`` and the penalties follow plain decoding): greedy rows take the argmax; a sampled row's draw equals
-the draft with probability p(draft) and is otherwise a draw from p without the draft, speculative sampling's rule
-for a one-token draft, so the output keeps plain decoding's distribution (and a seeded request its tokens). The
-scheduler keeps the drafts up to the first row whose choice differs. Rows whose request asks for token
-log-probabilities get them as sampled rows do (:func:`~llmc.engine.torch.sampler.token_logprobs`).
+``min_tokens`` and the penalties follow plain decoding, and an output format's row its mask at that position):
+greedy rows take the argmax; a sampled row's draw equals the draft with probability p(draft) and is otherwise a
+draw from p without the draft, speculative sampling's rule for a one-token draft, so the output keeps plain
+decoding's distribution (and a seeded request its tokens). The scheduler keeps the drafts up to the first row whose
+choice differs. Rows whose request asks for token log-probabilities get them as sampled rows do
+(:func:`~llmc.engine.torch.sampler.token_logprobs`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def draft_views(seqs: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
     views = []
     for s in seqs:
         drafts = s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else ()
-        views.extend(dataclasses.replace(s, output_token_ids=s.output_token_ids + drafts[:i])
+        masks = s.draft_masks if s.draft_masks is not None else [None] * len(drafts)
+        views.extend(dataclasses.replace(s, output_token_ids=s.output_token_ids + drafts[:i], token_mask=masks[i])
                      for i in range(len(drafts)))
     return views
 

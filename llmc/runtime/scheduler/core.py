@@ -29,7 +29,9 @@ error all return every block.
 With a ``speculator`` (:mod:`llmc.runtime.scheduler.speculate`), a request's decode token may be followed by
 draft tokens in the same step (within the token budget and the request's length limit, KV slots reserved for all of
 them); :meth:`fill` keeps the drafts the runner's chosen tokens confirm, appends the model's own next token and
-counts the confirmed drafts as computed (a rejected draft's KV entry is overwritten by the next step).
+counts the confirmed drafts as computed (a rejected draft's KV entry is overwritten by the next step). A request
+with an output format drafts through ``format_drafts`` (the engine's: the tokens its format forces, else the
+lookup's drafts it allows).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ class Scheduler:
         self.speculator = speculator  # draft tokens after decodes (None: off)
         # (rows, row contexts) a step with drafts may have in all (the runner's CUDA graphs'), None: no bound
         self.draft_limits = draft_limits
+        # (request id, prompt lookup's drafts, limit) -> the drafts a request's output format allows (the engine's
+        # constraints, which have seen every token so far); None: requests with an output format are not drafted
+        self.format_drafts: Callable[[str, tuple[int, ...], int], tuple[int, ...]] | None = None
         # (request, tokens, sample, drafts) of the last schedule()
         self._last_scheduled: list[tuple[Request, int, bool, tuple[int, ...]]] = []
         self.drafted_tokens_total = 0  # draft tokens verified so far
@@ -204,7 +209,7 @@ class Scheduler:
         within ``room`` (rows, row contexts left under ``draft_limits``; taken from it): a drafted row reads its
         context like a decode, and on CUDA drafts never push a step of decodes off the captured graphs into eager
         launches (prompt chunks that join the step count as they do without drafts)."""
-        if self.speculator is None or not speculable(request.params):
+        if self.speculator is None or not speculable(request.params, self.format_drafts is not None):
             return ()
         limit = min(budget, self._max_total(request) - request.num_tokens) - 1
         if room is not None:
@@ -212,6 +217,8 @@ class Scheduler:
             while limit > 0 and (limit > room[0] or limit * first + limit * (limit - 1) // 2 > room[1]):
                 limit -= 1
         drafts = self.speculator.propose(request.request_id, request.token_view, limit)
+        if request.params.structured is not None and self.format_drafts is not None and limit > 0:
+            drafts = self.format_drafts(request.request_id, drafts, min(limit, self.speculator.num_draft))
         if room is not None and drafts:
             room[0] -= len(drafts)
             room[1] -= len(drafts) * first + len(drafts) * (len(drafts) - 1) // 2

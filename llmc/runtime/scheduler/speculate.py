@@ -11,7 +11,9 @@ replaces it. For a sampled request this is speculative sampling's rule for a dra
 from p equals the draft with probability p(draft), else it is a draw from p without it), so the output keeps plain
 decoding's distribution; a seeded request, whose draws follow its seed and output position, even keeps its tokens
 (up to the rounding of a chunk's kernels against a one-token step's). A step yields 1 to ``num_draft + 1`` tokens
-for one read of the weights. Not drafted (:func:`speculable`): requests with an output format.
+for one read of the weights. A request with an output format drafts what its format allows: the tokens it forces
+(a JSON schema's next key, the rest of the only choice left) or else the lookup's drafts up to the first it rejects
+(:meth:`llmc.request.structured.Constraint.drafts`), and each drafted row samples under its position's mask.
 
 Lookups are O(max_ngram) dictionary reads per step: each request's n-grams are indexed as its tokens become
 known (a token whose value is still on the device, :data:`~llmc.engine.types.PLACEHOLDER`, ends the known part).
@@ -33,12 +35,13 @@ MAX_NGRAM = 8
 MAX_BACKOFF = 31  # lookups a request skips at most after drafts that were all rejected
 
 
-def speculable(params: SamplingParams) -> bool:
-    """Whether a request's next tokens may be drafted: any but those with an output format (its masks would have to
-    follow the drafts). Greedy and sampled requests, with penalties, a logit bias, ``min_tokens`` or token
-    log-probabilities: each drafted row chooses its token as that output position would in plain decoding (the
-    runner's rule: :mod:`llmc.engine.torch.drafts`)."""
-    return params.structured is None
+def speculable(params: SamplingParams, formats: bool = False) -> bool:
+    """Whether a request's next tokens may be drafted: greedy and sampled requests, with penalties, a logit bias,
+    ``min_tokens`` or token log-probabilities (each drafted row chooses its token as that output position would in
+    plain decoding: the runner's rule, :mod:`llmc.engine.torch.drafts`); those with an output format only where the
+    engine drafts ``formats`` (its constraints vet the drafts, add the tokens the format forces and give each
+    drafted row its mask)."""
+    return params.structured is None or formats
 
 
 class _Index:
