@@ -40,13 +40,13 @@ class MaskClock:
         self.calls, self.seconds = 0, 0.0
         original = structured.Constraint.masks
 
-        def timed(constraints):
+        def timed(constraints, drafts=None):
             start = time.perf_counter()
             try:
-                return original(constraints)
+                return original(constraints, drafts)
             finally:
                 self.seconds += time.perf_counter() - start
-                self.calls += len(constraints)
+                self.calls += len(constraints) + sum(map(len, drafts or ()))
 
         structured.Constraint.masks = staticmethod(timed)  # type: ignore[method-assign]
 

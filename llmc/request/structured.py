@@ -92,10 +92,12 @@ class OutputFormat:
     def grammar(self, llguidance: Any) -> str:
         """llguidance's grammar text for this format."""
         matcher = llguidance.LLMatcher
-        if self.kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"})
-        if self.kind == "json_schema":
-            return matcher.grammar_from_json_schema(self.spec)
+        if self.kind in ("json_object", "json_schema"):
+            schema = self.spec if self.kind == "json_schema" else {"type": "object"}
+            try:
+                return matcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin): no defaults (its own: whitespace allowed)
+                return matcher.grammar_from_json_schema(schema)
         if self.kind == "regex":
             return matcher.grammar_from_regex(self.spec)
         if self.kind == "choice":  # JSON string literals are Lark string literals
@@ -150,16 +152,18 @@ class Constraint:
         return out
 
     def drafts(self, proposed: Sequence[int], limit: int) -> tuple[int, ...]:
-        """Draft tokens for the output's next positions (speculation): the tokens the format forces from here (a
-        schema's next key, the rest of the only choice left: llguidance's fast-forward tokens), else the longest
-        prefix of ``proposed`` (prompt lookup's) that the format allows; at most ``limit``."""
+        """Draft tokens for the output's next positions (speculation), at most ``limit``: the longest prefix of
+        ``proposed`` (prompt lookup's) that the format allows, where it is longer than the tokens the format forces
+        from here and begins with them; else those forced tokens (a schema's next key, the rest of the only choice
+        left: llguidance's fast-forward tokens), else the allowed prefix."""
         if limit <= 0:
             return ()
-        forced = self._matcher.compute_ff_tokens()
-        if forced:
-            return tuple(forced[:limit])
+        forced = tuple(self._matcher.compute_ff_tokens()[:limit])
         proposed = list(proposed[:limit])
-        return tuple(proposed[:self._matcher.validate_tokens(proposed)]) if proposed else ()
+        allowed = tuple(proposed[:self._matcher.validate_tokens(proposed)]) if proposed else ()
+        if len(allowed) > len(forced) and allowed[:len(forced)] == forced:
+            return allowed
+        return forced or allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False when the format does not allow it (the constraint is then broken)."""

@@ -156,20 +156,23 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def test_drafts_are_the_forced_tokens_else_the_proposals_prefix_the_format_allows(tokenizer, grammars):
-    """Speculation (``Constraint.drafts``): where the format forces the next bytes (a schema's key) the drafts are
-    those tokens whatever was proposed; elsewhere the proposal is cut at the first token the format refuses, and
-    never runs past the limit. Drafting leaves the constraint's state as it was."""
+    """Speculation (``Constraint.drafts``): the proposal cut at the first token the format refuses, where that is
+    longer than the tokens the format forces and begins with them (a schema's first key: '{"name'); else the forced
+    tokens; never past the limit. Drafting leaves the constraint's state as it was."""
     constraint = grammars.compile(OutputFormat.from_dict({"type": "json_schema", "schema": PERSON}))
     answer = tokenizer.encode('{"name":"Bob","age":3}', add_special_tokens=False)
-    before = constraint.mask()
-    assert constraint.drafts(answer + answer[:1], 64) == tuple(answer)  # after "}" only an end id may follow
-    assert constraint.drafts(answer, 3) == tuple(answer[:3]) and constraint.drafts(answer, 0) == ()
     junk = tokenizer.encode("x", add_special_tokens=False)
-    assert constraint.drafts(answer[:2] + junk + answer[2:], 64) == tuple(answer[:2])
-    assert constraint.drafts(junk, 64) == () and np.array_equal(constraint.mask(), before)
-    assert constraint.accept(answer[0])  # '{"': the key is forced now
-    forced = constraint.drafts(junk, 64)
-    assert forced and tokenizer.decode(list(forced)) == "name" and constraint.drafts(junk, 1) == forced[:1]
+    before = constraint.mask()
+    forced = constraint.drafts(junk, 64)  # nothing allowed proposed: the forced tokens
+    assert tokenizer.decode(list(forced)) == '{"name' and forced == tuple(answer[:2])
+    assert constraint.drafts(answer + answer[:1], 64) == tuple(answer)  # after "}" only an end id may follow
+    assert constraint.drafts(answer, 3) == tuple(answer[:3]) and constraint.drafts(answer, 1) == forced[:1]
+    assert constraint.drafts(answer, 0) == () and constraint.drafts(answer[:2] + junk, 64) == forced  # no other key
+    assert constraint.drafts(tokenizer.encode('{"', add_special_tokens=False) + junk, 64) == forced  # shorter
+    assert np.array_equal(constraint.mask(), before)
+    for token in answer[:2]:
+        assert constraint.accept(token)
+    assert constraint.drafts(junk, 64) == () and constraint.drafts(answer[2:], 64) == tuple(answer[2:])
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -217,3 +220,18 @@ def test_a_gguf_byte_level_vocabulary_reads_a_space_as_a_space(tokenizer, gramma
     with pytest.raises(RequestError) as info:
         Grammars(tokenizer, len(tokenizer), [2]).compile(OutputFormat.from_dict(EXAMPLES[2]))
     assert info.value.field == "structured" and "reads its tokens as other bytes" in info.value.message
+
+
+def test_json_comes_compact_unless_the_schema_asks_for_whitespace(tokenizer, grammars):
+    """JSON formats allow no whitespace between tokens (no ``{"a": 1}`` spaces, no indentation: a model cannot pad
+    its answer with spaces up to its length limit, and answers are short); a schema's own ``x-guidance``
+    ``whitespace_flexible`` lets the model indent."""
+    compact, pretty = (tokenizer.encode(t, add_special_tokens=False)
+                       for t in ('{"a":[1,2],"b":{"c":"d e"}}', '{\n    "a": [1, 2],\n    "b": {"c": "d e"}\n}'))
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "schema": {"type": "object"}}):
+        constraint = grammars.compile(OutputFormat.from_dict(fmt))
+        assert constraint.drafts(compact, 64) == tuple(compact)  # every token allowed ("d e": a string's space)
+        assert tokenizer.decode(list(constraint.drafts(pretty, 64))) == "{"
+    flexible = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
+    constraint = grammars.compile(OutputFormat.from_dict({"type": "json_schema", "schema": flexible}))
+    assert constraint.drafts(pretty, 64) == tuple(pretty)
