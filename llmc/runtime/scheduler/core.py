@@ -30,8 +30,8 @@ With a ``speculator`` (:mod:`llmc.runtime.scheduler.speculate`), a request's dec
 draft tokens in the same step (within the token budget and the request's length limit, KV slots reserved for all of
 them); :meth:`fill` keeps the drafts the runner's chosen tokens confirm, appends the model's own next token and
 counts the confirmed drafts as computed (a rejected draft's KV entry is overwritten by the next step). A request
-with an output format drafts through ``format_drafts`` (the engine's: the tokens its format forces, else the
-lookup's drafts it allows).
+with an output format drafts through ``format_drafts`` (the engine's: the lookup's drafts its format allows, or
+the tokens the format forces where those are longer).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ replaces it. For a sampled request this is speculative sampling's rule for a dra
 from p equals the draft with probability p(draft), else it is a draw from p without it), so the output keeps plain
 decoding's distribution; a seeded request, whose draws follow its seed and output position, even keeps its tokens
 (up to the rounding of a chunk's kernels against a one-token step's). A step yields 1 to ``num_draft + 1`` tokens
-for one read of the weights. A request with an output format drafts what its format allows: the tokens it forces
-(a JSON schema's next key, the rest of the only choice left) or else the lookup's drafts up to the first it rejects
-(:meth:`llmc.request.structured.Constraint.drafts`), and each drafted row samples under its position's mask.
+for one read of the weights. A request with an output format drafts what its format allows: the lookup's drafts up
+to the first the format refuses, or the tokens the format forces (a JSON schema's next key, the rest of the only
+choice left) where those are longer (:meth:`llmc.request.structured.Constraint.drafts`), and each drafted row
+samples under its position's mask.
 
 Lookups are O(max_ngram) dictionary reads per step: each request's n-grams are indexed as its tokens become
 known (a token whose value is still on the device, :data:`~llmc.engine.types.PLACEHOLDER`, ends the known part).
