@@ -131,24 +131,25 @@ class Constraint:
         counts = [len(d) for d in drafts] if drafts is not None else [0] * len(constraints)
         out = np.zeros((len(constraints) + sum(counts), constraints[0]._words), dtype=np.int32)
         pool = constraints[0]._executor() if len(out) > 1 else None
+        rows = list(zip(constraints, _starts(counts), drafts or [()] * len(constraints)))
         if pool is not None:
-            starts = _starts(counts)
-            rows = [(c._matcher, at) for c, at, n in zip(constraints, starts, counts) if not n]
-            if rows:
-                pool.unsafe_compute_mask_ptr(rows, out.ctypes.data, out.shape[1] * 4, out.shape[0])
-            drafted = [(c._matcher, at, list(d)) for c, at, d in zip(constraints, starts, drafts or ()) if d]
-            if drafted:  # (llguidance's call takes only constraints that have drafts)
-                pool.unsafe_compute_mask_ptr_with_draft_token(drafted, out.ctypes.data, out.shape[1] * 4,
-                                                              out.shape[0])
-        else:
-            for j, (c, at) in enumerate(zip(constraints, _starts(counts))):
-                out[at] = c.mask()
-                for i, token in enumerate(drafts[j] if counts[j] else ()):
-                    if not c._matcher.consume_token(token):
-                        raise ValueError(f"draft token {token} is not allowed by the output format")
-                    out[at + 1 + i] = c.mask()
-                if counts[j]:
-                    c._matcher.rollback(counts[j])
+            plain = [(c._matcher, at) for c, at, d in rows if not d]
+            if plain:
+                pool.unsafe_compute_mask_ptr(plain, out.ctypes.data, out.shape[1] * 4, out.shape[0])
+            rows = [row for row in rows if row[2]]
+            batched = getattr(pool, "unsafe_compute_mask_ptr_with_draft_token", None)  # (not in llguidance 0.7)
+            if rows and batched is not None:  # it takes only constraints that have drafts
+                batched([(c._matcher, at, list(d)) for c, at, d in rows], out.ctypes.data, out.shape[1] * 4,
+                        out.shape[0])
+                rows = []
+        for c, at, d in rows:  # in turn: each mask, advanced over each draft, then rolled back
+            out[at] = c.mask()
+            for i, token in enumerate(d):
+                if not c._matcher.consume_token(token):
+                    raise ValueError(f"draft token {token} is not allowed by the output format")
+                out[at + 1 + i] = c.mask()
+            if d:
+                c._matcher.rollback(len(d))
         return out
 
     def drafts(self, proposed: Sequence[int], limit: int) -> tuple[int, ...]:

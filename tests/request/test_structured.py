@@ -175,11 +175,21 @@ def test_drafts_are_the_forced_tokens_else_the_proposals_prefix_the_format_allow
     assert constraint.drafts(junk, 64) == () and constraint.drafts(answer[2:], 64) == tuple(answer[2:])
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+class _OldPool:
+    """llguidance 0.7's thread pool (TensorRT-LLM 1.2's pin): no call for drafts."""
+
+    def __init__(self, pool):
+        self.unsafe_compute_mask_ptr = pool.unsafe_compute_mask_ptr
+
+
+@pytest.mark.parametrize("threads", [1, 2, "0.7"])
 def test_masks_after_each_draft_equal_masks_taken_token_by_token_and_leave_the_state(tokenizer, threads):
     """A drafted row samples under the mask its position would have: ``Constraint.masks(.., drafts)`` gives each
-    constraint its mask now and after each of its drafts (in turn, and on llguidance's pool), then rolls back."""
-    grammars = Grammars(tokenizer, len(tokenizer), [2], mask_threads=threads)
+    constraint its mask now and after each of its drafts (in turn, on llguidance's pool, and on a pool without the
+    drafts call), then rolls back."""
+    grammars = Grammars(tokenizer, len(tokenizer), [2], mask_threads=2 if threads == "0.7" else threads)
+    if threads == "0.7":
+        grammars._pool = _OldPool(grammars._executor())
     formats = [{"type": "json_schema", "schema": PERSON}, {"type": "regex", "pattern": "[0-9]+"},
                {"type": "choice", "choices": ["green tea", "green"]}]
     constraints = [grammars.compile(OutputFormat.from_dict(f)) for f in formats]
