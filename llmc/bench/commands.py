@@ -326,9 +326,9 @@ def execute(opts: BenchOptions) -> dict[str, Any]:
                    "instead of the build's serving.mixed_step_tokens; 0 = no budget (engine.max_num_tokens). Smaller "
                    "budgets cut ITL tails behind long prompts and cost TTFT. Reported per run.")
 @click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
-              help="Offline: draft tokens per step by prompt lookup (requests without an output format), instead "
-                   "of the build's serving.speculative_tokens; 0 = off. The report counts the drafts and those "
-                   "accepted.")
+              help="Offline: draft tokens per step by prompt lookup (an output format's requests draft what it "
+                   "allows), instead of the build's serving.speculative_tokens; 0 = off. The report counts the "
+                   "drafts and those accepted.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Measure every level this many times (levels interleaved, fresh prompts each time while the "
                    "workload lasts); TGS is the median repetition's, latencies pool all requests. For hosts with "

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from llmc.request.params import SamplingParams
+from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
 
 
 def _overrides(**given) -> dict:
@@ -39,14 +40,17 @@ def _overrides(**given) -> dict:
 @click.option("--choice", multiple=True, help="Constrain the answer to one of these strings (repeatable).")
 @click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Constrain the answer to a context-free grammar (a file in llguidance's Lark syntax).")
+@click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
+              help="Draft tokens each step verifies (prompt lookup) instead of the recipe's "
+                   "serving.speculative_tokens; 0 = off. The summary line counts the drafts and the accepted ones.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append per-step and per-request metrics as JSON lines to FILE.")
 def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
                  top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
                  logprobs: int | None, prompt_logprobs: int | None, json_schema: str | None, json_object: bool,
-                 regex: str | None, choice: tuple[str, ...], grammar: Path | None, device: str,
-                 metrics_log: Path | None) -> None:
+                 regex: str | None, choice: tuple[str, ...], grammar: Path | None, speculative_tokens: int | None,
+                 device: str, metrics_log: Path | None) -> None:
     """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
     tokens/s to stderr (and, with --logprobs / --prompt-logprobs, each token's log-probability). Sampling
     defaults come from the recipe's runtime.sampling. --json-schema, --json-object, --regex, --choice and --grammar
@@ -54,7 +58,7 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int 
     from llmc.runtime.api import Engine
 
     structured = output_format(json_schema, json_object, regex, choice, grammar)
-    engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log)
+    engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log, speculative_tokens=speculative_tokens)
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -79,7 +83,11 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int 
     for lp in token_logprobs:
         click.echo(_logprob_line(engine.tokenizer, lp), err=True)
     if last is not None and last.metrics is not None:
-        click.echo(_summary(last.metrics, last.finish_reason, last.stop_reason), err=True)
+        summary = _summary(last.metrics, last.finish_reason, last.stop_reason)
+        if getattr(getattr(engine, "scheduler", None), "speculator", None) is not None:  # (torch builds)
+            stats = engine.stats()
+            summary += f" | drafts: {stats['accepted_draft_tokens']} of {stats['draft_tokens']} accepted"
+        click.echo(summary, err=True)
 
 
 def output_format(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],

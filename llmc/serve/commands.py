@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
+
 
 @click.command("serve")
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
@@ -38,14 +40,17 @@ import click
               help="think: a chat answer's <think> ... </think> goes out as message.reasoning_content, the rest as "
                    "content; auto: when the chat template mentions <think>; none: answers as they come. Default: "
                    "the recipe's serving.reasoning_syntax.")
+@click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
+              help="Draft tokens each step of a request verifies (prompt lookup), instead of the recipe's "
+                   "serving.speculative_tokens; 0 = off (torch builds).")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
               device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
               keepalive_timeout: float, body_timeout: float, metrics_log: Path | None,
-              tool_call_syntax: str | None, reasoning_syntax: str | None) -> None:
+              tool_call_syntax: str | None, reasoning_syntax: str | None, speculative_tokens: int | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
     from llmc.serve.run import ServeOptions, answer_syntaxes, load_engine, serve
 
-    engine = load_engine(engine_dir, device, max_queue_size, metrics_log)
+    engine = load_engine(engine_dir, device, max_queue_size, metrics_log, speculative_tokens)
     serving = engine.recipe.serving
     grpc = serving.grpc_port if grpc_port is None else grpc_port
     options = ServeOptions(
@@ -70,6 +75,9 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         calls = f"read as {tool_syntax} calls" if tool_syntax else "refused (--tool-call-syntax names the syntax)"
         thinking = "split off as reasoning_content" if reasoning else "not split off (--reasoning-syntax)"
         click.echo(f"llmc serve: chat tool_choice \"auto\" {calls}; <think> {thinking}", err=True)
+        speculator = engine.scheduler.speculator
+        if speculator is not None:
+            click.echo(f"llmc serve: up to {speculator.num_draft} draft tokens a step (prompt lookup)", err=True)
 
     serve(engine, options, on_ready=announce)
     click.echo("llmc serve: stopped", err=True)

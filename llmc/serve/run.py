@@ -51,15 +51,17 @@ class ServeOptions:
 
 
 def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None,
-                metrics_log: str | Path | None = None) -> Engine:
-    """The engine ``llmc serve`` runs: ``Engine.from_dir`` with ``serving.max_queue_size`` optionally overridden,
-    appending its per-step and per-request records to ``metrics_log`` (JSON lines) when given.
+                metrics_log: str | Path | None = None, speculative_tokens: int | None = None) -> Engine:
+    """The engine ``llmc serve`` runs: ``Engine.from_dir`` with ``serving.max_queue_size`` (and
+    ``serving.speculative_tokens``) optionally overridden, appending its per-step and per-request records to
+    ``metrics_log`` (JSON lines) when given.
 
     Raises EngineError for a TensorRT-LLM build, from its manifest, before loading anything.
     """
     if read_manifest(Path(build_dir)).backend == "tensorrt_llm":
         raise EngineError(_not_servable(build_dir))
-    return with_max_queue_size(Engine.from_dir(build_dir, device=device), max_queue_size, metrics_log)
+    engine = Engine.from_dir(build_dir, device=device, speculative_tokens=speculative_tokens)
+    return with_max_queue_size(engine, max_queue_size, metrics_log)
 
 
 def with_max_queue_size(engine: Engine | TrtllmEngine, max_queue_size: int | None,
@@ -76,7 +78,11 @@ def with_max_queue_size(engine: Engine | TrtllmEngine, max_queue_size: int | Non
                                                                          max_queue_size=max_queue_size))
     elif metrics_log is None:
         return engine
-    return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids, metrics_log=metrics_log)
+    speculator = engine.scheduler.speculator  # the loaded engine's overrides carry over
+    return Engine(engine.runner, engine.tokenizer, recipe, engine.eos_token_ids, metrics_log=metrics_log,
+                  prefix_caching=engine.block_manager.enable_prefix_caching,
+                  mixed_step_tokens=engine.scheduler.max_mixed_tokens or 0,
+                  speculative_tokens=speculator.num_draft if speculator is not None else 0)
 
 
 def _not_servable(build: object) -> str:

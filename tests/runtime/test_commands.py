@@ -118,3 +118,19 @@ def test_generate_format_flags_refuse_two_formats_and_bad_schemas(tiny_build_dir
         main(["generate", str(tiny_build_dir), "Hi", "--regex", "(", "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: structured: is not a valid regex format")
+
+
+def test_generate_speculative_tokens_keeps_the_text_and_counts_the_drafts(tiny_build_dir):
+    """``--speculative-tokens`` overrides the recipe's serving.speculative_tokens (0 in the tiny build): the same
+    greedy text, a summary that says how many drafts were accepted; out of range is click's one usage error."""
+    args = ["generate", str(tiny_build_dir), "Hello there", "--max-new-tokens", "24", "--temperature", "0",
+            "--device", "cpu"]
+    plain = CliRunner().invoke(cli, args)
+    drafted = CliRunner().invoke(cli, args + ["--speculative-tokens", "4"])
+    assert plain.exit_code == drafted.exit_code == 0, drafted.output
+    assert drafted.stdout == plain.stdout and "drafts:" not in plain.stderr
+    summary = drafted.stderr.splitlines()[-1]
+    accepted, drafts = (int(n) for n in summary.split("drafts: ")[1].split(" accepted")[0].split(" of "))
+    assert drafts >= accepted > 0  # the tiny model's greedy outputs loop
+    bad = CliRunner().invoke(cli, args + ["--speculative-tokens", "17"])
+    assert bad.exit_code == 2 and "--speculative-tokens" in bad.output and "0<=x<=16" in bad.output

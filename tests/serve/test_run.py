@@ -34,6 +34,29 @@ def test_max_queue_size_overrides_the_recipe(tiny_build_dir):
         engine.shutdown()
 
 
+def test_speculative_tokens_and_the_loaded_engines_overrides_survive_a_queue_size_override(tiny_build_dir, tmp_path):
+    """``llmc serve --speculative-tokens``: the engine drafts; ``--max-queue-size`` / ``--metrics-log`` make a new
+    engine over the same runner, which keeps the loaded one's drafts, prefix caching and step budget."""
+    engine = load_engine(tiny_build_dir, "cpu", max_queue_size=3, metrics_log=tmp_path / "m.jsonl",
+                         speculative_tokens=4)
+    try:
+        assert engine.scheduler.speculator.num_draft == 4 and engine.scheduler.waiting.max_size == 3
+        base = Engine.from_dir(tiny_build_dir, device="cpu", prefix_caching=False, mixed_step_tokens=64,
+                               speculative_tokens=2)
+        copy = with_max_queue_size(base, 5)
+        assert (copy.scheduler.speculator.num_draft, copy.block_manager.enable_prefix_caching,
+                copy.scheduler.max_mixed_tokens) == (2, False, 64)
+        done = engine.generate(["Hello there"], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        assert len(done[0].token_ids) == 16 and engine.stats()["draft_tokens"] > 0
+    finally:
+        engine.shutdown()
+    plain = load_engine(tiny_build_dir, "cpu")
+    try:
+        assert plain.scheduler.speculator is None  # the tiny build's recipe: off
+    finally:
+        plain.shutdown()
+
+
 def test_a_tensorrt_llm_engine_with_max_queue_size_is_one_clear_error(trt_build_dir):  # noqa: F811
     engine, _ = open_engine(trt_build_dir, [[5]])  # TensorRT-LLM's runner over the ModelRunnerCpp test double
     assert isinstance(engine.runner, TrtllmRunner)
@@ -90,7 +113,7 @@ def test_metrics_log_records_the_served_steps(tiny_build_dir, tmp_path, max_queu
     assert [r["generated_tokens"] for r in records if r["type"] == "request"] == [3]
 
 
-def test_serve_passes_the_metrics_log(monkeypatch, tmp_path, tiny_build_dir):
+def test_serve_passes_the_metrics_log_and_speculative_tokens(monkeypatch, tmp_path, tiny_build_dir):
     from click.testing import CliRunner
 
     import llmc.serve.run as run_module
@@ -98,10 +121,12 @@ def test_serve_passes_the_metrics_log(monkeypatch, tmp_path, tiny_build_dir):
 
     seen = {}
 
-    def fake_load(build_dir, device, max_queue_size, metrics_log=None):
-        seen["metrics_log"] = metrics_log
+    def fake_load(build_dir, device, max_queue_size, metrics_log=None, speculative_tokens=None):
+        seen["metrics_log"], seen["speculative_tokens"] = metrics_log, speculative_tokens
         raise EngineError("stop here")
 
     monkeypatch.setattr(run_module, "load_engine", fake_load)
-    result = CliRunner().invoke(serve_cmd, [str(tiny_build_dir), "--metrics-log", str(tmp_path / "m.jsonl")])
-    assert isinstance(result.exception, EngineError) and seen["metrics_log"] == tmp_path / "m.jsonl"
+    result = CliRunner().invoke(serve_cmd, [str(tiny_build_dir), "--metrics-log", str(tmp_path / "m.jsonl"),
+                                            "--speculative-tokens", "3"])
+    assert isinstance(result.exception, EngineError) and seen == {"metrics_log": tmp_path / "m.jsonl",
+                                                                  "speculative_tokens": 3}
