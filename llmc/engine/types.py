@@ -62,6 +62,11 @@ class ScheduledSequence:
     draft_masks: Any = field(default=None, compare=False)
 
     @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        """The draft tokens (the last ``num_draft`` of ``token_ids``; none without speculation)."""
+        return self.token_ids[len(self.token_ids) - self.num_draft:] if self.num_draft else ()
+
+    @property
     def is_decode(self) -> bool:
         """One new token this step (:func:`is_decode`)."""
         return is_decode(len(self.token_ids))

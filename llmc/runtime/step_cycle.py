@@ -213,7 +213,7 @@ class StepCycle:
                     constraints.append(output.constraint)
         if not rows:
             return scheduled
-        drafts = [seqs[i].token_ids[len(seqs[i].token_ids) - seqs[i].num_draft:] for i in rows]
+        drafts = [seqs[i].draft_token_ids for i in rows]
         start = self.clock()
         # together on llguidance's threads where the engine has a pool; a drafted row's mask after each draft too
         masks = Constraint.masks(constraints, drafts if any(drafts) else None)

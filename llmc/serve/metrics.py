@@ -45,7 +45,7 @@ ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": ("llmc_prefix_cache_hit_tokens", "Prompt tokens served from cached KV blocks (not "
                                                                 "computed again)."),
     "structured_masks": ("llmc_structured_masks", "Allowed-token masks computed for requests with an output format "
-                                                  "(one per constrained token)."),
+                                                  "(one per row a step samples under one, drafted rows included)."),
     "structured_mask_seconds": ("llmc_structured_mask_seconds", "Host seconds computing those masks on the step "
                                                                 "loop."),
     "draft_tokens": ("llmc_draft_tokens", "Draft tokens verified (prompt-lookup speculation, "

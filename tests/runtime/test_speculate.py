@@ -89,7 +89,7 @@ class DraftSlotRunner(SlotRunner):
             for i, t in enumerate(s.token_ids):
                 self.slots[self._slot(s.block_ids, s.num_computed + i)] = t
         for s in out.sequences:
-            known = list(s.prompt_token_ids + s.output_token_ids) + list(s.token_ids[len(s.token_ids) - s.num_draft:])
+            known = list(s.prompt_token_ids + s.output_token_ids) + list(s.draft_token_ids)
             total = s.num_computed + len(s.token_ids)
             ctx = [self.slots[self._slot(s.block_ids, p)] for p in range(total)]
             assert ctx == known[:total], s.request_id

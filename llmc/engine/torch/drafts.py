@@ -29,7 +29,7 @@ def draft_views(seqs: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
     token number ``len(output_token_ids) + i``, after its first ``i`` drafts."""
     views = []
     for s in seqs:
-        drafts = s.token_ids[len(s.token_ids) - s.num_draft:] if s.num_draft else ()
+        drafts = s.draft_token_ids
         masks = s.draft_masks if s.draft_masks is not None else [None] * len(drafts)
         views.extend(dataclasses.replace(s, output_token_ids=s.output_token_ids + drafts[:i], token_mask=masks[i])
                      for i in range(len(drafts)))
@@ -39,7 +39,7 @@ def draft_views(seqs: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
 def after_drafts(sampled: tuple[ScheduledSequence, ...]) -> tuple[ScheduledSequence, ...]:
     """The sampled sequences as their last row chooses: a drafted one after all its drafts (its output token number
     ``len(output_token_ids) + num_draft``)."""
-    return tuple(dataclasses.replace(s, output_token_ids=s.output_token_ids + s.token_ids[-s.num_draft:])
+    return tuple(dataclasses.replace(s, output_token_ids=s.output_token_ids + s.draft_token_ids)
                  if s.num_draft else s for s in sampled)
 
 
