@@ -6,6 +6,7 @@ A leaf module: the builder, the engines, the runtime, the server and the bench a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -36,3 +37,34 @@ def load_tokenizer(hf_dir: Path) -> Any:
     except OSError as exc:
         raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
                           f"and tokenizer_config.json") from exc
+
+
+def byte_level_decoder(tokenizer_json: str) -> str:
+    """``tokenizer_json`` (a Hugging Face ``tokenizer.json``) with the decoder guided decoding must find: a
+    byte-level BPE (its pre-tokenizer maps bytes to printable characters, "Ġ" for a space) whose decoder is a chain
+    that also holds byte-fallback steps (what converting a GGUF's BPE vocabulary gives, the embedded SmolLM2's among
+    them) gets its ByteLevel decoder alone, where every token id decodes to the same text with it. Read as is,
+    llguidance takes the chain for SentencePiece's and xgrammar takes its first step, ByteFallback, for the
+    vocabulary's kind: both read "Ġtea" as those five bytes, so a space is never allowed where a format needs one.
+    Anything else (a vocabulary with ``<0xNN>`` byte tokens, which the chain decodes differently) is returned
+    unchanged."""
+    spec = json.loads(tokenizer_json)
+    pre, decoder = spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    chain = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    byte_level = [d for d in chain if d.get("type") == "ByteLevel"]
+    if not byte_level or not any(p.get("type") == "ByteLevel" for p in steps):
+        return tokenizer_json
+    spec["decoder"] = byte_level[0]
+    plain = json.dumps(spec, ensure_ascii=False, indent=2)
+    return plain if _decodes_alike(tokenizer_json, plain) else tokenizer_json
+
+
+def _decodes_alike(a_json: str, b_json: str) -> bool:
+    """Whether two ``tokenizer.json`` texts decode every token id to the same text (special tokens kept); a
+    vocabulary of 49,152 takes ~0.1 s."""
+    from tokenizers import Tokenizer
+
+    a, b = Tokenizer.from_str(a_json), Tokenizer.from_str(b_json)
+    ids = [[i] for i in range(a.get_vocab_size(with_added_tokens=True))]
+    return a.decode_batch(ids, skip_special_tokens=False) == b.decode_batch(ids, skip_special_tokens=False)

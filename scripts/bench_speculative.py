@@ -13,7 +13,8 @@ Greedy (``--temperature`` samples, each request with its own seed), the model's 
 no prefix caching in either mode. The modes alternate within each round; every round's requests are new. Reports
 generated tokens per second (the best round), the ratio to plain decoding, the draft tokens verified and accepted (with
 the tokens generated), and how many requests' tokens differ between the modes (0 on CPU in float32; a chunk's kernels
-round differently from a one-token step's, so in 16-bit a near-tie may break the other way). Prints one JSON object.
+round differently from a one-token step's, so in 16-bit a near-tie may break the other way), and for ``json`` the
+output-format masks computed and their host time per mask (summed over the rounds). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def main() -> None:
         engine.generate([[{"role": "user", "content": "Say hello."}]], params.replace(max_new_tokens=8))
     tgs: dict = {w: {m: {} for m in engines} for w in names}
     drafts: dict = {w: {} for w in names}
+    masks: dict = {w: {m: {} for m in engines} for w in names}  # output-format masks: count, host seconds
     differ: dict = {w: {} for w in names}
     for round_no in range(args.rounds):
         for n in levels:
@@ -119,8 +121,11 @@ def main() -> None:
                     tokens = sum(len(c.token_ids) for c in done)
                     tgs[w][mode][n] = max(tgs[w][mode].get(n, 0.0), tokens / elapsed)
                     outputs[mode] = [c.token_ids for c in done]
+                    after = engine.stats()
+                    count, seconds = masks[w][mode].get(n, (0, 0.0))
+                    masks[w][mode][n] = (count + after["structured_masks"] - before["structured_masks"],
+                                         seconds + after["structured_mask_seconds"] - before["structured_mask_seconds"])
                     if mode == "speculative":
-                        after = engine.stats()
                         drafted = after["draft_tokens"] - before["draft_tokens"]
                         accepted = after["accepted_draft_tokens"] - before["accepted_draft_tokens"]
                         total = drafts[w].setdefault(n, {"drafted": 0, "accepted": 0, "generated": 0})
@@ -139,7 +144,10 @@ def main() -> None:
         "drafts": {w: {n: {**d, "acceptance": d["accepted"] / max(1, d["drafted"]),
                            "accepted_per_generated": d["accepted"] / max(1, d["generated"])}
                        for n, d in drafts[w].items()} for w in names},
-        "outputs_differing": differ, "python": sys.version.split()[0],
+        "outputs_differing": differ,
+        "masks": {w: {m: {n: {"masks": c, "host_us_per_mask": 1e6 * t / c} for n, (c, t) in v.items() if c}
+                      for m, v in modes.items()} for w, modes in masks.items() if w == "json"},
+        "python": sys.version.split()[0],
     }
     print(json.dumps(report, indent=1))
 

@@ -14,6 +14,7 @@ from llmc import manifest as mf
 from llmc.errors import BuildError
 from llmc.recipe import Recipe, recipe_to_dict
 from llmc.source import load
+from llmc.tokenizer import byte_level_decoder
 
 # Files of an HF folder that make up its tokenizer (copied when ``save_pretrained`` is not enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -25,12 +26,16 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
 
     ``tokenizer_config.json``'s eos token becomes the first reconciled id, ``chat_template.jinja`` holds the
     build's template, and ``generation_config.json`` records the whole reconciled list, so every consumer
-    stops on the same ids.
+    stops on the same ids. A byte-level BPE whose decoder is a chain of byte-fallback and ByteLevel steps (a
+    GGUF conversion's) gets its ByteLevel decoder alone, where every token decodes as before: guided decoding
+    over the build's tokenizer.json (llguidance's, TensorRT-LLM's) then reads spaces as spaces.
     """
     out.mkdir(parents=True)
     for name in TOKENIZER_FILES:
         if (source.hf_dir / name).exists():
             shutil.copy2(source.hf_dir / name, out / name)
+    if (out / "tokenizer.json").exists():
+        _plain_byte_level_decoder(out / "tokenizer.json")
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     if source.chat_template is not None:
@@ -48,6 +53,14 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     if source.pad_token_id is not None:
         gen["pad_token_id"] = source.pad_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def _plain_byte_level_decoder(tokenizer_json: Path) -> None:
+    """Rewrite ``tokenizer_json`` (the build's copy) with :func:`byte_level_decoder`'s decoder where it changes."""
+    text = tokenizer_json.read_text(encoding="utf-8")
+    plain = byte_level_decoder(text)
+    if plain != text:
+        tokenizer_json.write_text(plain, encoding="utf-8")
 
 
 def _token_string(tokenizer_json: Path, token_id: int) -> str:

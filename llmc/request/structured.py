@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from llmc.errors import RequestError, short_repr
+from llmc.tokenizer import byte_level_decoder
 
 log = logging.getLogger(__name__)
 
@@ -276,23 +277,6 @@ class Grammars:
                                            f"(byte-fallback) or similar tokenizer")
             self._index = index
         return self._index
-
-
-def byte_level_decoder(tokenizer_json: str) -> str:
-    """``tokenizer_json`` (a Hugging Face ``tokenizer.json``) as llguidance must read it: a byte-level BPE (its
-    pre-tokenizer maps bytes to printable characters, "Ġ" for a space) whose decoder is a chain that also holds
-    byte-fallback steps (what converting a GGUF's BPE vocabulary gives, the embedded SmolLM2's among them) gets its
-    ByteLevel decoder alone; llguidance otherwise takes the chain for SentencePiece's and reads "Ġtea" as those
-    five bytes, so a space is never allowed where the format needs one. Anything else is returned unchanged."""
-    spec = json.loads(tokenizer_json)
-    pre, decoder = spec.get("pre_tokenizer") or {}, spec.get("decoder") or {}
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    chain = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
-    byte_level = [d for d in chain if d.get("type") == "ByteLevel"]
-    if not byte_level or not any(p.get("type") == "ByteLevel" for p in steps):
-        return tokenizer_json
-    spec["decoder"] = byte_level[0]
-    return json.dumps(spec)
 
 
 def _llguidance() -> Any:

@@ -24,7 +24,7 @@ from llmc.recipe import Recipe
 from llmc.serve.pbtxt import check_ensemble, fill_template, parse_config, read_config, render_inputs
 from llmc.serve.protocol import ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS
 from llmc.serve.trtllm_backend import check_trtllm_model
-from llmc.tokenizer import load_tokenizer
+from llmc.tokenizer import byte_level_decoder, load_tokenizer
 
 log = logging.getLogger(__name__)
 TRTLLM_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls")
@@ -33,7 +33,6 @@ _TMP_BUILD = re.compile(r"^\.(?P<name>.+)\.tmp-\d+$")  # llmc build's temp folde
 # In the tensorrt_llm model's folder: Triton takes only numeric sub-folders of a model as versions, so a file
 # beside config.pbtxt is never mistaken for a model or a version.
 XGRAMMAR_INFO = "xgrammar_tokenizer_info.json"
-_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # the only tokens a ByteFallback decoder changes
 
 
 def template_root() -> Path:
@@ -108,7 +107,7 @@ def xgrammar_tokenizer_info(tokenizer_dir: Path, eos: Sequence[int]) -> dict[str
     """The JSON object the tensorrtllm C++ backend reads from ``xgrammar_tokenizer_info_path`` for guided
     decoding: ``encoded_vocab`` (list index = token id, every id of the tokenizer, ``""`` for an unused id, which
     xgrammar treats as a never-allowed special token), ``tokenizer_str`` (the fast tokenizer's tokenizer.json,
-    from which xgrammar detects byte-level / byte-fallback decoding: :func:`_xgrammar_tokenizer_str`) and
+    from which xgrammar detects byte-level / byte-fallback decoding: :func:`llmc.tokenizer.byte_level_decoder`) and
     ``stop_token_ids`` (the build's eos ids, the tokens that may end a guided output). BuildError naming the fix
     when the tokenizer cannot give them.
     """
@@ -130,24 +129,8 @@ def xgrammar_tokenizer_info(tokenizer_dir: Path, eos: Sequence[int]) -> dict[str
     if not eos:
         log.warning("the build has no eos ids, so guided outputs of the tensorrt_llm model can only end at "
                     "max_tokens; set model.eos_token_ids in the recipe and rebuild")
-    return {"encoded_vocab": encoded, "tokenizer_str": _xgrammar_tokenizer_str(backend.to_str(), vocab),
+    return {"encoded_vocab": encoded, "tokenizer_str": byte_level_decoder(backend.to_str()),
             "stop_token_ids": [int(i) for i in eos]}
-
-
-def _xgrammar_tokenizer_str(tokenizer_json: str, vocab: dict[str, int]) -> str:
-    """The tokenizer's JSON as xgrammar reads it: only to detect how tokens decode, taking the first ByteLevel or
-    ByteFallback decoder of a Sequence. Tokenizers converted from GGUF byte-level vocabularies (the embedded
-    SmolLM2's) list ByteFallback first although no token is ``<0xNN>``: xgrammar would then take ``Ġb`` for the
-    text "Ġb", not " b", and refuse every token with a space. Such a ByteFallback step leaves every token of
-    the vocabulary unchanged, so it is dropped here; the decoder is otherwise the tokenizer's own."""
-    tokenizer = json.loads(tokenizer_json)
-    decoder = tokenizer.get("decoder") or {}
-    steps = [d.get("type") for d in decoder.get("decoders") or [] if isinstance(d, dict)]
-    if decoder.get("type") != "Sequence" or "ByteFallback" not in steps or "ByteLevel" not in steps or any(
-            _BYTE_TOKEN.match(token) for token in vocab):
-        return tokenizer_json
-    decoder["decoders"] = [d for d in decoder["decoders"] if d.get("type") != "ByteFallback"]
-    return json.dumps(tokenizer)
 
 
 def template_values(recipe: Recipe, eos: Sequence[int], build_path: Path, engine_path: str | Path | None,

@@ -79,6 +79,21 @@ def test_tokenizer_folder_stops_on_the_reconciled_eos(built):
     assert (result.build_dir / "recipe.yaml").read_text() == Path(built[0].path).read_text()
 
 
+def test_the_builds_tokenizer_json_has_the_byte_level_decoder_alone_and_decodes_as_the_sources(built, tiny_hf_dir):
+    """The tiny model carries SmolLM2's GGUF-converted tokenizer (its decoder a byte-fallback + ByteLevel chain,
+    which guided decoding misreads): the build's copy decodes through ByteLevel alone, every id to the same text."""
+    from tokenizers import Tokenizer
+
+    source = (tiny_hf_dir / "tokenizer.json").read_text(encoding="utf-8")
+    ours = (built[1].build_dir / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8")
+    assert json.loads(source)["decoder"]["type"] == "Sequence" and json.loads(ours)["decoder"]["type"] == "ByteLevel"
+    every = [[i] for i in range(Tokenizer.from_str(source).get_vocab_size())]
+    assert Tokenizer.from_str(ours).decode_batch(every, skip_special_tokens=False) == \
+        Tokenizer.from_str(source).decode_batch(every, skip_special_tokens=False)
+    assert {k: v for k, v in json.loads(ours).items() if k != "decoder"} == \
+        {k: v for k, v in json.loads(source).items() if k != "decoder"}
+
+
 def test_up_to_date_skip_then_force_and_recipe_change_rebuild(tmp_path, tiny_hf_dir, monkeypatch):
     recipe = load_recipe(write_recipe(tmp_path, tiny_hf_dir))
     out = tmp_path / "out" / "tiny"

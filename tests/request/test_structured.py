@@ -11,7 +11,8 @@ import pytest
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
 from llmc.request import structured
-from llmc.request.structured import KINDS, Constraint, Grammars, OutputFormat, byte_level_decoder
+from llmc.request.structured import KINDS, Constraint, Grammars, OutputFormat
+from llmc.tokenizer import byte_level_decoder
 from llmc.tokenizer import load_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},

@@ -68,29 +68,27 @@ def test_stop_token_ids_are_the_builds_eos_ids(info, serve_tiny_build, tmp_path)
 
 
 def test_tokenizer_str_is_the_builds_tokenizer_with_a_decoder_xgrammar_reads_right(info, tokenizer,
-                                                                                     serve_tiny_build):
+                                                                                     serve_tiny_build,
+                                                                                     smollm2_tokenizer_dir, tmp_path):
     from tokenizers import Tokenizer
 
     ours = json.loads(info["tokenizer_str"])
     built = json.loads((serve_tiny_build / "tokenizer" / "tokenizer.json").read_text())
-    assert {k: v for k, v in ours.items() if k != "decoder"} == {k: v for k, v in built.items() if k != "decoder"}
+    assert ours == built and _xgrammar_vocab_type(ours) == "ByteLevel"  # llmc build wrote the decoder already
     every = [[i] for i in range(len(info["encoded_vocab"]))]
     assert Tokenizer.from_str(info["tokenizer_str"]).decode_batch(every, skip_special_tokens=False) == \
         tokenizer.backend_tokenizer.decode_batch(every, skip_special_tokens=False)
-    # The GGUF-converted SmolLM2 tokenizer lists ByteFallback before ByteLevel (no <0xNN> token exists): read as
-    # is, xgrammar would decode "Ġb" as "Ġb" instead of " b".
-    assert _xgrammar_vocab_type(built) == "ByteFallback" and _xgrammar_vocab_type(ours) == "ByteLevel"
-
-
-@pytest.mark.parametrize("vocab, decoders, kept", [
-    ({"<0x20>": 0, "a": 1}, ["ByteFallback", "Fuse", "ByteLevel"], True),  # real byte tokens: ByteFallback acts
-    ({"a": 0, "Ġb": 1}, ["Replace", "ByteFallback", "Fuse"], True),  # no ByteLevel: a sentencepiece decoder
-    ({"a": 0, "Ġb": 1}, ["ByteFallback", "Fuse", "ByteLevel"], False),
-])
-def test_only_a_byte_fallback_step_that_changes_no_token_is_dropped(vocab, decoders, kept):
-    text = json.dumps({"model": {}, "decoder": {"type": "Sequence", "decoders": [{"type": d} for d in decoders]}})
-    out = json.loads(repo_module._xgrammar_tokenizer_str(text, vocab))
-    assert [d["type"] for d in out["decoder"]["decoders"]] == [d for d in decoders if kept or d != "ByteFallback"]
+    # A build made before that carries the GGUF-converted SmolLM2 decoder, ByteFallback before ByteLevel (no <0xNN>
+    # token exists): read as is, xgrammar would decode "Ġb" as "Ġb" instead of " b". Its repository's info gets the
+    # ByteLevel decoder alone.
+    old = tmp_path / "build"
+    shutil.copytree(serve_tiny_build, old)
+    shutil.copy(smollm2_tokenizer_dir / "tokenizer.json", old / "tokenizer" / "tokenizer.json")
+    chained = json.loads((old / "tokenizer" / "tokenizer.json").read_text())
+    repo = generate_model_repo(old, tmp_path / "repo", recipe=_trt_recipe(old))
+    fixed = json.loads(_info(repo)["tokenizer_str"])
+    assert _xgrammar_vocab_type(chained) == "ByteFallback" and _xgrammar_vocab_type(fixed) == "ByteLevel"
+    assert {k: v for k, v in fixed.items() if k != "decoder"} == {k: v for k, v in chained.items() if k != "decoder"}
 
 
 def test_xgrammar_reads_the_info_and_follows_a_guide(info, tokenizer):
