@@ -68,3 +68,49 @@ def test_masks_and_biases_on_cuda_equal_the_cpu_runners(tmp_path):
     assert all(len(v) == 6 for v in cuda.values())
     assert cuda["a"] == cpu["a"] and cuda["c"] == cpu["c"] == [11] * 6  # greedy rows; b's draws differ by device
     assert late == cuda  # the same draws too: one seed, one device
+
+
+def test_greedy_rows_under_masks_alone_take_the_one_kernel_path_and_match_the_cpu_runner(tmp_path, monkeypatch):
+    """Greedy rows whose only shaping is a mask (and a free greedy row beside them) are chosen on CUDA by
+    ``masked_argmax`` (one kernel, late masks included): the same tokens as the CPU runner's general path."""
+    from llmc.engine.torch import masked_argmax
+    from llmc.engine.torch.runner import TorchModelRunner
+
+    calls = []
+    real = masked_argmax.masked_argmax
+    monkeypatch.setattr(masked_argmax, "masked_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    hf_dir = random_llama(tmp_path)
+    build = make_build_dir(hf_dir, tmp_path / "build", dtype="float32", tokens_per_block=16)
+    fmt = SamplingParams(temperature=0.0, structured={"type": "json_object"})
+    params = {"a": fmt, "b": fmt, "c": SamplingParams(temperature=0.0)}
+    results = []
+    for device, late in (("cuda", False), ("cuda", True), ("cpu", False)):
+        runner = TorchModelRunner(build, device=device, num_blocks=64)
+        vocab = runner.vocab_size
+        sched = MiniScheduler(runner.block_size, runner.num_blocks, chunk=16)
+        for rid, prompt in (("a", range(100, 137)), ("b", range(300, 305)), ("c", range(500, 520))):
+            sched.add(rid, list(prompt), max_new=6)
+        for step in range(10):
+            plan = sched.schedule(step)
+            seqs = tuple(dataclasses.replace(s, params=params[s.request_id], token_mask=mask_of(
+                allowed_ids(s.request_id, step, vocab), vocab) if s.request_id != "c" and s.sample else None)
+                for s in plan.sequences)
+            masked = dataclasses.replace(plan, sequences=seqs)
+            if late:
+                unmasked = dataclasses.replace(masked, sequences=tuple(
+                    dataclasses.replace(s, token_mask=None) for s in seqs))
+                out = runner.launch(unmasked, None, masks=lambda: masked).result()
+            else:
+                out = runner.execute(masked)
+            for s in seqs:
+                token = out.sampled_token_ids.get(s.request_id)
+                if token is not None and s.token_mask is not None:
+                    assert token in allowed_ids(s.request_id, step, vocab)
+            sched.update(out.sampled_token_ids)
+        results.append({rid: r["out"] for rid, r in sched.reqs.items()})
+        if device == "cuda":
+            assert calls and max(calls) == 3, calls  # the decode steps' three rows went through the kernel
+            calls.clear()
+    assert not calls  # the CPU runner's sampler takes its general path
+    assert all(len(v) == 6 for v in results[0].values())
+    assert results[0] == results[1] == results[2]
