@@ -10,11 +10,13 @@ tokens taken from this step's ids on the device, and processes this step's token
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmc.checkpoint.convert import torch_dtype
@@ -251,6 +253,14 @@ class TorchModelRunner:
         decode = ScheduledSequence(WARMUP_REQUEST_ID, (token,), len(prompt), blocks, True, greedy,
                                    prompt_token_ids=prompt, output_token_ids=(token,))
         self.execute(SchedulerOutput(step=-1, sequences=(decode,)))
+        if self.device.type == "cuda":  # the sampler's one-kernel path of masked greedy rows is compiled here too
+            self.warm_masks(decode)
+
+    def warm_masks(self, decode: ScheduledSequence) -> ModelRunnerOutput:
+        """Run the warm-up's ``decode`` again under an output-format mask that allows every id (the same slot is
+        written again), so a greedy step under masks has run once (on CUDA: ``masked_argmax``'s Triton compile)."""
+        every = np.full(-(-self.vocab_size // 32), -1, dtype=np.int32)
+        return self.execute(SchedulerOutput(step=-1, sequences=(dataclasses.replace(decode, token_mask=every),)))
 
     def _check_blocks(self, seqs: tuple[ScheduledSequence, ...]) -> None:
         for s in seqs:

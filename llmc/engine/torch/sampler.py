@@ -147,8 +147,8 @@ class Sampler:
         """True when every row's token is the argmax of its raw logits: greedy, no penalties, logit bias or output
         format, and no stop id masked by ``min_tokens`` at this step (what :meth:`__call__` would return without
         computing anything else)."""
-        return all(s.params.greedy and not s.params.shapes_logits and len(s.output_token_ids) >= s.params.min_tokens
-                   for s in seqs)
+        return all(s.params.greedy and not s.params.shapes_logits and s.token_mask is None
+                   and len(s.output_token_ids) >= s.params.min_tokens for s in seqs)
 
     def _masked_greedy(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> bool:
         """Whether :func:`llmc.engine.torch.masked_argmax.masked_argmax` gives this step's tokens: CUDA float32

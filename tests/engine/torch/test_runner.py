@@ -76,13 +76,29 @@ def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkey
     long = min(WARMUP_LONG_PROMPT, runner.max_prompt_chunk, runner.num_blocks * runner.block_size - 1)
     cut = long - WARMUP_CONTINUATION
     assert [(s.num_computed, len(s.token_ids), s.sample) for s in seqs[1:]] == [
-        (0, cut, False), (cut, WARMUP_CONTINUATION, True), (long, 1, True)]
+        (0, cut, False), (cut, WARMUP_CONTINUATION, True), (long, 1, True), (long, 1, True)]
+    assert seqs[-2].token_mask is None  # then the decode again under a mask that allows every id
+    assert (seqs[-1].token_mask == -1).all() and 32 * len(seqs[-1].token_mask) - runner.vocab_size in range(32)
     assert seqs[0].num_computed == 0 and seqs[0].sample  # the short prompt, whole
     assert all(s.prompt_token_ids == seqs[-1].prompt_token_ids for s in seqs[1:])
     monkeypatch.setattr(runner, "device", torch.device("cpu"))  # CPU: no long prompt, no continuation
     steps.clear()
     runner.warmup()
     assert [(s[0].num_computed, s[0].sample) for s in steps] == [(0, True), (len(steps[0][0].token_ids), True)]
+
+
+def test_the_warm_up_decode_under_an_all_allowing_mask_chooses_the_unmasked_token(build_dir):
+    """``warm_masks`` (run by the CUDA warm-up, so the sampler's masked greedy kernel is compiled before serving)
+    repeats a decode under a mask of every id: the same token as without it."""
+    runner = TorchModelRunner(build_dir, device="cpu")
+    prompt = tuple(range(40, 47))
+    first = runner.execute(SchedulerOutput(step=0, sequences=(
+        ScheduledSequence("w", prompt, 0, (0,), True, GREEDY, prompt_token_ids=prompt),)))
+    token = first.sampled_token_ids["w"]
+    decode = ScheduledSequence("w", (token,), len(prompt), (0,), True, GREEDY, prompt_token_ids=prompt,
+                               output_token_ids=(token,))
+    plain = runner.execute(SchedulerOutput(step=1, sequences=(decode,))).sampled_token_ids
+    assert runner.warm_masks(decode).sampled_token_ids == plain
 
 
 def test_kv_budget_and_sizes_follow_the_recipe(build_dir, tiny_model):

@@ -92,6 +92,7 @@ def test_rows_that_shape_their_logits_are_not_plain_greedy_and_logprobs_stay_the
     assert sampler.plain_greedy([seq(greedy)])
     assert not sampler.plain_greedy([seq(greedy.replace(logit_bias={1: 1.0}))])
     assert not sampler.plain_greedy([seq(greedy.replace(structured={"type": "json_object"}), mask_of([1], 8))])
+    assert not sampler.plain_greedy([seq(greedy, mask_of([1], 8))])  # a mask alone (the runner's warm-up gives one)
     logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
     row = seq(SamplingParams(temperature=0.0, logprobs=1, structured=REGEX), mask_of([2], 4))
     token = sampler(logits, [row])
