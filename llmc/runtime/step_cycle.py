@@ -42,7 +42,6 @@ from llmc.request.outputs import RequestOutput, StreamEvent
 from llmc.request.structured import Constraint
 from llmc.runtime.compute import run_compute
 from llmc.runtime.scheduler import Scheduler
-from llmc.runtime.scheduler.speculate import speculable
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +187,14 @@ class StepCycle:
     def _needs_token_values(self) -> bool:
         """Whether a running request samples with penalties, or with an output format where the runner cannot take
         late masks (they read the values of earlier tokens before the step is launched), or may draft tokens (they
-        follow its last token's value; an output format's constraint vets them at planning)."""
+        follow its last token's value; with drafting on, every request may be: an output format's constraint vets
+        its drafts at planning)."""
         drafting = self.scheduler.speculator is not None
         with self._lock:
-            return any(r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
-                       or (drafting and speculable(r.params, True)) for r in self.scheduler.running)
+            running = self.scheduler.running
+            return bool(running) and (drafting or any(
+                r.params.uses_penalties or (r.params.structured is not None and not self._late_masks)
+                for r in running))
 
     def _constrain(self, scheduled: SchedulerOutput) -> SchedulerOutput:
         """``scheduled`` with the allowed-token mask of every sequence that samples under an output format

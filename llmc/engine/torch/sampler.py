@@ -118,11 +118,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        if self._masked_greedy(logits, seqs):  # CUDA: one copy and one kernel instead of ~36 small ops
+        words = self._masked_greedy(logits, seqs)
+        if words is not None:  # CUDA: one copy and one kernel instead of ~36 small ops
             from llmc.engine.torch.masked_argmax import masked_argmax
-            width = next(s.token_mask for s in seqs if s.token_mask is not None).shape
-            every = np.full(width, -1, dtype=np.int32)  # a row without a format: every id allowed
-            words = np.stack([s.token_mask if s.token_mask is not None else every for s in seqs])
             return masked_argmax(logits, torch.from_numpy(words).to(self.device, non_blocking=True))
         batch = _gather_params(seqs, self.device)
         raw = sanitize(logits.to(self.device, torch.float32))  # [S, V]
@@ -147,19 +145,18 @@ class Sampler:
         """True when every row's token is the argmax of its raw logits: greedy, no penalties, logit bias or output
         format, and no stop id masked by ``min_tokens`` at this step (what :meth:`__call__` would return without
         computing anything else)."""
-        return all(s.params.greedy and not s.params.shapes_logits and s.token_mask is None
-                   and len(s.output_token_ids) >= s.params.min_tokens for s in seqs)
+        return all(_argmax_row(s) and s.params.structured is None and s.token_mask is None for s in seqs)
 
-    def _masked_greedy(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> bool:
-        """Whether :func:`llmc.engine.torch.masked_argmax.masked_argmax` gives this step's tokens: CUDA float32
-        logits, Triton installed, every row greedy with output-format masks (some rows) the only thing that shapes
-        its logits, all masks of one width."""
+    def _masked_greedy(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> np.ndarray | None:
+        """The rows' bitmasks (int32 ``[S, words]``, -1 words without a format) where ``masked_argmax`` gives the
+        step's tokens (CUDA float32 logits, Triton, every row :func:`_argmax_row`, masks of one width); else None."""
         masks = [s.token_mask for s in seqs if s.token_mask is not None]
-        return (bool(masks) and self.device.type == "cuda" and logits.device.type == "cuda"
-                and logits.dtype == torch.float32 and logits.stride(-1) == 1 and triton_support.modules() is not None
-                and all(s.params.greedy and not s.params.uses_penalties and not s.params.logit_bias
-                        and len(s.output_token_ids) >= s.params.min_tokens for s in seqs)
-                and len({m.shape for m in masks}) == 1)
+        if not (masks and self.device.type == "cuda" and logits.device.type == "cuda" and logits.dtype == torch.float32
+                and logits.stride(-1) == 1 and triton_support.modules() is not None
+                and all(map(_argmax_row, seqs)) and len({m.shape for m in masks}) == 1):
+            return None
+        every = np.full(masks[0].shape, -1, dtype=np.int32)  # a row without a format: every id allowed
+        return np.stack([s.token_mask if s.token_mask is not None else every for s in seqs])
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:
         """-inf on the stop ids of rows that have not generated ``min_tokens`` tokens yet."""
@@ -195,6 +192,13 @@ class Sampler:
             g.manual_seed(mix_seed(s.params.seed, len(s.output_token_ids)))
             uniform[i].uniform_(generator=g)
         return uniform.clamp_min_(_TINY).log_().neg_()
+
+
+def _argmax_row(s: ScheduledSequence) -> bool:
+    """A greedy row that nothing but an output format's mask shapes (no penalties, logit bias or ``min_tokens`` stop
+    masking at this step): its token is the argmax of its masked logits."""
+    p = s.params
+    return p.greedy and not p.uses_penalties and not p.logit_bias and len(s.output_token_ids) >= p.min_tokens
 
 
 def _apply_token_masks(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> None:
