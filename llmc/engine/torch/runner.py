@@ -167,10 +167,11 @@ class TorchModelRunner:
                 logprobs = token_logprobs(logits, token_ids, sampled)
             return PendingStep(sampled, token_ids, logprobs, drafts=verify)
         meta = build_attention_metadata(seqs, self.block_size, self.device)
-        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device)
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64).to(self.device,
+                                                                                              non_blocking=True)
         with torch.inference_mode():
             if fill is not None:  # placeholders at their packed rows of the flat input
-                at = torch.tensor(fill[0], dtype=torch.int64).to(self.device)
+                at = torch.tensor(fill[0], dtype=torch.int64).to(self.device, non_blocking=True)
                 input_ids.index_copy_(0, at, fill[1].to(input_ids.dtype))
             if self.pieces is not None and self.pieces.can_run(input_ids.shape[0]):
                 hidden = self.pieces.run(input_ids, meta)  # [T, H]
@@ -184,7 +185,7 @@ class TorchModelRunner:
                 return PendingStep((), prompt=scored)
             rows = meta.logits_indices
             if draft_rows:  # the drafted rows' logits in the same product (one read of the lm_head)
-                rows = torch.cat([rows, torch.tensor(draft_rows, dtype=torch.int64).to(self.device)])
+                rows = torch.cat([rows, torch.tensor(draft_rows, dtype=torch.int64).to(self.device, non_blocking=True)])
             logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S (+ R), V] float32
             verify = drafts.choose(self.sampler, seqs, logits[len(sampled):]) if draft_rows else None
             logits = logits[:len(sampled)]

@@ -255,7 +255,8 @@ def _top_p_batch(top_p: list[float]):
     return _BatchParams(greedy=torch.zeros(rows, dtype=torch.bool), temperature=torch.ones(rows, 1),
                         top_k=torch.zeros(rows, dtype=torch.long), top_p=torch.tensor(top_p).unsqueeze(1),
                         log_min_p=torch.full((rows, 1), float("-inf")), any_sampled=True, any_top_k=False,
-                        any_top_p=True, any_min_p=False, max_top_k=0, top_p_within_top_k=False)
+                        any_top_p=True, every_top_p=True, any_min_p=False, max_top_k=0,
+                        top_p_within_top_k=False)
 
 
 @pytest.mark.parametrize("scale", [6.0, 0.05])  # peaked rows: the window holds the nucleus; flat: full sort
