@@ -41,6 +41,7 @@ WARMUP_REQUEST_ID = "__llmc_warmup__"
 logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "LLMC_CUDA_GRAPHS"  # "0" turns the captured decode steps off (debugging, A/B measurements)
 WARMUP_LONG_PROMPT = 512  # CUDA: tokens of the warm-up's second prompt, at least every int4 layer's dense_from_m
+WARMUP_TOP_P = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_new_tokens=2)  # CUDA: a top-p decode
 WARMUP_CONTINUATION = 16  # CUDA: its last tokens, a chunk over the cached rest (the paged prefill kernel's path)
 
 
@@ -254,8 +255,9 @@ class TorchModelRunner:
         decode = ScheduledSequence(WARMUP_REQUEST_ID, (token,), len(prompt), blocks, True, greedy,
                                    prompt_token_ids=prompt, output_token_ids=(token,))
         self.execute(SchedulerOutput(step=-1, sequences=(decode,)))
-        if self.device.type == "cuda":  # the sampler's one-kernel path of masked greedy rows is compiled here too
+        if self.device.type == "cuda":  # compiled here too: the sampler's masked greedy kernel and its top-p cut
             self.warm_masks(decode)
+            self.execute(SchedulerOutput(step=-1, sequences=(dataclasses.replace(decode, params=WARMUP_TOP_P),)))
 
     def warm_masks(self, decode: ScheduledSequence) -> ModelRunnerOutput:
         """Run the warm-up's ``decode`` again under an output-format mask that allows every id (the same slot is

@@ -343,8 +343,7 @@ def _filter(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     return scaled
 
 
-TOP_P_WINDOW = 1024  # top-p without top-k first tries the best 1,024 values of each row (sorting all 49,152 of
-# SmolLM2's took ~8x as long on CPU: 24 vs 3 ms for 16 rows)
+TOP_P_WINDOW = 1024  # CPU top-p first sorts a row's best 1,024 (all 49,152 of SmolLM2's: ~8x as long, 16 rows)
 
 
 def _top_k_top_p_sorted(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
@@ -356,10 +355,13 @@ def _top_k_top_p_sorted(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tens
     when no row has a top-k and every row a top-p, only the best :data:`TOP_P_WINDOW` values are sorted if they
     hold every row's nucleus (mass before the window's last value >= top_p, normalised over the whole row as a
     full sort's softmax is), which gives a full sort's cut; otherwise (one host read of that condition) every
-    value is sorted. CUDA sorts every value: the read would stall the engine's overlap, and a GPU sort of a whole
-    row costs no more than its top 1,024 up to 8 rows (H100, 128,256 ids: 68 / 153 us at 1 / 8 rows, topk 94 / 103).
+    value is sorted. CUDA never reads back (it would stall the engine's overlap): without a top-k, the cut comes from
+    :mod:`llmc.engine.torch.top_p_cut` (no sort); otherwise every value is sorted.
     """
     vocab = scaled.shape[1]
+    if scaled.is_cuda and not batch.any_top_k and triton_support.modules() is not None:
+        from llmc.engine.torch.top_p_cut import top_p_filter  # no sort: one number per row, found in 8 launches
+        return top_p_filter(scaled.contiguous(), batch.top_p)
     if batch.top_p_within_top_k:
         values = scaled.topk(min(batch.max_top_k, vocab), dim=-1).values  # [S, W] descending
         return _cut_sorted(scaled, values, batch)

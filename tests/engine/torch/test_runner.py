@@ -59,7 +59,7 @@ def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkey
     from types import SimpleNamespace
 
     from llmc.engine.torch import attention
-    from llmc.engine.torch.runner import WARMUP_CONTINUATION, WARMUP_LONG_PROMPT, WARMUP_REQUEST_ID
+    from llmc.engine.torch.runner import WARMUP_CONTINUATION, WARMUP_LONG_PROMPT, WARMUP_REQUEST_ID, WARMUP_TOP_P
 
     runner = TorchModelRunner(build_dir, device="cpu")
     monkeypatch.setattr(attention, "warm_prompt_buckets", lambda *args: [])
@@ -76,9 +76,11 @@ def test_cuda_warmup_runs_a_prompt_chunk_over_a_cached_context(build_dir, monkey
     long = min(WARMUP_LONG_PROMPT, runner.max_prompt_chunk, runner.num_blocks * runner.block_size - 1)
     cut = long - WARMUP_CONTINUATION
     assert [(s.num_computed, len(s.token_ids), s.sample) for s in seqs[1:]] == [
-        (0, cut, False), (cut, WARMUP_CONTINUATION, True), (long, 1, True), (long, 1, True)]
-    assert seqs[-2].token_mask is None  # then the decode again under a mask that allows every id
-    assert (seqs[-1].token_mask == -1).all() and 32 * len(seqs[-1].token_mask) - runner.vocab_size in range(32)
+        (0, cut, False), (cut, WARMUP_CONTINUATION, True), (long, 1, True), (long, 1, True), (long, 1, True)]
+    assert seqs[-3].token_mask is None  # then the decode again under a mask that allows every id
+    assert (seqs[-2].token_mask == -1).all() and 32 * len(seqs[-2].token_mask) - runner.vocab_size in range(32)
+    assert seqs[-1].params == WARMUP_TOP_P and seqs[-1].token_mask is None  # and sampled with top-p alone
+    assert WARMUP_TOP_P.top_p < 1 and WARMUP_TOP_P.top_k == 0 and not WARMUP_TOP_P.greedy
     assert seqs[0].num_computed == 0 and seqs[0].sample  # the short prompt, whole
     assert all(s.prompt_token_ids == seqs[-1].prompt_token_ids for s in seqs[1:])
     monkeypatch.setattr(runner, "device", torch.device("cpu"))  # CPU: no long prompt, no continuation

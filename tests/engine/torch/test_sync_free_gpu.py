@@ -86,17 +86,23 @@ def test_the_sampler_on_cuda_waits_for_nothing(kinds):
 
 
 @pytest.mark.parametrize("scale", [6.0, 0.05])  # peaked rows (the CPU's window holds the nucleus) and flat ones
-def test_cuda_top_p_cuts_where_the_cpu_cuts(scale):
-    """CUDA sorts every value (no host read of the window's condition): the same tokens kept as on the CPU."""
+def test_cuda_top_p_cuts_where_the_cpu_cuts(scale, monkeypatch):
+    """CUDA finds each row's cut without sorting (llmc.engine.torch.top_p_cut) and reads nothing back: the same
+    tokens kept as on the CPU (its window of 1,024 values for peaked rows, a full sort for flat ones)."""
+    from llmc.engine.torch import top_p_cut
+
+    calls, real = [], top_p_cut.top_p_filter
+    monkeypatch.setattr(top_p_cut, "top_p_filter", lambda *a: calls.append(1) or real(*a))
     logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(1)) * scale
     scaled = logits - logits.amax(dim=-1, keepdim=True)
     seqs = [ScheduledSequence(request_id=str(p), token_ids=(0,), num_computed=0, block_ids=(0,), sample=True,
                               params=SamplingParams(temperature=1.0, top_p=p)) for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
     cpu = sampler_mod._filter(scaled, _gather_params(seqs, torch.device("cpu")))
     on_device = scaled.cuda()
+    sampler_mod._filter(on_device, _gather_params(seqs, torch.device("cuda")))  # compiles outside the guard
     with no_host_sync():
         cuda = sampler_mod._filter(on_device, _gather_params(seqs, torch.device("cuda")))
-    assert torch.equal(torch.isfinite(cuda).cpu(), torch.isfinite(cpu))
+    assert calls == [1, 1] and torch.equal(torch.isfinite(cuda).cpu(), torch.isfinite(cpu))
     assert torch.equal(cuda.cpu()[torch.isfinite(cpu)], cpu[torch.isfinite(cpu)])
 
 
