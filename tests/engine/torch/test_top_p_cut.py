@@ -29,10 +29,11 @@ def kernel(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return top_p_filter(scaled.to(DEVICE), torch.tensor(top_p, device=DEVICE)).cpu()
 
 
-@pytest.mark.parametrize("vocab", [4103, 12000])
-def test_the_kernel_cuts_where_a_sort_cuts(vocab):
+def test_the_kernel_cuts_where_a_sort_cuts():
     """Peaked and flat rows, rows with -inf entries (after min-p), bf16-rounded rows full of ties, a row that keeps
-    only its maximum (and the values tied with it), a row with top_p 1 (unchanged), a collapsed row (all -inf)."""
+    only its maximum (and the values tied with it), a row with top_p 1 (unchanged), a collapsed row (all -inf); 4,103
+    ids: two blocks a slice, the last slices short or empty."""
+    vocab = 4103
     rng = np.random.default_rng(vocab)
     logits = torch.from_numpy(rng.standard_normal((8, vocab)).astype(np.float32))
     logits[0] *= 3.0
@@ -55,8 +56,8 @@ def test_the_kernel_cuts_where_a_sort_cuts(vocab):
 
 
 def test_rows_of_every_length_and_empty_batches():
-    """Vocabularies that fill no slice or block evenly, down to a handful of ids; an empty batch."""
-    for vocab in (1, 5, 33, 4097):
+    """Vocabularies that fill no slice or block evenly, down to one id; an empty batch."""
+    for vocab in (1, 33, 4097):
         scaled = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
         scaled -= scaled.amax(dim=-1, keepdim=True)
         assert torch.equal(kernel(scaled, [0.7, 0.99, 0.2]), sorted_cut(scaled, [0.7, 0.99, 0.2]))
