@@ -332,6 +332,9 @@ def _filter(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     """Apply min-p, then top-k and top-p; filtered entries become -inf (the row maximum always survives)."""
     if batch.any_min_p:
         scaled = scaled.masked_fill(scaled < batch.log_min_p, float("-inf"))
+    if batch.any_top_p and scaled.is_cuda and not batch.any_top_k and triton_support.modules() is not None:
+        from llmc.engine.torch.top_p_cut import top_p_filter  # no sort, no read back: one number a row, 8 launches
+        return top_p_filter(scaled.contiguous(), batch.top_p)
     if batch.any_top_p:
         return _top_k_top_p_sorted(scaled, batch)
     if batch.any_top_k:
@@ -355,13 +358,10 @@ def _top_k_top_p_sorted(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tens
     when no row has a top-k and every row a top-p, only the best :data:`TOP_P_WINDOW` values are sorted if they
     hold every row's nucleus (mass before the window's last value >= top_p, normalised over the whole row as a
     full sort's softmax is), which gives a full sort's cut; otherwise (one host read of that condition) every
-    value is sorted. CUDA never reads back (it would stall the engine's overlap): without a top-k, the cut comes from
-    :mod:`llmc.engine.torch.top_p_cut` (no sort); otherwise every value is sorted.
+    value is sorted. CUDA never reads back (it would stall the engine's overlap): every value is sorted (without
+    a top-k, :func:`_filter` takes :mod:`llmc.engine.torch.top_p_cut` instead, no sort).
     """
     vocab = scaled.shape[1]
-    if scaled.is_cuda and not batch.any_top_k and triton_support.modules() is not None:
-        from llmc.engine.torch.top_p_cut import top_p_filter  # no sort: one number per row, found in 8 launches
-        return top_p_filter(scaled.contiguous(), batch.top_p)
     if batch.top_p_within_top_k:
         values = scaled.topk(min(batch.max_top_k, vocab), dim=-1).values  # [S, W] descending
         return _cut_sorted(scaled, values, batch)

@@ -17,6 +17,7 @@ from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
 from tests.engine.torch.helpers import MiniScheduler, make_build_dir
 from tests.engine.torch.test_gpu import random_llama
+from tests.engine.torch.test_sampler import seq
 from tests.engine.torch.test_sampler_shaping_gpu import allowed_ids, mask_of
 
 pytestmark = pytest.mark.gpu
@@ -95,8 +96,7 @@ def test_cuda_top_p_cuts_where_the_cpu_cuts(scale, monkeypatch):
     monkeypatch.setattr(top_p_cut, "top_p_filter", lambda *a: calls.append(1) or real(*a))
     logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(1)) * scale
     scaled = logits - logits.amax(dim=-1, keepdim=True)
-    seqs = [ScheduledSequence(request_id=str(p), token_ids=(0,), num_computed=0, block_ids=(0,), sample=True,
-                              params=SamplingParams(temperature=1.0, top_p=p)) for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
+    seqs = [seq(SamplingParams(temperature=1.0, top_p=p), rid=str(p)) for p in (0.5, 0.8, 0.9, 0.95, 0.99)]
     cpu = sampler_mod._filter(scaled, _gather_params(seqs, torch.device("cpu")))
     on_device = scaled.cuda()
     sampler_mod._filter(on_device, _gather_params(seqs, torch.device("cuda")))  # compiles outside the guard

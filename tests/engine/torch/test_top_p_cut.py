@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmc.engine.torch import sampler as sampler_mod
-from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
+from tests.engine.torch.test_sampler import seq
 
 pytest.importorskip("triton")
 
@@ -19,8 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def sorted_cut(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     """The sampler's general path: one descending sort of every row, cut by cumulative mass."""
-    seqs = [ScheduledSequence(request_id=str(i), token_ids=(0,), num_computed=0, block_ids=(0,), sample=True,
-                              params=SamplingParams(temperature=1.0, top_p=p)) for i, p in enumerate(top_p)]
+    seqs = [seq(SamplingParams(temperature=1.0, top_p=p), rid=str(i)) for i, p in enumerate(top_p)]
     batch = sampler_mod._gather_params(seqs, torch.device("cpu"))
     return sampler_mod._cut_sorted(scaled, scaled.sort(dim=-1, descending=True).values, batch)
 
