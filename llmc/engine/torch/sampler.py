@@ -8,8 +8,8 @@ Pipeline per row (each stage skipped when no row in the batch needs it):
 2. ``logit_bias`` is added to its tokens' logits; ``min_tokens``: stop ids (request ids, plus eos unless
    ``ignore_eos``) get -inf while fewer than ``min_tokens`` tokens were generated (consistent with
    :func:`llmc.request.stop.check_stop_token`);
-3. penalties (OpenAI / vLLM semantics): repetition over prompt + output ids, presence and frequency over
-   output ids, counted on the device with ``scatter_add`` from padded id tensors;
+3. penalties (OpenAI / vLLM semantics, :mod:`llmc.engine.torch.penalties`): repetition over prompt + output ids,
+   presence and frequency over output ids, counted on the device with ``scatter_add`` from padded id tensors;
 4. temperature-0 rows take the argmax here; the others are shifted so their maximum is 0 and divided by the
    temperature (the shift makes overflow impossible at any temperature: every value stays in [-inf, 0]);
 5. min-p (``log p_i - log p_max < log min_p``), then top-k and top-p (one sort, only when a row asks);
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from llmc.engine.torch import triton_support
+from llmc.engine.torch.penalties import apply_penalties
 from llmc.engine.types import ScheduledSequence
 
 _MASK64 = (1 << 64) - 1
@@ -277,51 +278,6 @@ def sanitize_(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
 
 
-def apply_penalties(
-    logits: torch.Tensor, seqs: Sequence[ScheduledSequence], device: torch.device
-) -> torch.Tensor:
-    """Penalized copy of ``logits [S, V]``: repetition (prompt + output ids), then frequency and presence.
-
-    Repetition divides positive logits and multiplies negative ones by ``repetition_penalty`` for every token
-    seen in the prompt or the output; then ``frequency_penalty * count + presence_penalty * (count > 0)``
-    is subtracted, counting the output ids only. Rows without penalties come back unchanged.
-    """
-    num_rows, vocab = logits.shape
-    seen_ids, out_ids, factors = [], [], []
-    for s in seqs:
-        p = s.params
-        use = p.uses_penalties
-        seen_ids.append(tuple(s.prompt_token_ids) + tuple(s.output_token_ids) if use else ())
-        out_ids.append(tuple(s.output_token_ids) if use else ())
-        factors.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-    seen = _padded(seen_ids, pad=vocab).to(device, non_blocking=True)  # [S, Ls], pad = vocab
-    out = _padded(out_ids, pad=vocab).to(device, non_blocking=True)  # [S, Lo]
-    f = torch.tensor(factors, dtype=torch.float32).to(device, non_blocking=True)  # [S, 3]
-    rep, freq, pres = f[:, 0:1], f[:, 1:2], f[:, 2:3]
-
-    # one extra column absorbs the padding, then is dropped
-    seen_mask = torch.zeros(num_rows, vocab + 1, dtype=torch.bool, device=device)
-    seen_mask.scatter_(1, seen, True)
-    seen_mask = seen_mask[:, :vocab]  # [S, V]
-    counts = torch.zeros(num_rows, vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
-    counts = counts[:, :vocab]  # [S, V]
-
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen_mask, penalized, logits)
-    return logits - freq * counts - pres * (counts > 0).float()
-
-
-def _padded(rows: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
-    """``[len(rows), max_len]`` int64 on the host, right-padded with ``pad`` (at least one column)."""
-    width = max((len(r) for r in rows), default=0) or 1
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out
-
-
 def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``(logits - row max) / T``: log-probabilities up to a constant, every value in [-inf, 0]."""
     row_max = logits.amax(dim=-1, keepdim=True).clamp_min(-_FLOAT_MAX)  # finite even for collapsed rows
@@ -333,7 +289,7 @@ def _filter(scaled: torch.Tensor, batch: _BatchParams) -> torch.Tensor:
     if batch.any_min_p:
         scaled = scaled.masked_fill(scaled < batch.log_min_p, float("-inf"))
     if batch.any_top_p and scaled.is_cuda and not batch.any_top_k and triton_support.modules() is not None:
-        from llmc.engine.torch.top_p_cut import top_p_filter  # no sort, no read back: one number a row, 8 launches
+        from llmc.engine.torch.top_p_cut import top_p_filter  # no sort, no read back: one number a row, 9 launches
         return top_p_filter(scaled.contiguous(), batch.top_p)
     if batch.any_top_p:
         return _top_k_top_p_sorted(scaled, batch)

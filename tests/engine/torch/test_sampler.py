@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from llmc.engine.torch.sampler import Sampler, apply_penalties, token_logprobs
+from llmc.engine.torch.penalties import apply_penalties
+from llmc.engine.torch.sampler import Sampler, token_logprobs
 from llmc.engine.types import ScheduledSequence
 from llmc.request.params import SamplingParams
 
