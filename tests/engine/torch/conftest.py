@@ -29,3 +29,11 @@ def tiny_hf_model(tiny_hf_dir):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(tiny_hf_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(params=["here", pytest.param("cuda", marks=pytest.mark.gpu)])
+def kernel_device(request) -> str:
+    """Where a Triton kernel's test runs its tensors: "here" is the GPU where there is one, else the CPU in Triton's
+    interpreter (CI); the "cuda" copy carries the gpu mark, so the device tool's ``-m gpu`` runs select these tests
+    too (without it they ran on the GPU only in runs without ``-m``)."""
+    return "cuda" if request.param == "cuda" or torch.cuda.is_available() else "cpu"

@@ -4,6 +4,8 @@ without a GPU, on the GPU where there is one."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,12 @@ from tests.engine.torch.test_sampler_shaping import REGEX, mask_of, seq
 pytest.importorskip("triton")
 
 kernel = pytest.importorskip("llmc.engine.torch.masked_argmax").masked_argmax
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cpu"  # set for each test by the fixture below
+
+
+@pytest.fixture(autouse=True)
+def _on_the_kernels_device(kernel_device, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", kernel_device)
 
 
 def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:

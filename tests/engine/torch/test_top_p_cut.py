@@ -3,6 +3,8 @@ Triton's interpreter on CPU tensors without a GPU, on the GPU where there is one
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,12 @@ from tests.engine.torch.test_sampler import seq
 pytest.importorskip("triton")
 
 top_p_filter = pytest.importorskip("llmc.engine.torch.top_p_cut").top_p_filter
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cpu"  # set for each test by the fixture below
+
+
+@pytest.fixture(autouse=True)
+def _on_the_kernels_device(kernel_device, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", kernel_device)
 
 
 def sorted_cut(scaled: torch.Tensor, top_p: list[float]) -> torch.Tensor:
