@@ -10,8 +10,8 @@ programs (every row split into ``P`` slices), each program summing its slice's m
 A pass narrows the interval from the previous pass's sums; the last launch writes the filtered row. Two compiles
 (the passes, the last launch): the CUDA warm-up runs a top-p step, so no request pays them.
 
-Cost (H100, 128,256 ids, GPU time of the launches in a CUDA graph, 2026-12-06): 72 / 80 / 337 us at 1 / 8 / 64 rows.
-The passes are bound by their compares at many rows: 16 thresholds x 8 passes (128 compares an id) took 337 us at
+Cost (H100, 128,256 ids, GPU time of the launches in a CUDA graph, 2026-12-06): 72-74 / 79-80 / 334-339 us at 1 / 8 / 64
+rows. The passes are bound by their compares at many rows: 16 thresholds x 8 passes (128 compares an id) took 337 us at
 64 rows where 32 x 7 (224) took 575-586; int32 keys instead of int64 took the 32-threshold form from 652 to 575 us
 (both with one accumulator per (id, threshold), summed once per program; the form before, int64 with a sum across
 threads every iteration: 861 us a call, wall, another H100 the session before). Skipping the compares of blocks with
