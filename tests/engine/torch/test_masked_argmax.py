@@ -4,8 +4,6 @@ without a GPU, on the GPU where there is one."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -17,16 +15,10 @@ from tests.engine.torch.test_sampler_shaping import REGEX, mask_of, seq
 pytest.importorskip("triton")
 
 kernel = pytest.importorskip("llmc.engine.torch.masked_argmax").masked_argmax
-DEVICE = "cpu"  # set for each test by the fixture below
 
 
-@pytest.fixture(autouse=True)
-def _on_the_kernels_device(kernel_device, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "DEVICE", kernel_device)
-
-
-def masked_argmax(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    return kernel(logits.to(DEVICE), words.to(DEVICE)).cpu()
+def masked_argmax(logits: torch.Tensor, words: torch.Tensor, device: str) -> torch.Tensor:
+    return kernel(logits.to(device), words.to(device)).cpu()
 
 
 def general(logits: torch.Tensor, masks: list) -> list[int]:
@@ -41,7 +33,7 @@ def words_of(masks: list, width: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("vocab", [5000, 4103, 49152])
-def test_the_kernel_chooses_what_the_general_path_chooses(vocab):
+def test_the_kernel_chooses_what_the_general_path_chooses(vocab, kernel_device):
     """Random logits with NaN, +inf and -inf sprinkled in, masks of a few to thousands of ids (some allowed ids at
     -inf or NaN), rows without a mask, a row whose mask allows nothing, ties (the first id wins)."""
     rng = np.random.default_rng(vocab)
@@ -59,18 +51,18 @@ def test_the_kernel_chooses_what_the_general_path_chooses(vocab):
              mask_of(range(vocab), vocab), some[2], some[3], None]
     expected = general(logits, masks)
     words = words_of(masks, (vocab + 31) // 32)
-    assert masked_argmax(logits, words).tolist() == expected
+    assert masked_argmax(logits, words, kernel_device).tolist() == expected
     assert expected[2] == 17 and expected[3] == 200 and expected[4] == 10 and expected[6] == 0
 
 
-def test_ids_past_the_masks_words_are_not_allowed():
+def test_ids_past_the_masks_words_are_not_allowed(kernel_device):
     vocab = 40  # a 32-bit mask word covers ids 0..31: ids 32..39 are never allowed, as in the general path
     logits = torch.zeros(2, vocab)
     logits[:, 35] = 10.0
     logits[:, 7] = 1.0
     masks = [mask_of([3, 7], 32), mask_of(range(32), 32)]
-    assert masked_argmax(logits, words_of(masks, 1)).tolist() == general(logits, masks) == [7, 7]
+    assert masked_argmax(logits, words_of(masks, 1), kernel_device).tolist() == general(logits, masks) == [7, 7]
 
 
-def test_no_rows_gives_no_ids():
-    assert masked_argmax(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.int32)).shape == (0,)
+def test_no_rows_gives_no_ids(kernel_device):
+    assert masked_argmax(torch.zeros(0, 64), torch.zeros(0, 2, dtype=torch.int32), kernel_device).shape == (0,)
