@@ -33,6 +33,7 @@ class GpuInfo:
     name: str
     compute_capability: str  # "9.0"
     memory_gib: float
+    multiprocessors: int = 0
 
     @property
     def sm(self) -> int:
@@ -87,7 +88,8 @@ def cuda_gpus() -> tuple[GpuInfo, ...]:
     gpus = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        gpus.append(GpuInfo(i, props.name, f"{props.major}.{props.minor}", round(props.total_memory / 2**30, 1)))
+        gpus.append(GpuInfo(i, props.name, f"{props.major}.{props.minor}", round(props.total_memory / 2**30, 1),
+                            props.multi_processor_count))
     return tuple(gpus)
 
 
@@ -149,10 +151,17 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
 
 
 def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
-    """The GPUs found here that llmc's int4 kernel config table has tuned entries for."""
-    from llmc.engine.torch.int4_configs import tuned_device_names
+    """Whose tuned int4 kernel configs the GPUs found here run: a GPU's own (its name), or those of a tuned GPU of
+    the same compute capability (which one, and for which GPU here); GPUs with neither are left out."""
+    from llmc.engine.torch.int4_configs import config_devices
 
-    return sorted({g.name for g in gpus} & set(tuned_device_names()))
+    said = set()
+    for gpu in gpus:
+        chosen = config_devices(gpu.name, gpu.compute_capability, gpu.multiprocessors)
+        if chosen:
+            said.add(chosen[0] if chosen[0] == gpu.name else
+                     f"{chosen[0]}, used on {gpu.name}: same compute capability {gpu.compute_capability}")
+    return sorted(said)
 
 
 def int4_cuda_path(why_not: str | None, sm: int = 0) -> str:

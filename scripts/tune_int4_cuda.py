@@ -313,6 +313,9 @@ def main() -> None:
     table = json.loads(args.configs.read_text()) if args.configs.exists() else {"version": TABLE_VERSION,
                                                                                 "devices": {}}
     tuned = table["devices"].setdefault(device_name, {})
+    gpu = torch.cuda.get_device_properties()  # what int4_configs.config_devices matches an untuned GPU by
+    table.setdefault("gpus", {})[device_name] = {"capability": f"{gpu.major}.{gpu.minor}",
+                                                 "multiprocessors": gpu.multi_processor_count}
     if args.kernels == "mma":  # stored under each shape's "mma" key, next to the Triton fallback's entry
         upgrade_table(table)  # an older kernel's mma configs: none of them exists any more
         family, title = MMA, "decode-step linears (mma), 32 layers"

@@ -78,9 +78,9 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
         in with_triton.detail
     assert ("; prompt chunks over a cached context: one Triton paged-prefill kernel (LLMC_PREFILL_KERNEL=0 gathers); "
             "a mixed-step budget's steps: CUDA graphs in pieces (LLMC_PIECE_GRAPHS=0 eager)") in with_triton.detail
-    # The shipped int4 configs were tuned on an H200, not an H100: the H100 gets the heuristic configs.
+    # The shipped int4 configs were tuned on this H100 too.
     assert with_triton.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's Triton W4A16 kernels (not "
-                                       "checked) (tuned for no GPU here: heuristic configs)" + host)
+                                       "checked) (tuned for NVIDIA H100 80GB HBM3)" + host)
     no_nvcc, _ = backend_statuses((H100,), None, "missing", "3.6.0", "nvcc was not found (CUDA_HOME, PATH)")
     assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
@@ -244,3 +244,18 @@ def test_the_int4_path_says_whether_the_cuda_library_is_built_or_what_its_first_
     assert f"(built: {path}; programmatic dependent launch" in int4_cuda_path(None, 90)
     assert "not built yet" in int4_cuda_path(None, 80)  # another architecture: another library
     assert cuda_ext.library_path(str(nvcc), "80", path.parent).name.startswith("libllmc_cuda_80_")
+
+
+def test_doctor_names_whose_int4_configs_an_untuned_gpu_borrows():
+    """A GPU the table has no entry for runs the configs of the tuned GPU of its compute capability closest in
+    multiprocessors (both shipped Hopper GPUs have 132: the tie goes by name); another capability gets the
+    heuristics."""
+    from llmc.doctor import tuned_gpus
+
+    pcie = GpuInfo(0, "NVIDIA H100 PCIe", "9.0", 79.6, 114)
+    assert tuned_gpus((pcie,)) == ["NVIDIA H100 80GB HBM3, used on NVIDIA H100 PCIe: same compute capability 9.0"]
+    assert tuned_gpus((H100, pcie)) == ["NVIDIA H100 80GB HBM3",
+                                        "NVIDIA H100 80GB HBM3, used on NVIDIA H100 PCIe: same compute capability 9.0"]
+    assert tuned_gpus((GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2, 108),)) == []
+    untuned, _ = backend_statuses((B200,), None, "missing", triton_version="3.6.0")
+    assert "(tuned for no GPU here: heuristic configs)" in untuned.detail

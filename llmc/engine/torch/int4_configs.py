@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,14 +88,57 @@ def tuned_device_names() -> list[str]:
     return list(_tuned_table().get("devices", {}))
 
 
+def config_devices(name: str, capability: str | None = None, multiprocessors: int = 0) -> list[str]:
+    """The tuned GPUs whose configs a GPU runs, first choice first: itself where the table has it, then (given its
+    ``capability``, e.g. ``"9.0"``) the tuned GPU of the same compute capability closest to it in multiprocessors
+    (ties: by name): the same kernels on the same multiprocessors, so its configs transfer far better than the
+    heuristics (on an H100, the H200's table ran the 8B shape's decode linears within 3 % of the H100's own and up
+    to 1.5x faster than the heuristics: docs/GPU_INT4_LOG.md, 2026-12-06)."""
+    table = _tuned_table()
+    devices, gpus = table.get("devices", {}), table.get("gpus", {})
+    own = [name] if name in devices else []
+    same = sorted((abs(info.get("multiprocessors", 0) - multiprocessors), other) for other, info in gpus.items()
+                  if other != name and other in devices and capability and info.get("capability") == capability)
+    return own + [same[0][1]] if same else own
+
+
 def shape_key(n: int, k: int, group_size: int) -> str:
     """The tuned table's key of one linear shape: ``N x K g G``."""
     return f"{n}x{k}g{group_size}"
 
 
-def tuned_entry(device_name: str, n: int, k: int, group_size: int) -> dict | None:
-    """The tuned entry ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` of a shape on a GPU, or None."""
-    return _tuned_table().get("devices", {}).get(device_name, {}).get(shape_key(n, k, group_size))
+def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: str | None = None,
+                multiprocessors: int = 0) -> dict | None:
+    """The tuned entry of a shape on a GPU, or None: ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` (the
+    Triton kernels) and ``{"mma": {...}}`` (the CUDA library's), each kernel family's from the first of
+    :func:`config_devices` that has it (``capability`` None: the GPU's own entry only). A shape nobody tuned
+    takes the CUDA library's configs of the nearest tuned shape (:func:`nearest_shape`; the layer still checks
+    that each fits, else the heuristic), marked ``"mma_from": its key``: left out of the tuning of those GPUs,
+    each 8B and SmolLM2 shape ran at 1.15x its own best config so (geometric mean over 6 row buckets, H100
+    timings of 2026-12-06) against 1.35x with the heuristics."""
+    devices, key = _tuned_table().get("devices", {}), shape_key(n, k, group_size)
+    chosen = config_devices(device_name, capability, multiprocessors)
+    merged: dict = {}
+    for name in reversed(chosen):
+        merged.update(devices[name].get(key, {}))
+    if "mma" not in merged:
+        for name in chosen:
+            near = nearest_shape(n, k, group_size, [s for s, e in devices[name].items() if "mma" in e])
+            if near:
+                merged.update(mma=devices[name][near]["mma"], mma_from=near)
+                break
+    return merged or None
+
+
+def nearest_shape(n: int, k: int, group_size: int, keys: list[str]) -> str | None:
+    """The key of ``keys`` (``N x K g G``) nearest to ``n`` x ``k`` at ``group_size``: the smallest sum of the
+    columns' and inputs' log2 ratios, plus 1 for another group size (ties: by key), or None if ``keys`` is empty."""
+    def distance(key: str) -> tuple[float, str]:
+        shape, group = key.split("g")
+        other_n, other_k = (int(v) for v in shape.split("x"))
+        return abs(math.log2(other_n / n)) + abs(math.log2(other_k / k)) + (int(group) != group_size), key
+
+    return min(keys, key=distance, default=None)
 
 
 MMA_STAGES = (2, 4, 8)  # depths of each warp's cp.async ring

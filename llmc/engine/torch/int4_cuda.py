@@ -139,8 +139,9 @@ class Int4CudaLinear(nn.Module):
         self.register_buffer("scales", scales, persistent=False)  # triton: [K/g, N]; mma: pairs [N/16, K/g, 8]
         self.register_buffer("prequant", prequant, persistent=False)  # [K] or None
         self._dense_weight: torch.Tensor | None = None  # this layer's view of the shared prefill scratch
-        name = torch.cuda.get_device_name(words.device) if words.is_cuda else "cpu"
-        entry = tuned_entry(name, self.columns, in_features, group_size) or {}
+        gpu = torch.cuda.get_device_properties(words.device) if words.is_cuda else None
+        entry = tuned_entry(gpu.name if gpu else "cpu", self.columns, in_features, group_size,
+                            *((f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count) if gpu else ())) or {}
         if backend == "mma":
             mma = entry.get("mma", {})
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
@@ -150,8 +151,9 @@ class Int4CudaLinear(nn.Module):
             # split-K's buffers for the tuned configs that split (the last bucket's runs up to dense_from_m - 1 rows)
             tops = [m for m, _ in self._mma_buckets[:-1]] + [max(self.dense_from_m - 1, 1)]
             scratch.reserve(dense=in_features * self.columns)
-            scratch.reserve_splits(((c, min(m, self.dense_from_m - 1)) for m, (_, c) in zip(tops, self._mma_buckets)),
-                                   self.columns)
+            fits = [(c, min(m, self.dense_from_m - 1)) for m, (_, c) in zip(tops, self._mma_buckets)
+                    if mma_fits(c, self.columns, in_features, prequant is not None)]
+            scratch.reserve_splits(fits, self.columns)  # a borrowed config that does not fit the shape never runs
             scratch.reserve(norm_sums=max(self.dense_from_m - 1, 1) * (self.columns // 16))  # pending norms
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))

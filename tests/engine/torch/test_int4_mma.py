@@ -144,6 +144,15 @@ def test_a_split_k_config_in_the_last_bucket_reserves_its_buffers_up_to_dense_fr
     assert layer.scratch.sizes["partials"] == 4 * 192 * 4096 and layer.scratch.sizes["counters"] == 96
 
 
+def test_a_borrowed_split_k_config_that_does_not_fit_the_shape_reserves_no_buffer(monkeypatch):
+    table = {"mma": {"buckets": [[128, 8, 8, 8, -44]], "dense_from_m": 192}, "mma_from": "4096x14336g128"}
+    monkeypatch.setattr("llmc.engine.torch.int4_cuda.tuned_entry", lambda *args: table)
+    layer = zero_mma_layer(4112, 14336)  # 257 column tiles of 16: not a multiple of the config's 8
+    layer._sm90 = True
+    assert layer.mma_config_for(100) != (8, 8, 8, -44)
+    assert layer.scratch.sizes["partials"] == 0 and layer.scratch.sizes["counters"] == 0
+
+
 def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
     layer = zero_mma_layer(8192, 32768)
     layer._mma_buckets = [(64, (4, 2, 8, 4))]  # fits without the input scale, not with this one

@@ -1,0 +1,125 @@
+"""Whose tuned int4 kernel configs a GPU runs: its own, else those of the tuned GPU of its compute capability."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmc.engine.torch import int4_configs
+from llmc.engine.torch.int4_configs import CONFIG_FILE, config_devices, tuned_entry
+
+SHAPE = "4096x4096g128"
+TRITON = {"buckets": [[1, 16, 64, 1, 2, 3, 8]], "dense_from_m": 128}  # the Triton fallback's keys
+MMA_A = {"mma": {"buckets": [[1, 1, 2, 16, 2]], "dense_from_m": 160}}
+MMA_B = {"mma": {"buckets": [[1, 1, 4, 8, 4]], "dense_from_m": 256}}
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A table of three tuned GPUs: A (9.0, 132 multiprocessors: both kernel families), B (9.0, 114: the CUDA
+    library's only), C (8.0)."""
+    data = {"version": 2,
+            "gpus": {"A": {"capability": "9.0", "multiprocessors": 132},
+                     "B": {"capability": "9.0", "multiprocessors": 114},
+                     "C": {"capability": "8.0", "multiprocessors": 108}},
+            "devices": {"A": {SHAPE: {**TRITON, **MMA_A}}, "B": {SHAPE: MMA_B}, "C": {SHAPE: MMA_A}}}
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    monkeypatch.setattr(int4_configs, "CONFIG_FILE", tmp_path / "t.json")
+    int4_configs._tuned_table.cache_clear()
+    yield data
+    int4_configs._tuned_table.cache_clear()
+
+
+def test_a_tuned_gpu_runs_its_own_configs_first_then_its_closest_sibling(table):
+    assert config_devices("A", "9.0", 132) == ["A", "B"]
+    assert config_devices("B", "9.0", 114) == ["B", "A"]
+    assert config_devices("C", "8.0", 108) == ["C"]  # no other tuned GPU of 8.0
+    assert config_devices("A") == ["A"]  # no capability given: its own entry only
+
+
+def test_an_untuned_gpu_borrows_the_closest_tuned_gpu_of_its_compute_capability(table):
+    assert config_devices("New Hopper", "9.0", 120) == ["B"]  # 6 multiprocessors from B, 12 from A
+    assert config_devices("New Hopper", "9.0", 130) == ["A"]
+    assert config_devices("New Ada", "8.9", 128) == []  # no tuned GPU of 8.9: the heuristics
+    assert tuned_entry("New Ada", 4096, 4096, 128, "8.9", 128) is None
+    assert tuned_entry("New Hopper", 4096, 4096, 128) is None  # without its capability nothing is borrowed
+    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 130) == {**TRITON, **MMA_A}
+
+
+def test_each_kernel_family_comes_from_the_first_gpu_that_has_it(table):
+    # B's own CUDA-library configs; the Triton fallback's from A, which B has none of
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B}
+    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON, **MMA_A}
+    assert tuned_entry("B", 4096, 4096, 128) == MMA_B
+    # a shape nobody tuned: the CUDA library's configs of the nearest shape, never the Triton fallback's
+    assert tuned_entry("B", 576, 576, 64, "9.0", 114) == {**MMA_B, "mma_from": SHAPE}
+
+
+def test_a_shape_nobody_tuned_takes_the_cuda_configs_of_the_nearest_tuned_shape(table):
+    table["devices"]["A"]["28672x4096g128"] = {**TRITON, "mma": {"buckets": [[1, 1, 4, 4, 2]], "dense_from_m": 384}}
+    table["devices"]["A"]["960x576g64"] = {"mma": {"buckets": [[1, 1, 1, 8, 2]], "dense_from_m": 512}}
+    int4_configs.CONFIG_FILE.write_text(json.dumps(table))
+    int4_configs._tuned_table.cache_clear()
+    # Qwen2.5-7B's qkv (4608 x 3584): nearer 4096 x 4096 than 28672 x 4096; only the CUDA library's configs come
+    assert tuned_entry("A", 4608, 3584, 128, "9.0", 132) == {**MMA_A, "mma_from": SHAPE}
+    assert tuned_entry("A", 37888, 3584, 128, "9.0", 132) == {  # its fc + gate
+        "mma": {"buckets": [[1, 1, 4, 4, 2]], "dense_from_m": 384}, "mma_from": "28672x4096g128"}
+    # another group size counts as a doubling of both dimensions: a 64-group 2048 x 2048 stays with 960 x 576 g64
+    assert tuned_entry("A", 2048, 2048, 64, "9.0", 132)["mma_from"] == "960x576g64"
+    assert tuned_entry("B", 4608, 3584, 128, "9.0", 114) == {**MMA_B, "mma_from": SHAPE}  # B's own shapes first
+    assert tuned_entry("C", 4096, 4096, 64) == {**MMA_A, "mma_from": SHAPE}  # C's only shape, whatever the group
+    assert tuned_entry("New Ada", 4608, 3584, 128, "8.9", 128) is None
+    assert int4_configs.nearest_shape(4096, 4096, 128, []) is None
+
+
+def test_every_gpu_of_the_shipped_table_says_what_an_untuned_gpu_is_matched_by():
+    table = json.loads(CONFIG_FILE.read_text())
+    assert set(table["devices"]) <= set(table["gpus"])
+    for info in table["gpus"].values():
+        assert info["capability"].count(".") == 1 and info["multiprocessors"] > 0
+    assert {"NVIDIA H200", "NVIDIA H100 80GB HBM3"} <= set(table["devices"])
+    assert config_devices("NVIDIA H100 PCIe", "9.0", 114) == ["NVIDIA H100 80GB HBM3"]  # tie at 132: by name
+
+
+@pytest.mark.gpu
+def test_a_layer_on_this_gpu_takes_the_configs_config_devices_names():
+    from llmc.checkpoint.int4 import pack_int4
+    from llmc.engine.torch.int4_cuda import MMA_DENSE_FROM_M_DEFAULT, Int4CudaLinear, Scratch
+
+    gpu = torch.cuda.get_device_properties(0)
+    chosen = config_devices(gpu.name, f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count)
+    # a GPU with no tuned configs of its own or of its compute capability: the heuristics' (no bucket)
+    mma = tuned_entry(chosen[0], 6144, 4096, 128)["mma"] if chosen else {"buckets": [],
+                                                                         "dense_from_m": MMA_DENSE_FROM_M_DEFAULT}
+    q = torch.randint(-8, 8, (6144, 4096), dtype=torch.int8, device="cuda")
+    scales = torch.full((6144, 4096 // 128), 0.01, dtype=torch.bfloat16, device="cuda")
+    layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], None, 128, Scratch(torch.bfloat16, q.device),
+                                   backend="mma")
+    assert layer.dense_from_m == mma["dense_from_m"]
+    assert layer._mma_buckets == [(b[0], tuple(b[1:])) for b in mma["buckets"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,prequant", [(4608, 3584, False), (3584, 18944, True)])  # Qwen2.5-7B's qkv, down
+def test_a_shape_nobody_tuned_runs_borrowed_configs_correctly_at_every_row_count(n, k, prequant):
+    from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
+
+    gpu = torch.cuda.get_device_properties(0)
+    entry = tuned_entry(gpu.name, n, k, 128, f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count)
+    assert entry is None or entry["mma_from"] in {"6144x4096g128", "4096x4096g128", "4096x14336g128"}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device="cuda")
+    scales = (torch.rand(n, k // 128, generator=gen, device="cuda") * 0.01 + 0.002).bfloat16()
+    pq = (torch.rand(k, generator=gen, device="cuda") + 0.5).bfloat16() if prequant else None
+    layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], pq, 128, Scratch(torch.bfloat16, q.device),
+                                   backend="mma")
+    weight = dequantize_w4a16(pack_int4(q), scales, pq if prequant else torch.ones(k, device="cuda"), 128)
+    for rows in (1, 3, 8, 16, 17, 64, 100, 255, 600):
+        x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+        ref = x.float() @ weight.T
+        got = layer(x)
+        rel = ((got.float() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(got).all() and rel < 8e-3, (rows, rel, layer.mma_config_for(rows))
