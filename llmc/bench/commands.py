@@ -153,6 +153,8 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
            "weight_bytes_on_device": getattr(engine.runner, "weight_bytes", None),
            # Weights the engine reads from host memory (an input embedding in page-locked memory on CUDA), by dtype.
            "weight_bytes_on_host": getattr(engine.runner, "host_weight_bytes", None) or {},
+           # Whose tuned kernel configs each int4 CUDA layer shape runs (a GPU's, borrowed, or the heuristics).
+           "int4_kernel_configs": getattr(engine.runner, "int4_config_sources", None) or {},
            # What the levels' hardware bounds need (llmc.bench.bounds); absent for engines that do not say.
            "model_shape": _model_shape(engine.runner),
            "kv_bytes_per_token": getattr(engine.runner, "kv_bytes_per_token", None),

@@ -341,6 +341,10 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     if on_host:
         console.print(f"weights in page-locked host memory (the input embedding, a row per token): "
                       f"{sum(on_host.values()) / 1e9:.2f} GB", highlight=False)
+    configs = report.get("int4_kernel_configs")
+    if configs:  # whose tuned configs the int4 CUDA layers run: a borrowed table or the heuristics explain a figure
+        console.print("int4 kernel configs: " + "; ".join(f"{source} ({list(configs.values()).count(source)} shapes)"
+                                                          for source in sorted(set(configs.values()))), highlight=False)
     why_random = (report.get("workload") or {}).get("why")
     if why_random:
         console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)

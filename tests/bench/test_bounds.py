@@ -111,3 +111,20 @@ def test_the_report_bounds_and_prints_an_engine_with_its_embedding_in_host_memor
     print_report(on_host, console)
     text = console.export_text()
     assert "weights on the device: 4.65 GB" in text and "page-locked host memory" in text and "1.05 GB" in text
+    assert "int4 kernel configs" not in text  # a report without int4 CUDA layers
+
+
+def test_the_report_says_whose_int4_kernel_configs_the_layers_ran(monkeypatch):
+    from rich.console import Console
+
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H100 PCIe"})
+    configs = {"6144x4096g128": "NVIDIA H100 80GB HBM3", "4096x4096g128": "NVIDIA H100 80GB HBM3",
+               "4608x3584g128": "NVIDIA H100 80GB HBM3, shape 6144x4096g128", "960x576g64": "heuristics"}
+    report = build_report({**RUN, "int4_kernel_configs": configs}, [_level(0.0537, 4 * 0.33)], PLAN, {})
+    assert report["int4_kernel_configs"] == configs
+    console = Console(width=300, record=True)
+    print_report(report, console)
+    assert ("int4 kernel configs: NVIDIA H100 80GB HBM3 (2 shapes); NVIDIA H100 80GB HBM3, shape 6144x4096g128 "
+            "(1 shapes); heuristics (1 shapes)") in console.export_text()

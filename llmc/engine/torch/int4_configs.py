@@ -111,7 +111,8 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
                 multiprocessors: int = 0) -> dict | None:
     """The tuned entry of a shape on a GPU, or None: ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` (the
     Triton kernels) and ``{"mma": {...}}`` (the CUDA library's), each kernel family's from the first of
-    :func:`config_devices` that has it (``capability`` None: the GPU's own entry only). A shape nobody tuned
+    :func:`config_devices` that has it (``capability`` None: the GPU's own entry only; ``"mma_gpu"`` names the
+    CUDA library's). A shape nobody tuned
     takes the CUDA library's configs of the nearest tuned shape (:func:`nearest_shape`; the layer still checks
     that each fits, else the heuristic), marked ``"mma_from": its key``: left out of the tuning of those GPUs,
     each 8B and SmolLM2 shape ran at 1.15x its own best config so (geometric mean over 6 row buckets, H100
@@ -121,11 +122,13 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
     merged: dict = {}
     for name in reversed(chosen):
         merged.update(devices[name].get(key, {}))
+        if "mma" in devices[name].get(key, {}):
+            merged["mma_gpu"] = name
     if "mma" not in merged:
         for name in chosen:
             near = nearest_shape(n, k, group_size, [s for s, e in devices[name].items() if "mma" in e])
             if near:
-                merged.update(mma=devices[name][near]["mma"], mma_from=near)
+                merged.update(mma=devices[name][near]["mma"], mma_gpu=name, mma_from=near)
                 break
     return merged or None
 

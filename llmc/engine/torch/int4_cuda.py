@@ -144,6 +144,9 @@ class Int4CudaLinear(nn.Module):
                             *((f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count) if gpu else ())) or {}
         if backend == "mma":
             mma = entry.get("mma", {})
+            # whose configs these are (llmc bench's report): a GPU's, of this shape or (mma_from) the nearest one
+            self.configs_from = (entry.get("mma_gpu", "tuned") + (f", shape {entry['mma_from']}" if "mma_from" in entry
+                                                                  else "") if mma else "heuristics")
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}
@@ -157,6 +160,7 @@ class Int4CudaLinear(nn.Module):
             scratch.reserve(norm_sums=max(self.dense_from_m - 1, 1) * (self.columns // 16))  # pending norms
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
+        self.configs_from = "Triton: " + ("tuned" if "buckets" in entry else "heuristics")
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
         # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes: each row
         # count, as the heuristic's split-K (a shape without tuned buckets) varies with the rows.

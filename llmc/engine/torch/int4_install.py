@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from llmc.checkpoint import names
+from llmc.engine.torch.int4_configs import shape_key
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
 from llmc.engine.torch.int4_layout import MMA_COLS, MMA_INPUTS, TILE
 from llmc.errors import CheckpointError
@@ -117,3 +118,12 @@ def install(model: nn.Module, quantized: dict[str, QuantizedLinear], group_size:
             mlp.proj = build(f"{base}.mlp.proj")
     scratch.allocate()
     return counts
+
+
+def config_sources(model: nn.Module) -> dict[str, str]:
+    """``{shape key (N x K g G): whose kernel configs}`` of the model's int4 CUDA layers (empty without any): the
+    tuned GPU whose table they come from (``", shape ..."``: another shape's, the nearest tuned one), or the
+    heuristics; what ``llmc bench`` reports beside its figures."""
+    return {shape_key(m.columns, m.in_features, m.group_size): m.configs_from
+            for m in model.modules() if isinstance(m, Int4CudaLinear)}
+

@@ -26,6 +26,7 @@ from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows, verify_rows
 from llmc.engine.torch.drafts import DraftRows
 from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
+from llmc.engine.torch.int4_install import config_sources
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
 from llmc.engine.torch.prompt_logprobs import PromptRows
@@ -56,7 +57,8 @@ class TorchModelRunner:
     """Loads a build folder's torch engine and executes scheduler steps over a paged KV cache.
 
     Attributes: ``device``, ``weight_bytes`` (by dtype, as held on the device), ``host_weight_bytes`` (by dtype:
-    an untied input embedding kept in page-locked host memory on CUDA), ``block_size`` (recipe
+    an untied input embedding kept in page-locked host memory on CUDA), ``int4_config_sources`` (whose kernel
+    configs each int4 CUDA layer shape runs), ``block_size`` (recipe
     ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
     weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
@@ -82,6 +84,7 @@ class TorchModelRunner:
         config = self.model.config
         self.weight_bytes = weight_bytes(self.model)  # {dtype: bytes} of the weights as held on the device
         self.host_weight_bytes = host_weight_bytes(self.model)  # {dtype: bytes}: an input embedding in host memory
+        self.int4_config_sources = config_sources(self.model)  # {int4 CUDA layer shape: whose kernel configs}
         # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
         # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
         kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))

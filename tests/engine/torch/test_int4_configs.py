@@ -45,16 +45,16 @@ def test_an_untuned_gpu_borrows_the_closest_tuned_gpu_of_its_compute_capability(
     assert config_devices("New Ada", "8.9", 128) == []  # no tuned GPU of 8.9: the heuristics
     assert tuned_entry("New Ada", 4096, 4096, 128, "8.9", 128) is None
     assert tuned_entry("New Hopper", 4096, 4096, 128) is None  # without its capability nothing is borrowed
-    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 130) == {**TRITON, **MMA_A}
+    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 130) == {**TRITON, **MMA_A, "mma_gpu": "A"}
 
 
 def test_each_kernel_family_comes_from_the_first_gpu_that_has_it(table):
     # B's own CUDA-library configs; the Triton fallback's from A, which B has none of
-    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B}
-    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON, **MMA_A}
-    assert tuned_entry("B", 4096, 4096, 128) == MMA_B
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}
+    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON, **MMA_A, "mma_gpu": "A"}
+    assert tuned_entry("B", 4096, 4096, 128) == {**MMA_B, "mma_gpu": "B"}
     # a shape nobody tuned: the CUDA library's configs of the nearest shape, never the Triton fallback's
-    assert tuned_entry("B", 576, 576, 64, "9.0", 114) == {**MMA_B, "mma_from": SHAPE}
+    assert tuned_entry("B", 576, 576, 64, "9.0", 114) == {**MMA_B, "mma_gpu": "B", "mma_from": SHAPE}
 
 
 def test_a_shape_nobody_tuned_takes_the_cuda_configs_of_the_nearest_tuned_shape(table):
@@ -63,13 +63,14 @@ def test_a_shape_nobody_tuned_takes_the_cuda_configs_of_the_nearest_tuned_shape(
     int4_configs.CONFIG_FILE.write_text(json.dumps(table))
     int4_configs._tuned_table.cache_clear()
     # Qwen2.5-7B's qkv (4608 x 3584): nearer 4096 x 4096 than 28672 x 4096; only the CUDA library's configs come
-    assert tuned_entry("A", 4608, 3584, 128, "9.0", 132) == {**MMA_A, "mma_from": SHAPE}
+    assert tuned_entry("A", 4608, 3584, 128, "9.0", 132) == {**MMA_A, "mma_gpu": "A", "mma_from": SHAPE}
     assert tuned_entry("A", 37888, 3584, 128, "9.0", 132) == {  # its fc + gate
-        "mma": {"buckets": [[1, 1, 4, 4, 2]], "dense_from_m": 384}, "mma_from": "28672x4096g128"}
+        "mma": {"buckets": [[1, 1, 4, 4, 2]], "dense_from_m": 384}, "mma_gpu": "A", "mma_from": "28672x4096g128"}
     # another group size counts as a doubling of both dimensions: a 64-group 2048 x 2048 stays with 960 x 576 g64
     assert tuned_entry("A", 2048, 2048, 64, "9.0", 132)["mma_from"] == "960x576g64"
-    assert tuned_entry("B", 4608, 3584, 128, "9.0", 114) == {**MMA_B, "mma_from": SHAPE}  # B's own shapes first
-    assert tuned_entry("C", 4096, 4096, 64) == {**MMA_A, "mma_from": SHAPE}  # C's only shape, whatever the group
+    # B's own shapes first; C's only shape, whatever the group
+    assert tuned_entry("B", 4608, 3584, 128, "9.0", 114) == {**MMA_B, "mma_gpu": "B", "mma_from": SHAPE}
+    assert tuned_entry("C", 4096, 4096, 64) == {**MMA_A, "mma_gpu": "C", "mma_from": SHAPE}
     assert tuned_entry("New Ada", 4608, 3584, 128, "8.9", 128) is None
     assert int4_configs.nearest_shape(4096, 4096, 128, []) is None
 

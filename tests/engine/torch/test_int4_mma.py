@@ -153,6 +153,21 @@ def test_a_borrowed_split_k_config_that_does_not_fit_the_shape_reserves_no_buffe
     assert layer.scratch.sizes["partials"] == 0 and layer.scratch.sizes["counters"] == 0
 
 
+def test_each_int4_layer_says_whose_configs_it_runs(monkeypatch):
+    from llmc.engine.torch.int4_install import config_sources
+
+    tuned = {"mma": {"buckets": [[1, 1, 2, 16, 2]], "dense_from_m": 160}, "mma_gpu": "NVIDIA H200"}
+    borrowed = {**tuned, "mma_from": "4096x14336g128"}
+    sources = {}
+    for entry, n in ((tuned, 4096), (borrowed, 3584), (None, 2048)):
+        monkeypatch.setattr("llmc.engine.torch.int4_cuda.tuned_entry", lambda *args, entry=entry: entry)
+        sources[n] = zero_mma_layer(n, 14336)
+    assert config_sources(torch.nn.ModuleList(sources.values())) == {
+        "4096x14336g128": "NVIDIA H200", "3584x14336g128": "NVIDIA H200, shape 4096x14336g128",
+        "2048x14336g128": "heuristics"}
+    assert config_sources(torch.nn.Linear(4, 4)) == {}
+
+
 def test_a_tuned_mma_config_that_does_not_fit_the_layer_gives_way_to_the_heuristic():
     layer = zero_mma_layer(8192, 32768)
     layer._mma_buckets = [(64, (4, 2, 8, 4))]  # fits without the input scale, not with this one
