@@ -19,7 +19,7 @@ import click
 
 from llmc.engine.tensorrt_llm.checks import INT4_REFUSED_SM
 from llmc.engine.tensorrt_llm.versions import PIP_SPEC, Importer, check_version, probe_module
-from llmc.errors import BackendUnavailableError
+from llmc.errors import BackendUnavailableError, LlmcError
 
 # Distribution names read from package metadata (no import: llmcompressor takes seconds to import).
 METADATA_PACKAGES = ("torch", "transformers", "triton", "tritonclient", "llmcompressor")
@@ -157,7 +157,10 @@ def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
 
     said = set()
     for gpu in gpus:
-        chosen = config_devices(gpu.name, gpu.compute_capability, gpu.multiprocessors)
+        try:
+            chosen = config_devices(gpu.name, gpu.compute_capability, gpu.multiprocessors)
+        except LlmcError as exc:  # an unreadable LLMC_INT4_CONFIGS: what loading an int4 engine would say
+            return [f"no GPU: {exc}"]
         if chosen:
             said.add(chosen[0] if chosen[0] == gpu.name else
                      f"{chosen[0]}, used on {gpu.name}: same compute capability {gpu.compute_capability}")

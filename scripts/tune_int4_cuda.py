@@ -275,11 +275,36 @@ def step_table(report: dict, shapes, family: Family) -> list[dict]:
     return rows
 
 
+def ir_shapes(ir_dir: Path) -> list:
+    """The int4 layer shapes of a W4A16 build's IR checkpoint, or of the IR folder given
+    (``int4_install.int4_layer_shapes``)."""
+    from llmc.checkpoint.io import read_config
+    from llmc.checkpoint.safetensors_header import tensor_headers
+    from llmc.engine.torch.int4_install import int4_layer_shapes
+    from llmc.errors import LlmcError
+
+    if (ir_dir / "checkpoint" / "config.json").is_file():  # an llmc build: its IR
+        ir_dir = ir_dir / "checkpoint"
+    try:
+        group = (read_config(ir_dir).get("quantization") or {}).get("group_size")
+        shapes = int4_layer_shapes(tensor_headers(ir_dir), int(group or 0)) if group else []
+    except LlmcError as exc:
+        raise SystemExit(f"--shapes-of {ir_dir}: {exc}") from exc
+    if not shapes:
+        raise SystemExit(f"--shapes-of {ir_dir}: no W4A16 layer of whole 16 x 64 tiles (give an AWQ build, or its "
+                         "W4A16_AWQ IR folder of config.json and rank*.safetensors)")
+    return shapes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", type=Path, required=True, help="config table to merge the results into")
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--model", choices=["llama3.1-8b", "smollm2", "both"], default="both")
+    ap.add_argument("--shapes-of", type=Path, metavar="BUILD_OR_IR",
+                    help="tune the int4 layer shapes of this W4A16 build (or its IR checkpoint folder: config.json "
+                         "+ rank*.safetensors) instead of --model's; with LLMC_INT4_CONFIGS=<--configs> the engine "
+                         "runs them")
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--kernels", choices=["triton", "mma"], default="mma",
                     help="which kernel family to tune (mma: llmc's CUDA library; triton: the fallback)")
@@ -303,7 +328,8 @@ def main() -> None:
     if args.only_wgmma and not (only and SM90):
         raise SystemExit("--only-wgmma narrows an --only-rows re-tune on an sm_90 GPU (the warpgroup kernel's)")
     device_name = torch.cuda.get_device_name()
-    shapes = {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2, "both": LLAMA8B + SMOLLM2}[args.model]
+    shapes = ir_shapes(args.shapes_of) if args.shapes_of else {"llama3.1-8b": LLAMA8B, "smollm2": SMOLLM2,
+                                                                 "both": LLAMA8B + SMOLLM2}[args.model]
     names = {v for v in args.only_shapes.split(",") if v}
     if names - {spec[0] for spec in shapes}:
         raise SystemExit(f"--only-shapes {sorted(names - {spec[0] for spec in shapes})}: the shapes are "

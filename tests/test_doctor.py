@@ -259,3 +259,18 @@ def test_doctor_names_whose_int4_configs_an_untuned_gpu_borrows():
     assert tuned_gpus((GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2, 108),)) == []
     untuned, _ = backend_statuses((B200,), None, "missing", triton_version="3.6.0")
     assert "(tuned for no GPU here: heuristic configs)" in untuned.detail
+
+
+def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_path, monkeypatch):
+    from llmc.doctor import tuned_gpus
+    from llmc.engine.torch import int4_configs
+
+    monkeypatch.setenv("LLMC_INT4_CONFIGS", str(tmp_path / "missing.json"))
+    int4_configs._tuned_table.cache_clear()
+    try:
+        said = tuned_gpus((H100,))
+    finally:
+        int4_configs._tuned_table.cache_clear()
+    assert said == [f"no GPU: LLMC_INT4_CONFIGS={tmp_path / 'missing.json'}: cannot be read (No such file or "
+                    "directory). Fix: point it at a table written by scripts/tune_int4_cuda.py --configs, or unset "
+                    "LLMC_INT4_CONFIGS"]

@@ -196,3 +196,40 @@ def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real
     assert missing_inputs(report, table, "GPU", {"qkv": "k1"}, [1, 16, 5], buckets) == [
         "row count 5 is not a tuned mma bucket ([1, 8, 16])", "the report has no timings of qkv (k1) at 1 rows",
         "the report has no timings of qkv (k1) at 16 rows", "the table has no GPU mma bucket of qkv (k1) up to 16 rows"]
+
+
+def _w4a16_ir(folder: Path, prequant: bool = True, quantized: bool = True) -> Path:
+    """An IR folder holding one W4A16 layer of Qwen2.5-7B's per-rank shapes (empty tensors: only headers are read)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llmc.checkpoint import names
+
+    folder.mkdir(parents=True)
+    shapes = {names.QKV.trt: (4608, 3584), names.DENSE.trt: (3584, 3584), names.FC.trt: (18944, 3584),
+              names.GATE.trt: (18944, 3584), names.PROJ.trt: (3584, 18944)}
+    tensors = {}
+    for module, (n, k) in shapes.items():
+        tensors[names.trt_layer(0, module)] = (torch.zeros(n // 2, k, dtype=torch.int8) if quantized
+                                               else torch.zeros(n, k, dtype=torch.bfloat16))
+        if prequant and quantized:
+            tensors[names.trt_layer(0, module, names.PREQUANT_SCALING_FACTOR)] = torch.ones(1, k, dtype=torch.bfloat16)
+    save_file(tensors, str(folder / "rank0.safetensors"))
+    quant = {"quant_algo": "W4A16_AWQ", "group_size": 128} if quantized else {}
+    (folder / "config.json").write_text(json.dumps({"quantization": quant}))
+    return folder
+
+
+def test_tuning_the_shapes_of_a_build_reads_its_int4_layers(tmp_path):
+    ir_shapes = script("tune_int4_cuda").ir_shapes
+    build = tmp_path / "build"
+    _w4a16_ir(build / "checkpoint")
+    expected = [("qkv", 4608, 3584, 128, False, False), ("o", 3584, 3584, 128, False, True),
+                ("fc_gate", 37888, 3584, 128, True, False), ("down", 3584, 18944, 128, False, True)]
+    assert ir_shapes(build) == expected == ir_shapes(build / "checkpoint")
+    with pytest.raises(SystemExit, match="no W4A16 layer of whole 16 x 64 tiles"):
+        ir_shapes(_w4a16_ir(tmp_path / "bf16", quantized=False))
+    with pytest.raises(SystemExit, match="config.json is missing"):
+        ir_shapes(tmp_path / "nothing")

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmc import manifest as mf
-from llmc.checkpoint.safetensors_header import read_safetensors_header
+from llmc.checkpoint.safetensors_header import tensor_headers
 from llmc.console import table_console
 from llmc.errors import EngineError, LlmcError
 
@@ -92,12 +92,7 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
     from llmc.engine.torch.host_embedding import placement
     from llmc.engine.torch.int4_install import cuda_weight_bytes
 
-    tensors = {}
-    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in read_safetensors_header(path).items():
-            if name != "__metadata__":
-                start, end = info["data_offsets"]
-                tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
+    tensors = tensor_headers(checkpoint_dir)
     on_host = 0
     if not tied and placement() == "host" and VOCAB_EMBEDDING in tensors:
         on_host = tensors.pop(VOCAB_EMBEDDING)[2]
@@ -107,12 +102,8 @@ def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
 def weight_bytes_by_dtype(checkpoint_dir: Path) -> dict[str, int]:
     """Bytes of checkpoint tensors per safetensors dtype, from the files' JSON headers only."""
     totals: dict[str, int] = {}
-    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
-        for name, info in read_safetensors_header(path).items():
-            if name == "__metadata__":
-                continue
-            start, end = info["data_offsets"]
-            totals[info["dtype"]] = totals.get(info["dtype"], 0) + int(end) - int(start)
+    for dtype, _, nbytes in tensor_headers(checkpoint_dir).values():
+        totals[dtype] = totals.get(dtype, 0) + nbytes
     return totals
 
 

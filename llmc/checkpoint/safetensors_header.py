@@ -56,3 +56,16 @@ def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
     if offsets[1] > data_size:
         raise CheckpointError(f"{path}: tensor {name!r} ends at byte {offsets[1]} of the data but the file holds "
                               f"{max(data_size, 0)}; {fix}")
+
+
+def tensor_headers(checkpoint_dir: str | Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """``{name: (dtype, shape, bytes)}`` of every tensor in a checkpoint folder's ``*.safetensors`` files, from
+    their headers only."""
+    tensors = {}
+    for path in sorted(Path(checkpoint_dir).glob("*.safetensors")):
+        for name, info in read_safetensors_header(path).items():
+            if name != "__metadata__":
+                start, end = info["data_offsets"]
+                tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
+    return tensors
+

@@ -9,10 +9,12 @@ import functools
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.engine.torch import triton_support
+from llmc.errors import EngineError
 from llmc.engine.torch.int4_layout import MMA_COLS, TILE
 
 logger = logging.getLogger(__name__)
@@ -62,14 +64,47 @@ def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
 TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages (0: registers; < 0: wgmma)]
 
 
+CONFIGS_ENV = "LLMC_INT4_CONFIGS"  # a table of the user's (tune_int4_cuda.py --configs), read over the shipped one
+
+
 @functools.cache
 def _tuned_table() -> dict:
     try:
-        table = json.loads(CONFIG_FILE.read_text())
+        table = upgrade_table(json.loads(CONFIG_FILE.read_text()))
     except (OSError, ValueError) as exc:
         logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
-        return {}
+        table = {}
+    extra = os.environ.get(CONFIGS_ENV)
+    return merge_tables(table, user_table(Path(extra))) if extra else table
+
+
+def user_table(path: Path) -> dict:
+    """The table ``LLMC_INT4_CONFIGS`` names; EngineError naming the problem and the fix if it is unreadable."""
+    try:
+        table = json.loads(path.read_text())
+        why = None
+        if not isinstance(table, dict) or not isinstance(table.get("devices", {}), dict):
+            why = "not a table of tuned configs (a JSON object with \"devices\")"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror or exc})"
+    except ValueError as exc:
+        why = f"not valid JSON ({exc})"
+    if why:
+        raise EngineError(f"{CONFIGS_ENV}={path}: {why}. Fix: point it at a table written by "
+                          f"scripts/tune_int4_cuda.py --configs, or unset {CONFIGS_ENV}")
     return upgrade_table(table)
+
+
+def merge_tables(shipped: dict, user: dict) -> dict:
+    """``shipped`` with ``user``'s GPUs and shapes over it: a shape's kernel families (the Triton ``buckets`` and
+    ``dense_from_m``, the CUDA library's ``mma``) from the user's table where it has them."""
+    merged = {"version": TABLE_VERSION, "gpus": {**shipped.get("gpus", {}), **user.get("gpus", {})},
+              "devices": {name: dict(shapes) for name, shapes in shipped.get("devices", {}).items()}}
+    for name, shapes in user.get("devices", {}).items():
+        mine = merged["devices"].setdefault(name, {})
+        for key, entry in shapes.items():
+            mine[key] = {**mine.get(key, {}), **entry}
+    return merged
 
 
 def upgrade_table(table: dict) -> dict:

@@ -34,6 +34,29 @@ def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied
     return total
 
 
+def int4_layer_shapes(tensors: dict[str, tuple[str, tuple[int, ...], int]], group_size: int
+                      ) -> list[tuple[str, int, int, int, bool, bool]]:
+    """The CUDA library's int4 layers of an IR's first layer, from tensors ``{name: (dtype, shape, bytes)}`` (one
+    rank's safetensors headers), as ``scripts/tune_int4_cuda.py`` tunes them: ``(name, columns, inputs, group,
+    silu_output, input scale in the kernel)`` for qkv, o, fc + gate (one layer) and down, in that order. Layers
+    without whole 16-column x 64-input tiles (the Triton kernels') are left out; the input scales of qkv and
+    fc + gate are folded into the norms, as the loader does."""
+    packed, prequant = {}, set()
+    for name, (dtype, shape, _) in tensors.items():
+        parsed = names.parse_trt_layer_name(name)
+        if parsed and parsed[0] == 0 and parsed[2] == names.WEIGHT and dtype == "I8":
+            packed[parsed[1]] = (2 * shape[0], shape[1])  # packed [N/2, K]
+        elif parsed and parsed[0] == 0 and parsed[2] == names.PREQUANT_SCALING_FACTOR:
+            prequant.add(parsed[1])
+    fc, gate = packed.get(names.FC.trt), packed.get(names.GATE.trt)
+    layers = [("qkv", packed.get(names.QKV.trt), False, False),
+              ("o", packed.get(names.DENSE.trt), False, names.DENSE.trt in prequant),
+              ("fc_gate", (fc[0] + gate[0], fc[1]) if fc and gate else None, True, False),
+              ("down", packed.get(names.PROJ.trt), False, names.PROJ.trt in prequant)]
+    return [(name, nk[0], nk[1], group_size, silu, scaled) for name, nk, silu, scaled in layers
+            if nk and nk[0] % MMA_COLS == 0 and nk[1] % MMA_INPUTS == 0]
+
+
 QuantizedLinear = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # packed [N/2, K], scales [N, K/g], prequant
 
 

@@ -124,3 +124,47 @@ def test_a_shape_nobody_tuned_runs_borrowed_configs_correctly_at_every_row_count
         got = layer(x)
         rel = ((got.float() - ref).norm() / ref.norm()).item()
         assert torch.isfinite(got).all() and rel < 8e-3, (rows, rel, layer.mma_config_for(rows))
+
+
+def test_a_users_table_named_by_the_environment_goes_over_the_shipped_one(table, tmp_path, monkeypatch):
+    from llmc.errors import EngineError
+
+    mine = {"version": 2, "gpus": {"NVIDIA L40S": {"capability": "8.9", "multiprocessors": 142}},
+            "devices": {"NVIDIA L40S": {SHAPE: MMA_B}, "A": {SHAPE: MMA_B, "4608x3584g128": MMA_B}}}
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / "mine.json"))
+    int4_configs._tuned_table.cache_clear()
+    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A"}  # A's Triton entry stays
+    assert tuned_entry("A", 4608, 3584, 128) == {**MMA_B, "mma_gpu": "A"}  # tuned by the user: not borrowed
+    assert tuned_entry("NVIDIA L40S", 4096, 4096, 128, "8.9", 142) == {**MMA_B, "mma_gpu": "NVIDIA L40S"}
+    assert config_devices("B", "9.0", 114) == ["B", "A"]  # the shipped GPUs stay
+    assert json.loads(int4_configs.CONFIG_FILE.read_text()) == table  # nothing written
+    for bad, why in (("missing.json", "cannot be read \\(No such file"), ("bad.json", "not valid JSON"),
+                     ("list.json", "not a table of tuned configs")):
+        (tmp_path / "bad.json").write_text("{")
+        (tmp_path / "list.json").write_text("[]")
+        monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / bad))
+        int4_configs._tuned_table.cache_clear()
+        with pytest.raises(EngineError, match=f"LLMC_INT4_CONFIGS=.*{bad}: .*{why}.*Fix: point it at a table"):
+            tuned_entry("A", 4096, 4096, 128)
+
+
+def test_the_int4_layer_shapes_of_an_ir_as_the_loader_builds_them():
+    from llmc.engine.torch.int4_install import int4_layer_shapes
+
+    tensors = {"transformer.layers.0.attention.qkv.weight": ("I8", (3072, 4096), 0),
+               "transformer.layers.0.attention.qkv.prequant_scaling_factor": ("BF16", (1, 4096), 0),
+               "transformer.layers.0.attention.dense.weight": ("I8", (2048, 4096), 0),
+               "transformer.layers.0.mlp.fc.weight": ("I8", (7168, 4096), 0),
+               "transformer.layers.0.mlp.gate.weight": ("I8", (7168, 4096), 0),
+               "transformer.layers.0.mlp.proj.weight": ("I8", (2048, 14336), 0),
+               "transformer.layers.0.mlp.proj.prequant_scaling_factor": ("BF16", (1, 14336), 0),
+               "transformer.layers.1.mlp.proj.weight": ("I8", (9, 9), 0),  # only layer 0 is read
+               "lm_head.weight": ("BF16", (128256, 4096), 0)}
+    # qkv's input scale is folded into the norm; o has none here; down applies its own in the kernel
+    assert int4_layer_shapes(tensors, 128) == [("qkv", 6144, 4096, 128, False, False),
+                                               ("o", 4096, 4096, 128, False, False),
+                                               ("fc_gate", 28672, 4096, 128, True, False),
+                                               ("down", 4096, 14336, 128, False, True)]
+    tensors["transformer.layers.0.attention.dense.weight"] = ("I8", (500, 576), 0)  # 1000 columns: Triton's layout
+    assert [s[0] for s in int4_layer_shapes(tensors, 128)] == ["qkv", "fc_gate", "down"]
