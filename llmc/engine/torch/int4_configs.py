@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmc.engine.torch import triton_support
-from llmc.errors import EngineError
 from llmc.engine.torch.int4_layout import MMA_COLS, TILE
+from llmc.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
