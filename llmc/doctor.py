@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -153,9 +154,11 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
 def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
     """Whose tuned int4 kernel configs the GPUs found here run: a GPU's own (its name), or those of a tuned GPU of
     the same compute capability (which one, and for which GPU here); GPUs with neither are left out."""
-    from llmc.engine.torch.int4_configs import config_devices
+    from llmc.engine.torch.int4_configs import CONFIGS_ENV, config_devices
 
     said = set()
+    if os.environ.get(CONFIGS_ENV):  # read over the shipped table (checked below, as loading an engine would)
+        said.add(f"the shipped table with {CONFIGS_ENV}={os.environ[CONFIGS_ENV]} over it")
     for gpu in gpus:
         try:
             chosen = config_devices(gpu.name, gpu.compute_capability, gpu.multiprocessors)

@@ -274,3 +274,12 @@ def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_pat
     assert said == [f"no GPU: LLMC_INT4_CONFIGS={tmp_path / 'missing.json'}: cannot be read (No such file or "
                     "directory). Fix: point it at a table written by scripts/tune_int4_cuda.py --configs, or unset "
                     "LLMC_INT4_CONFIGS"]
+    mine = {"gpus": {"NVIDIA L40S": {"capability": "8.9", "multiprocessors": 142}},
+            "devices": {"NVIDIA L40S": {"4096x4096g128": {"mma": {"buckets": [[1, 1, 2, 8, 2]]}}}}}
+    (tmp_path / "mine.json").write_text(json.dumps(mine))
+    monkeypatch.setenv("LLMC_INT4_CONFIGS", str(tmp_path / "mine.json"))
+    try:
+        said = tuned_gpus((GpuInfo(0, "NVIDIA L40S", "8.9", 44.4, 142),))
+    finally:
+        int4_configs._tuned_table.cache_clear()
+    assert said == ["NVIDIA L40S", f"the shipped table with LLMC_INT4_CONFIGS={tmp_path / 'mine.json'} over it"]
