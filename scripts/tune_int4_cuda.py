@@ -287,7 +287,7 @@ def ir_shapes(ir_dir: Path) -> list:
         ir_dir = ir_dir / "checkpoint"
     try:
         group = (read_config(ir_dir).get("quantization") or {}).get("group_size")
-        shapes = int4_layer_shapes(tensor_headers(ir_dir), int(group or 0)) if group else []
+        shapes = int4_layer_shapes(tensor_headers(ir_dir), int(group)) if group else []
     except LlmcError as exc:
         raise SystemExit(f"--shapes-of {ir_dir}: {exc}") from exc
     if not shapes:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+from collections import Counter
 from typing import Any, Sequence
 
 from llmc.bench.bounds import check, level_bound, peaks_for
@@ -343,8 +344,9 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
                       f"{sum(on_host.values()) / 1e9:.2f} GB", highlight=False)
     configs = report.get("int4_kernel_configs")
     if configs:  # whose tuned configs the int4 CUDA layers run: a borrowed table or the heuristics explain a figure
-        console.print("int4 kernel configs: " + "; ".join(f"{source} ({list(configs.values()).count(source)} shapes)"
-                                                          for source in sorted(set(configs.values()))), highlight=False)
+        shapes = Counter(configs.values())
+        console.print("int4 kernel configs: " + "; ".join(f"{source} ({shapes[source]} shapes)"
+                                                          for source in sorted(shapes)), highlight=False)
     why_random = (report.get("workload") or {}).get("why")
     if why_random:
         console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)

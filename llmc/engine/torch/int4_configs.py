@@ -156,9 +156,8 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
     chosen = config_devices(device_name, capability, multiprocessors)
     merged: dict = {}
     for name in reversed(chosen):
-        merged.update(devices[name].get(key, {}))
-        if "mma" in devices[name].get(key, {}):
-            merged["mma_gpu"] = name
+        entry = devices[name].get(key, {})
+        merged.update(entry, **({"mma_gpu": name} if "mma" in entry else {}))
     if "mma" not in merged:
         for name in chosen:
             near = nearest_shape(n, k, group_size, [s for s, e in devices[name].items() if "mma" in e])

@@ -13,6 +13,10 @@ from llmc.engine.torch.int4_layout import MMA_COLS, MMA_INPUTS, TILE
 from llmc.errors import CheckpointError
 
 
+# The layers that apply AWQ's input scale in the kernel (o, down); qkv, fc and gate fold theirs into the norms.
+KERNEL_PREQUANT = (names.DENSE.trt, names.PROJ.trt)
+
+
 def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied: bool) -> int:
     """Bytes the torch engine holds on a CUDA GPU (with Triton) for IR tensors ``{name: (dtype, shape, bytes)}``
     read from safetensors headers: packed int4 layers stay packed (shapes of whole mma tiles as they are, others
@@ -23,8 +27,7 @@ def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied
         if tied and name == names.LM_HEAD:
             continue
         parsed = names.parse_trt_layer_name(name)
-        if parsed and parsed[2] == names.PREQUANT_SCALING_FACTOR and parsed[1] != names.DENSE.trt \
-                and parsed[1] != names.PROJ.trt:
+        if parsed and parsed[2] == names.PREQUANT_SCALING_FACTOR and parsed[1] not in KERNEL_PREQUANT:
             continue  # folded into input_layernorm / post_layernorm
         if parsed and parsed[2] == names.WEIGHT and dtype == "I8":  # packed [N/2, K] -> words [Kp/8, N] int32
             n, k = 2 * shape[0], shape[1]
@@ -49,12 +52,11 @@ def int4_layer_shapes(tensors: dict[str, tuple[str, tuple[int, ...], int]], grou
         elif parsed and parsed[0] == 0 and parsed[2] == names.PREQUANT_SCALING_FACTOR:
             prequant.add(parsed[1])
     fc, gate = packed.get(names.FC.trt), packed.get(names.GATE.trt)
-    layers = [("qkv", packed.get(names.QKV.trt), False, False),
-              ("o", packed.get(names.DENSE.trt), False, names.DENSE.trt in prequant),
-              ("fc_gate", (fc[0] + gate[0], fc[1]) if fc and gate else None, True, False),
-              ("down", packed.get(names.PROJ.trt), False, names.PROJ.trt in prequant)]
-    return [(name, nk[0], nk[1], group_size, silu, scaled) for name, nk, silu, scaled in layers
-            if nk and nk[0] % MMA_COLS == 0 and nk[1] % MMA_INPUTS == 0]
+    layers = [("qkv", names.QKV.trt, packed.get(names.QKV.trt)), ("o", names.DENSE.trt, packed.get(names.DENSE.trt)),
+              ("fc_gate", names.FC.trt, (fc[0] + gate[0], fc[1]) if fc and gate else None),
+              ("down", names.PROJ.trt, packed.get(names.PROJ.trt))]
+    return [(name, nk[0], nk[1], group_size, name == "fc_gate", module in KERNEL_PREQUANT and module in prequant)
+            for name, module, nk in layers if nk and nk[0] % MMA_COLS == 0 and nk[1] % MMA_INPUTS == 0]
 
 
 QuantizedLinear = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # packed [N/2, K], scales [N, K/g], prequant
