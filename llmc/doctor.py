@@ -97,8 +97,6 @@ def cuda_gpus() -> tuple[GpuInfo, ...]:
 def cpu_info() -> CpuInfo:
     """The CPU, and which CPU kernels and prefill precision the torch engine uses on it (no kernel build: the
     first engine load or ``llmc build`` does that, ~40 s, cached)."""
-    import os
-
     import torch
 
     from llmc.engine.torch import cpu_ext
@@ -154,11 +152,12 @@ def package_versions() -> tuple[dict[str, str | None], dict[str, str]]:
 def tuned_gpus(gpus: tuple[GpuInfo, ...]) -> list[str]:
     """Whose tuned int4 kernel configs the GPUs found here run: a GPU's own (its name), or those of a tuned GPU of
     the same compute capability (which one, and for which GPU here); GPUs with neither are left out."""
-    from llmc.engine.torch.int4_configs import CONFIGS_ENV, config_devices
+    from llmc.engine.torch.int4_configs import LOCAL_LABEL, config_devices, table_sources
 
     said = set()
-    if os.environ.get(CONFIGS_ENV):  # read over the shipped table (checked below, as loading an engine would)
-        said.add(f"the shipped table with {CONFIGS_ENV}={os.environ[CONFIGS_ENV]} over it")
+    read_over = [f"{label} {path}" if label == LOCAL_LABEL else label for label, path in table_sources()]
+    if read_over:  # this machine's (llmc tune) and LLMC_INT4_CONFIGS's (checked below, as loading an engine would)
+        said.add(f"the shipped table with {' and '.join(read_over)} over it")
     for gpu in gpus:
         try:
             chosen = config_devices(gpu.name, gpu.compute_capability, gpu.multiprocessors)

@@ -34,9 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_int4_cuda import LAYERS, LLAMA8B, STEP, mma_layers, step_chain, step_inputs, time_graph  # noqa: E402
+from tune_int4_cuda import LLAMA8B, STEP  # noqa: E402
 
 from llmc.engine.torch.int4_cuda import silu_mul  # noqa: E402
+from llmc.engine.torch.int4_tune import LAYERS, mma_layers, step_chain, step_inputs, time_graph  # noqa: E402
 
 
 def totals(per_shape: dict[str, dict[str, dict[int, float]]]) -> dict[int, dict[str, float]]:
@@ -95,8 +96,8 @@ def profile_ends(fn, count: int) -> list[float] | None:
 def time_step_order(rows: list[int], replays: int, timeline: bool = False) -> tuple[dict[int, float], dict]:
     """ms of the 128 int4 linears in decode-step order (one graph) per row count, and with ``timeline`` what each
     shape's kernel adds to that step per row count (:func:`added_us`; absent where the layers dequantize)."""
-    chain = [layer for _, layer in step_chain()]
-    inputs = {m: step_inputs(m) for m in rows}
+    chain = [layer for _, layer in step_chain(LLAMA8B)]
+    inputs = {m: step_inputs(LLAMA8B, m) for m in rows}
     times, added = {}, {}
     for m in rows:
         def step():

@@ -21,10 +21,10 @@ from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4  # noqa: E402
 from llmc.engine.torch.int4_configs import KernelConfig, shape_key  # noqa: E402
 from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch  # noqa: E402
 from llmc.engine.torch.int4_layout import pack_for_cuda  # noqa: E402
+from llmc.engine.torch.int4_tune import LAYERS  # noqa: E402
 
 BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
 DENSE_MS = (128, 256, 512, 1024, 2048)
-LAYERS = 32
 
 
 def candidates(m: int, quick: bool = False) -> list[KernelConfig]:

@@ -19,46 +19,13 @@ with the others fixed, timed as the 128 int4 linears of a step in one CUDA graph
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-def top_candidates(tried: dict, current: list[int], top: int) -> list[tuple[int, ...]]:
-    """The ``top`` fastest timed configs of a report bucket (``tried_us``: ``"[mt, nt, warps, stages]"`` -> us, or
-    why a config was not timed), then the table's ``current`` config if it is not among them; fastest first."""
-    timed = sorted((us, tuple(ast.literal_eval(label))) for label, us in tried.items() if isinstance(us, (int, float)))
-    chosen = [config for _, config in timed[:top]]
-    if tuple(current) not in chosen:
-        chosen.append(tuple(current))
-    return chosen
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def descend(start: dict[str, tuple], candidates: dict[str, list[tuple]], seconds_of: Callable[[dict], float],
-            passes: int = 2, min_gain: float = 0.003) -> tuple[dict[str, tuple], list[dict]]:
-    """Coordinate descent from ``start`` (shape -> config): per pass and shape, every candidate with the other shapes'
-    configs fixed; the fastest replaces the incumbent when faster than it by more than ``min_gain`` (relative; the
-    incumbent is timed again in each round, so a slow first timing is not kept by luck). Stops after a pass without
-    a change. Returns the configs and every round's timings."""
-    configs, log = dict(start), []
-    for _ in range(passes):
-        changed = False
-        for shape in candidates:
-            times = {}
-            for config in dict.fromkeys([configs[shape], *candidates[shape]]):
-                times[config] = seconds_of({**configs, shape: config})
-            best = min(times, key=times.get)
-            keep = best != configs[shape] and times[best] < times[configs[shape]] * (1 - min_gain)
-            log.append({"shape": shape, "incumbent": list(configs[shape]), "chosen": list(best if keep else
-                                                                                            configs[shape]),
-                        "us": {str(list(c)): round(t * 1e6, 1) for c, t in times.items()}})
-            if keep:
-                configs[shape], changed = best, True
-        if not changed:
-            break
-    return configs, log
-
+from llmc.engine.torch.int4_tune import descend, top_candidates  # noqa: E402
 
 def bucket_configs(table: dict, device: str, keys: dict[str, str], m_max: int) -> dict[str, tuple]:
     """Each shape's mma config of the bucket ending at ``m_max`` in the tuned table (``keys``: shape -> table key)."""
@@ -105,11 +72,11 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("tune_step_order.py times CUDA kernels: run it on a machine with an NVIDIA GPU")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tune_int4_cuda import LLAMA8B, MMA, MMA_BUCKETS, STEP, step_chain, step_inputs, time_graph
-
     from llmc.engine.torch.int4_configs import shape_key
+    from llmc.engine.torch.int4_tune import MMA, MMA_BUCKETS, step_chain, step_inputs, time_graph
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from tune_int4_cuda import LLAMA8B, STEP
 
     device = torch.cuda.get_device_name()
     report = json.loads(args.report.read_text())
@@ -120,14 +87,14 @@ def main() -> None:
     if missing:  # checked before any layer is made
         raise SystemExit("; ".join(missing) + f": run tune_int4_cuda.py --only-rows {args.rows} on this GPU first "
                          f"(its --report is this script's --report)")
-    chain = step_chain()
+    chain = step_chain(LLAMA8B)
     result = {"device": device, "rows": {}}
     for m in rows:
         m_max = next(b for b, tuned_at in MMA_BUCKETS if tuned_at == m)
         start = bucket_configs(table, device, keys, m_max)
         candidates = {name: top_candidates(report["shapes"][keys[name]][f"mma_{m}"]["tried_us"], list(start[name]),
                                            args.top) for name in STEP}
-        xs = step_inputs(m)
+        xs = step_inputs(LLAMA8B, m)
 
         def seconds_of(configs: dict[str, tuple]) -> float:
             return time_graph(lambda: [MMA.run(layer, xs[layer.in_features], configs[name]) for name, layer in chain])

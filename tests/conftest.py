@@ -17,6 +17,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _shipped_int4_configs_only(monkeypatch, tmp_path_factory):
+    """Tests run the shipped int4 config table: a table ``llmc tune`` left in this machine's cache is not read (the
+    tests of that table point it at files of their own)."""
+    from llmc.engine.torch import int4_configs
+
+    absent = tmp_path_factory.getbasetemp() / "no-local-table" / int4_configs.LOCAL_TABLE
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: absent)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_dir() -> Path:
     """A Hugging Face folder (float32 safetensors, tokenizer, chat template) of the embedded SmolLM2.

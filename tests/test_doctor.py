@@ -272,7 +272,7 @@ def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_pat
     finally:
         int4_configs._tuned_table.cache_clear()
     assert said == [f"no GPU: LLMC_INT4_CONFIGS={tmp_path / 'missing.json'}: cannot be read (No such file or "
-                    "directory). Fix: point it at a table written by scripts/tune_int4_cuda.py --configs, or unset "
+                    "directory). Fix: point it at a table written by `llmc tune BUILD --out FILE`, or unset "
                     "LLMC_INT4_CONFIGS"]
     mine = {"gpus": {"NVIDIA L40S": {"capability": "8.9", "multiprocessors": 142}},
             "devices": {"NVIDIA L40S": {"4096x4096g128": {"mma": {"buckets": [[1, 1, 2, 8, 2]]}}}}}
@@ -283,3 +283,23 @@ def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_pat
     finally:
         int4_configs._tuned_table.cache_clear()
     assert said == ["NVIDIA L40S", f"the shipped table with LLMC_INT4_CONFIGS={tmp_path / 'mine.json'} over it"]
+
+
+def test_doctor_names_the_table_llmc_tune_wrote_on_this_machine(tmp_path, monkeypatch):
+    from llmc.doctor import tuned_gpus
+    from llmc.engine.torch import int4_configs
+
+    local = tmp_path / "int4_cuda_configs.json"
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
+    mine = {"gpus": {"NVIDIA L40S": {"capability": "8.9", "multiprocessors": 142}},
+            "devices": {"NVIDIA L40S": {"4096x4096g128": {"mma": {"buckets": [[1, 1, 2, 8, 2]]}}}}}
+    local.write_text(json.dumps(mine))
+    (tmp_path / "env.json").write_text(json.dumps({"devices": {}}))
+    monkeypatch.setenv("LLMC_INT4_CONFIGS", str(tmp_path / "env.json"))
+    int4_configs._tuned_table.cache_clear()
+    try:
+        said = tuned_gpus((GpuInfo(0, "NVIDIA L40S", "8.9", 44.4, 142),))
+    finally:
+        int4_configs._tuned_table.cache_clear()
+    assert said == ["NVIDIA L40S", f"the shipped table with llmc tune's table {local} and "
+                                   f"LLMC_INT4_CONFIGS={tmp_path / 'env.json'} over it"]

@@ -53,17 +53,6 @@ def test_bench_linears_timeline_gives_each_shape_what_its_kernels_add_to_the_ste
     assert added_us([3.0]) == {}
 
 
-def test_tuning_some_row_buckets_keeps_the_others_and_the_dense_threshold():
-    merge_buckets = script("tune_int4_cuda").merge_buckets
-    old = {"buckets": [[1, 1, 1, 8, 2], [8, 1, 2, 8, 2], [16, 2, 4, 8, 4], [64, 4, 4, 4, 2]], "dense_from_m": 256}
-    merged = merge_buckets(old, [[1, 1, 1, 8, 0], [16, 2, 4, 4, 2]])
-    assert merged == {"buckets": [[1, 1, 1, 8, 0], [8, 1, 2, 8, 2], [16, 2, 4, 4, 2], [64, 4, 4, 4, 2]],
-                      "dense_from_m": 256}
-    assert old["buckets"][0] == [1, 1, 1, 8, 2]  # the table's entry itself is not changed
-    with pytest.raises(ValueError, match=r"buckets \[32\] are not in the table's entry"):
-        merge_buckets(old, [[32, 4, 4, 8, 2]])
-
-
 def test_the_step_table_sums_only_what_was_timed():
     """``--only-dense`` times no bucket: the decode-step table then holds the dense row counts alone (each the faster
     of the kernel and dequantize + cuBLAS, summed over the shapes)."""
@@ -198,38 +187,8 @@ def test_step_order_tuning_takes_the_reports_fastest_configs_and_keeps_only_real
         "the report has no timings of qkv (k1) at 16 rows", "the table has no GPU mma bucket of qkv (k1) up to 16 rows"]
 
 
-def _w4a16_ir(folder: Path, prequant: bool = True, quantized: bool = True) -> Path:
-    """An IR folder holding one W4A16 layer of Qwen2.5-7B's per-rank shapes (empty tensors: only headers are read)."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
-    from llmc.checkpoint import names
-
-    folder.mkdir(parents=True)
-    shapes = {names.QKV.trt: (4608, 3584), names.DENSE.trt: (3584, 3584), names.FC.trt: (18944, 3584),
-              names.GATE.trt: (18944, 3584), names.PROJ.trt: (3584, 18944)}
-    tensors = {}
-    for module, (n, k) in shapes.items():
-        tensors[names.trt_layer(0, module)] = (torch.zeros(n // 2, k, dtype=torch.int8) if quantized
-                                               else torch.zeros(n, k, dtype=torch.bfloat16))
-        if prequant and quantized:
-            tensors[names.trt_layer(0, module, names.PREQUANT_SCALING_FACTOR)] = torch.ones(1, k, dtype=torch.bfloat16)
-    save_file(tensors, str(folder / "rank0.safetensors"))
-    quant = {"quant_algo": "W4A16_AWQ", "group_size": 128} if quantized else {}
-    (folder / "config.json").write_text(json.dumps({"quantization": quant}))
-    return folder
-
-
-def test_tuning_the_shapes_of_a_build_reads_its_int4_layers(tmp_path):
-    ir_shapes = script("tune_int4_cuda").ir_shapes
-    build = tmp_path / "build"
-    _w4a16_ir(build / "checkpoint")
-    expected = [("qkv", 4608, 3584, 128, False, False), ("o", 3584, 3584, 128, False, True),
-                ("fc_gate", 37888, 3584, 128, True, False), ("down", 3584, 18944, 128, False, True)]
-    assert ir_shapes(build) == expected == ir_shapes(build / "checkpoint")
-    with pytest.raises(SystemExit, match="no W4A16 layer of whole 16 x 64 tiles"):
-        ir_shapes(_w4a16_ir(tmp_path / "bf16", quantized=False))
-    with pytest.raises(SystemExit, match="config.json is missing"):
-        ir_shapes(tmp_path / "nothing")
+def test_tuning_the_shapes_of_a_build_says_what_is_wrong_as_the_scripts_error(tmp_path):
+    """``--shapes-of`` reads a build's shapes with ``int4_tune.build_shapes`` (tests/engine/torch/test_int4_tune.py)
+    and stops with its message."""
+    with pytest.raises(SystemExit, match=f"--shapes-of {tmp_path / 'nothing'}: .*config.json is missing"):
+        script("tune_int4_cuda").ir_shapes(tmp_path / "nothing")

@@ -1,7 +1,7 @@
 """The W4A16 CUDA kernels' launch configs: the table tuned on GPUs (``int4_cuda_configs.json``, made by
-``scripts/tune_int4_cuda.py`` and shipped) and the heuristics for shapes or GPUs without an entry. Nothing is
-autotuned while serving.
-"""
+``scripts/tune_int4_cuda.py`` and shipped), the tables read over it (this machine's, written by ``llmc tune``, then
+``LLMC_INT4_CONFIGS``'s) and the heuristics for shapes or GPUs without an entry. Nothing is autotuned while
+serving."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmc.engine.torch import triton_support
+from llmc.engine.torch import cuda_ext, triton_support
 from llmc.engine.torch.int4_layout import MMA_COLS, TILE
 from llmc.errors import EngineError
 
@@ -64,7 +64,22 @@ def heuristic_config(m: int, n: int, k: int = 4096) -> KernelConfig:
 TABLE_VERSION = 2  # 2: mma buckets are [m_max, row tiles, column tiles, warps, stages (0: registers; < 0: wgmma)]
 
 
-CONFIGS_ENV = "LLMC_INT4_CONFIGS"  # a table of the user's (tune_int4_cuda.py --configs), read over the shipped one
+CONFIGS_ENV = "LLMC_INT4_CONFIGS"  # a table of the user's (llmc tune --out), read over the shipped and local ones
+LOCAL_TABLE = "int4_cuda_configs.json"  # llmc tune's table on this machine, beside the CUDA library it tuned
+LOCAL_LABEL = "llmc tune's table"
+
+
+def local_table_path() -> Path:
+    """Where ``llmc tune`` writes this machine's configs by default: ``$LLMC_CACHE_DIR/cuda/int4_cuda_configs.json``."""
+    return cuda_ext.cache_dir() / LOCAL_TABLE
+
+
+def table_sources() -> list[tuple[str, Path]]:
+    """The tables read over the shipped one, in order (later wins): ``(label, path)`` of the local table where it
+    exists, then ``LLMC_INT4_CONFIGS``'s where it is set."""
+    local, extra = local_table_path(), os.environ.get(CONFIGS_ENV)
+    return ([(LOCAL_LABEL, local)] if local.is_file() else []) + ([(f"{CONFIGS_ENV}={extra}", Path(extra))]
+                                                                 if extra else [])
 
 
 @functools.cache
@@ -74,12 +89,14 @@ def _tuned_table() -> dict:
     except (OSError, ValueError) as exc:
         logger.warning("int4 CUDA kernel configs unreadable (%s); using heuristics", exc)
         table = {}
-    extra = os.environ.get(CONFIGS_ENV)
-    return merge_tables(table, user_table(Path(extra))) if extra else table
+    for label, path in table_sources():
+        table = merge_tables(table, user_table(path, label), label)
+    return table
 
 
-def user_table(path: Path) -> dict:
-    """The table ``LLMC_INT4_CONFIGS`` names; EngineError naming the problem and the fix if it is unreadable."""
+def user_table(path: Path, label: str | None = None) -> dict:
+    """A table of tuned configs read over the shipped one (``label``: where it comes from, for the error; default
+    ``LLMC_INT4_CONFIGS``); EngineError naming the problem and the fix if it is unreadable."""
     try:
         table = json.loads(path.read_text())
         why = None
@@ -90,20 +107,29 @@ def user_table(path: Path) -> dict:
     except ValueError as exc:
         why = f"not valid JSON ({exc})"
     if why:
-        raise EngineError(f"{CONFIGS_ENV}={path}: {why}. Fix: point it at a table written by "
-                          f"scripts/tune_int4_cuda.py --configs, or unset {CONFIGS_ENV}")
+        if label == LOCAL_LABEL:
+            said, fix = f"{LOCAL_LABEL} {path}", "move it away and run `llmc tune BUILD` again"
+        elif label is None or label.startswith(CONFIGS_ENV):
+            said = f"{CONFIGS_ENV}={path}"
+            fix = f"point it at a table written by `llmc tune BUILD --out FILE`, or unset {CONFIGS_ENV}"
+        else:
+            said, fix = label, "give another file, or move this one away"
+        raise EngineError(f"{said}: {why}. Fix: {fix}")
     return upgrade_table(table)
 
 
-def merge_tables(shipped: dict, user: dict) -> dict:
+def merge_tables(shipped: dict, user: dict, label: str | None = None) -> dict:
     """``shipped`` with ``user``'s GPUs and shapes over it: a shape's kernel families (the Triton ``buckets`` and
-    ``dense_from_m``, the CUDA library's ``mma``) from the user's table where it has them."""
+    ``dense_from_m``, the CUDA library's ``mma``) from the user's table where it has them; ``label`` (where the
+    user's table comes from) marks its CUDA-library entries (``"mma_table"``), for ``llmc bench``'s report."""
     merged = {"version": TABLE_VERSION, "gpus": {**shipped.get("gpus", {}), **user.get("gpus", {})},
               "devices": {name: dict(shapes) for name, shapes in shipped.get("devices", {}).items()}}
     for name, shapes in user.get("devices", {}).items():
         mine = merged["devices"].setdefault(name, {})
         for key, entry in shapes.items():
             mine[key] = {**mine.get(key, {}), **entry}
+            if label and "mma" in entry:
+                mine[key]["mma_table"] = label
     return merged
 
 
@@ -157,12 +183,16 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
     merged: dict = {}
     for name in reversed(chosen):
         entry = devices[name].get(key, {})
+        if "mma" in entry:  # the CUDA library's configs, from this GPU (and table) only
+            merged.pop("mma_table", None)
         merged.update(entry, **({"mma_gpu": name} if "mma" in entry else {}))
     if "mma" not in merged:
         for name in chosen:
             near = nearest_shape(n, k, group_size, [s for s, e in devices[name].items() if "mma" in e])
             if near:
-                merged.update(mma=devices[name][near]["mma"], mma_gpu=name, mma_from=near)
+                table = devices[name][near].get("mma_table")
+                merged.update(mma=devices[name][near]["mma"], mma_gpu=name, mma_from=near,
+                              **({"mma_table": table} if table else {}))
                 break
     return merged or None
 

@@ -144,9 +144,11 @@ class Int4CudaLinear(nn.Module):
                             *((f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count) if gpu else ())) or {}
         if backend == "mma":
             mma = entry.get("mma", {})
-            # whose configs these are (llmc bench's report): a GPU's, of this shape or (mma_from) the nearest one
-            self.configs_from = (entry.get("mma_gpu", "tuned") + (f", shape {entry['mma_from']}" if "mma_from" in entry
-                                                                  else "") if mma else "heuristics")
+            # whose configs these are (llmc bench's report): a GPU's, of this shape or (mma_from) the nearest one,
+            # from the shipped table or (mma_table) one read over it
+            shape = f", shape {entry['mma_from']}" if "mma_from" in entry else ""
+            table = f" ({entry['mma_table']})" if "mma_table" in entry else ""
+            self.configs_from = entry.get("mma_gpu", "tuned") + shape + table if mma else "heuristics"
             self.dense_from_m = int(mma.get("dense_from_m", MMA_DENSE_FROM_M_DEFAULT))
             self._mma_buckets = [(b[0], tuple(b[1:5])) for b in mma.get("buckets", [])]
             self._mma_chosen: dict[int, tuple[int, int, int, int]] = {}

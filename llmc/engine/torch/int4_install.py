@@ -40,7 +40,7 @@ def cuda_weight_bytes(tensors: dict[str, tuple[str, tuple[int, ...], int]], tied
 def int4_layer_shapes(tensors: dict[str, tuple[str, tuple[int, ...], int]], group_size: int
                       ) -> list[tuple[str, int, int, int, bool, bool]]:
     """The CUDA library's int4 layers of an IR's first layer, from tensors ``{name: (dtype, shape, bytes)}`` (one
-    rank's safetensors headers), as ``scripts/tune_int4_cuda.py`` tunes them: ``(name, columns, inputs, group,
+    rank's safetensors headers), as ``llmc tune`` tunes them: ``(name, columns, inputs, group,
     silu_output, input scale in the kernel)`` for qkv, o, fc + gate (one layer) and down, in that order. Layers
     without whole 16-column x 64-input tiles (the Triton kernels') are left out; the input scales of qkv and
     fc + gate are folded into the norms, as the loader does."""

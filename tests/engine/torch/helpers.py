@@ -214,3 +214,22 @@ def random_decode_batch(device, dtype, block_size=16, num_blocks=64, nkv=4, grou
     meta = build_attention_metadata(seqs, block_size, device)
     q = torch.randn(len(seqs), nkv * group, hd, device=device).to(dtype)
     return q, k_cache, v_cache, meta
+
+
+def w4a16_ir(folder: Path, prequant: bool = True, quantized: bool = True) -> Path:
+    """An IR folder holding one W4A16 layer of Qwen2.5-7B's per-rank shapes (empty tensors: only headers are read)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    shapes = {names.QKV.trt: (4608, 3584), names.DENSE.trt: (3584, 3584), names.FC.trt: (18944, 3584),
+              names.GATE.trt: (18944, 3584), names.PROJ.trt: (3584, 18944)}
+    tensors = {}
+    for module, (n, k) in shapes.items():
+        tensors[names.trt_layer(0, module)] = (torch.zeros(n // 2, k, dtype=torch.int8) if quantized
+                                               else torch.zeros(n, k, dtype=torch.bfloat16))
+        if prequant and quantized:
+            tensors[names.trt_layer(0, module, names.PREQUANT_SCALING_FACTOR)] = torch.ones(1, k, dtype=torch.bfloat16)
+    save_file(tensors, str(folder / "rank0.safetensors"))
+    quant = {"quant_algo": "W4A16_AWQ", "group_size": 128} if quantized else {}
+    (folder / "config.json").write_text(json.dumps({"quantization": quant}))
+    return folder

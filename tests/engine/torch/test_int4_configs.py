@@ -103,14 +103,15 @@ def test_a_layer_on_this_gpu_takes_the_configs_config_devices_names():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k,prequant", [(4608, 3584, False), (3584, 18944, True)])  # Qwen2.5-7B's qkv, down
+@pytest.mark.parametrize("n,k,prequant", [(6144, 5120, False), (5120, 14336, True)])  # Mistral-Nemo's qkv, down
 def test_a_shape_nobody_tuned_runs_borrowed_configs_correctly_at_every_row_count(n, k, prequant):
     from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
     from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
 
     gpu = torch.cuda.get_device_properties(0)
     entry = tuned_entry(gpu.name, n, k, 128, f"{gpu.major}.{gpu.minor}", gpu.multi_processor_count)
-    assert entry is None or entry["mma_from"] in {"6144x4096g128", "4096x4096g128", "4096x14336g128"}
+    tuned = {"6144x4096g128", "4096x4096g128", "4096x14336g128", "4608x3584g128", "3584x3584g128", "3584x18944g128"}
+    assert entry is None or entry["mma_from"] in tuned
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device="cuda")
     scales = (torch.rand(n, k // 128, generator=gen, device="cuda") * 0.01 + 0.002).bfloat16()
@@ -134,9 +135,11 @@ def test_a_users_table_named_by_the_environment_goes_over_the_shipped_one(table,
     (tmp_path / "mine.json").write_text(json.dumps(mine))
     monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / "mine.json"))
     int4_configs._tuned_table.cache_clear()
-    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A"}  # A's Triton entry stays
-    assert tuned_entry("A", 4608, 3584, 128) == {**MMA_B, "mma_gpu": "A"}  # tuned by the user: not borrowed
-    assert tuned_entry("NVIDIA L40S", 4096, 4096, 128, "8.9", 142) == {**MMA_B, "mma_gpu": "NVIDIA L40S"}
+    env = {"mma_table": f"LLMC_INT4_CONFIGS={tmp_path / 'mine.json'}"}
+    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A", **env}  # A's Triton entry stays
+    assert tuned_entry("A", 4608, 3584, 128) == {**MMA_B, "mma_gpu": "A", **env}  # tuned by the user: not borrowed
+    assert tuned_entry("NVIDIA L40S", 4096, 4096, 128, "8.9", 142) == {**MMA_B, "mma_gpu": "NVIDIA L40S", **env}
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}  # B's own, shipped
     assert config_devices("B", "9.0", 114) == ["B", "A"]  # the shipped GPUs stay
     assert json.loads(int4_configs.CONFIG_FILE.read_text()) == table  # nothing written
     for bad, why in (("missing.json", "cannot be read \\(No such file"), ("bad.json", "not valid JSON"),
@@ -145,7 +148,8 @@ def test_a_users_table_named_by_the_environment_goes_over_the_shipped_one(table,
         (tmp_path / "list.json").write_text("[]")
         monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / bad))
         int4_configs._tuned_table.cache_clear()
-        with pytest.raises(EngineError, match=f"LLMC_INT4_CONFIGS=.*{bad}: .*{why}.*Fix: point it at a table"):
+        with pytest.raises(EngineError, match=f"LLMC_INT4_CONFIGS=.*{bad}: .*{why}.*Fix: point it at a table "
+                                              "written by `llmc tune BUILD --out FILE`"):
             tuned_entry("A", 4096, 4096, 128)
 
 
@@ -168,3 +172,32 @@ def test_the_int4_layer_shapes_of_an_ir_as_the_loader_builds_them():
                                                ("down", 4096, 14336, 128, False, True)]
     tensors["transformer.layers.0.attention.dense.weight"] = ("I8", (500, 576), 0)  # 1000 columns: Triton's layout
     assert [s[0] for s in int4_layer_shapes(tensors, 128)] == ["qkv", "fc_gate", "down"]
+
+
+def test_llmc_tunes_table_on_this_machine_goes_over_the_shipped_one_and_the_environments_over_both(
+        table, tmp_path, monkeypatch):
+    from llmc.errors import EngineError
+
+    local = tmp_path / "cache" / "int4_cuda_configs.json"
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
+    local.parent.mkdir()
+    local.write_text(json.dumps({"version": 2, "devices": {"A": {SHAPE: MMA_B, "4608x3584g128": MMA_B}}}))
+    int4_configs._tuned_table.cache_clear()
+    here = {"mma_table": "llmc tune's table"}
+    assert [label for label, _ in int4_configs.table_sources()] == ["llmc tune's table"]
+    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A", **here}
+    # a shape tuned here lends its configs, marked as this machine's, to the shapes near it
+    assert tuned_entry("A", 4608, 4096, 128, "9.0", 132) == {**MMA_B, "mma_gpu": "A", **here, "mma_from": SHAPE}
+    # B's own CUDA-library configs, from the shipped table (not marked), A's shipped Triton ones under them
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}
+    (tmp_path / "env.json").write_text(json.dumps({"version": 2, "devices": {"A": {SHAPE: MMA_A}}}))
+    monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / "env.json"))
+    int4_configs._tuned_table.cache_clear()
+    assert tuned_entry("A", 4096, 4096, 128)["mma_table"] == f"LLMC_INT4_CONFIGS={tmp_path / 'env.json'}"
+    assert tuned_entry("A", 4608, 3584, 128) == {**MMA_B, "mma_gpu": "A", **here}  # the local table's other shape
+    local.write_text("{")
+    int4_configs._tuned_table.cache_clear()
+    with pytest.raises(EngineError, match=f"llmc tune's table {local}: not valid JSON.*Fix: move it away and run "
+                                          "`llmc tune BUILD` again"):
+        tuned_entry("A", 4096, 4096, 128)
+    assert local.read_text() == "{"  # left as it was

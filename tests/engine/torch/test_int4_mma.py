@@ -158,13 +158,14 @@ def test_each_int4_layer_says_whose_configs_it_runs(monkeypatch):
 
     tuned = {"mma": {"buckets": [[1, 1, 2, 16, 2]], "dense_from_m": 160}, "mma_gpu": "NVIDIA H200"}
     borrowed = {**tuned, "mma_from": "4096x14336g128"}
+    here = {**tuned, "mma_table": "llmc tune's table"}
     sources = {}
-    for entry, n in ((tuned, 4096), (borrowed, 3584), (None, 2048)):
+    for entry, n in ((tuned, 4096), (borrowed, 3584), (None, 2048), (here, 1024)):
         monkeypatch.setattr("llmc.engine.torch.int4_cuda.tuned_entry", lambda *args, entry=entry: entry)
         sources[n] = zero_mma_layer(n, 14336)
     assert config_sources(torch.nn.ModuleList(sources.values())) == {
         "4096x14336g128": "NVIDIA H200", "3584x14336g128": "NVIDIA H200, shape 4096x14336g128",
-        "2048x14336g128": "heuristics"}
+        "2048x14336g128": "heuristics", "1024x14336g128": "NVIDIA H200 (llmc tune's table)"}
     assert config_sources(torch.nn.Linear(4, 4)) == {}
 
 

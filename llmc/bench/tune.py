@@ -1,0 +1,84 @@
+"""``llmc tune``: tune llmc's int4 CUDA kernels for a W4A16 build's layer shapes on the GPU this runs on.
+
+The shipped config table covers the GPUs and shapes llmc was tuned on; any other GPU borrows the configs of a tuned
+GPU of its compute capability, any other shape those of the nearest tuned shape, else the heuristics
+(``llmc bench`` names which in its report). This command times every config of the CUDA library for the build's
+own shapes here (:mod:`llmc.engine.torch.int4_tune`: a few minutes for a 7B-8B model) and writes them into this
+machine's table (``$LLMC_CACHE_DIR/cuda/int4_cuda_configs.json``, read over the shipped one by every llmc engine
+here) or ``--out`` (serve with ``LLMC_INT4_CONFIGS=<it>`` on machines with the same GPU). Nothing is tuned while
+serving.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from llmc.errors import LlmcError
+
+
+def bucket_lines(report: dict) -> list[str]:
+    """Per tuned row count: the 32-layer sum over the shapes of what ran before (the configs the build's layers
+    were given then) and of the tuned configs; shapes whose earlier config failed are left out of both sums."""
+    per_m: dict[int, list[float]] = {}
+    for shape in report.values():
+        for key, cell in shape.items():
+            if key.startswith("mma_") and key[4:].isdigit() and isinstance(cell["before"]["us_32_layers"], float):
+                sums = per_m.setdefault(int(key[4:]), [0.0, 0.0, 0.0])
+                sums[0] += cell["before"]["us_32_layers"]
+                sums[1] += cell["us_32_layers"]
+                sums[2] += cell["cublas_bf16_us_32_layers"]
+    return [f"  M={m:4d}: before {b / 1e3:7.3f} ms  tuned {t / 1e3:7.3f} ms ({b / t:.2f}x faster)  "
+            f"bf16 cuBLAS {c / 1e3:7.3f} ms" for m, (b, t, c) in sorted(per_m.items())]
+
+
+def check_gpu() -> None:
+    """LlmcError naming the fix unless llmc's CUDA int4 kernels can run (and are built) here."""
+    from llmc.engine.torch import cuda_ext
+
+    why = cuda_ext.static_why_not()
+    if why is None and cuda_ext.load() is None:
+        why = cuda_ext.status()
+    if why is not None:
+        raise LlmcError(f"llmc tune times llmc's int4 CUDA kernels on this machine's GPU, and they cannot run here: "
+                        f"{why}. Fix: run it on the GPU the engine will serve on (an NVIDIA GPU of sm_80 or newer, "
+                        "with the CUDA toolkit's nvcc)")
+
+
+@click.command()
+@click.argument("build", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Table to merge the configs into (default: this machine's, which every llmc engine here reads).")
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write every timing (each config tried, per shape and row count) here as JSON.")
+def tune_cmd(build: Path, out: Path | None, report: Path | None) -> None:
+    """Tune the int4 CUDA kernels' configs for BUILD's layer shapes (an AWQ build or its W4A16 IR) on this GPU."""
+    from llmc.engine.torch import int4_configs
+    from llmc.engine.torch.int4_tune import build_shapes, save_table, tune_build
+
+    shapes = build_shapes(build)
+    check_gpu()
+    target = out or int4_configs.local_table_path()
+    if target.exists():  # an unreadable table stops here, before minutes of timing
+        int4_configs.user_table(target, int4_configs.LOCAL_LABEL if out is None else f"--out {target}")
+    click.echo(f"tuning {len(shapes)} int4 layer shapes of {build}: " + ", ".join(
+        f"{s[0]} {s[1]} x {s[2]}" for s in shapes))
+    table, timings = tune_build(shapes, log=click.echo)
+    save_table(target, table)
+    int4_configs._tuned_table.cache_clear()  # noqa: SLF001 - this process's engines read the new table
+    click.echo("\neach shape alone, summed over 32 layers:")
+    for line in bucket_lines(timings["shapes"]):
+        click.echo(line)
+    click.echo("a decode step's linears in step order, 32 layers (what the engine runs):")
+    for m, cell in sorted(timings.get("step_order", {}).items()):
+        click.echo(f"  M={m:4d}: before {cell['before_ms']:7.3f} ms  tuned {cell['chosen_ms']:7.3f} ms "
+                   f"({cell['before_ms'] / cell['chosen_ms']:.2f}x faster)")
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(json.dumps(timings, indent=1) + "\n")
+    gpu = timings["device"]
+    click.echo(f"\nwrote {gpu}'s configs to {target}: " + (
+        "llmc engines on this machine run them from now on (llmc doctor says so)" if out is None else
+        f"serve with {int4_configs.CONFIGS_ENV}={target} on a machine with this GPU to run them"))

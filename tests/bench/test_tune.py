@@ -1,0 +1,80 @@
+"""``llmc tune``: what it refuses (with the fix) before any timing, where it writes, what it prints. The timing itself
+runs on a GPU in tests/engine/torch/test_int4_tune.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from llmc.bench import tune
+from llmc.cli import cli
+from llmc.engine.torch import int4_configs
+from tests.engine.torch.helpers import w4a16_ir
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, ["tune", *args])
+
+
+def test_a_build_without_int4_layers_is_refused_naming_the_fix(tmp_path):
+    result = invoke(str(w4a16_ir(tmp_path / "bf16", quantized=False)))
+    assert result.exit_code != 0 and "no W4A16 layer of whole 16 x 64 tiles to tune" in str(result.exception)
+
+
+def test_without_a_gpu_for_the_kernels_it_says_why_and_where_to_run_it(tmp_path, monkeypatch):
+    from llmc.engine.torch import cuda_ext
+
+    monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: "no CUDA GPU is visible")
+    result = invoke(str(w4a16_ir(tmp_path / "ir")))
+    assert "cannot run here: no CUDA GPU is visible. Fix: run it on the GPU the engine will serve on" in str(
+        result.exception)
+    assert not int4_configs.local_table_path().exists()
+
+
+def test_an_unreadable_table_to_merge_into_stops_it_before_any_timing(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "check_gpu", lambda: None)
+    monkeypatch.setattr("llmc.engine.torch.int4_tune.tune_build", lambda *a, **k: pytest.fail("timed anyway"))
+    (tmp_path / "t.json").write_text("{")
+    result = invoke(str(w4a16_ir(tmp_path / "ir")), "--out", str(tmp_path / "t.json"))
+    assert f"--out {tmp_path / 't.json'}: not valid JSON" in str(result.exception)
+    assert (tmp_path / "t.json").read_text() == "{"
+
+
+def fake_timings(gpu: str) -> tuple[dict, dict]:
+    """What ``tune_build`` returns for two shapes: the 1-row bucket 2x faster than before, the 8-row one unchanged;
+    one shape's earlier 8-row config failed (left out of that row's sums)."""
+    cell = {"best": [1, 1, 2, 8, 2], "us_32_layers": 500.0, "cublas_bf16_us_32_layers": 1500.0, "tried_us": {},
+            "before": {"config": [1, 1, 4, 8, 2], "us_32_layers": 1000.0}}
+    failed = {**cell, "before": {"config": [2, 1, 4, 8, 2], "us_32_layers": "failed: RuntimeError: ..."}}
+    shapes = {"4608x3584g128": {"name": "qkv", "mma_1": cell, "mma_8": {**cell, "before": {
+                  "config": [1, 1, 2, 8, 2], "us_32_layers": 500.0}}, "mma_dense_32": {}},
+              "3584x3584g128": {"name": "o", "mma_1": cell, "mma_8": failed}}
+    table = {"version": 2, "gpus": {gpu: {"capability": "9.0", "multiprocessors": 132}},
+             "devices": {gpu: {"4608x3584g128": {"mma": {"buckets": [[1, 1, 2, 8, 2]], "dense_from_m": 96}}}}}
+    step_order = {1: {"before_ms": 1.6, "per_shape_ms": 1.7, "chosen_ms": 1.5, "chosen": {}}}
+    return table, {"device": gpu, "shapes": shapes, "step_order": step_order}
+
+
+def test_it_writes_this_machines_table_and_says_what_the_tuning_gained(tmp_path, monkeypatch):
+    local = tmp_path / "cache" / "cuda" / "int4_cuda_configs.json"
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
+    monkeypatch.setattr(tune, "check_gpu", lambda: None)
+    seen = []
+    monkeypatch.setattr("llmc.engine.torch.int4_tune.tune_build",
+                        lambda shapes, log: seen.append(shapes) or fake_timings("GPU X"))
+    result = invoke(str(w4a16_ir(tmp_path / "ir")), "--report", str(tmp_path / "r" / "report.json"))
+    assert result.exit_code == 0, result.output
+    assert [s[0] for s in seen[0]] == ["qkv", "o", "fc_gate", "down"]
+    assert json.loads(local.read_text())["devices"]["GPU X"]["4608x3584g128"]["mma"]["dense_from_m"] == 96
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["device"] == "GPU X"
+    assert "M=   1: before   2.000 ms  tuned   1.000 ms (2.00x faster)  bf16 cuBLAS   3.000 ms" in result.output
+    assert "M=   8: before   0.500 ms  tuned   0.500 ms (1.00x faster)" in result.output  # the failed one left out
+    assert "in step order, 32 layers (what the engine runs):\n  M=   1: before   1.600 ms  tuned   1.500 ms (1.07x" in (
+        result.output)
+    assert f"wrote GPU X's configs to {local}: llmc engines on this machine run them from now on" in result.output
+    out = tmp_path / "elsewhere.json"
+    result = invoke(str(tmp_path / "ir"), "--out", str(out))
+    assert result.exit_code == 0 and f"serve with LLMC_INT4_CONFIGS={out} on a machine with this GPU" in result.output
+    assert json.loads(out.read_text())["gpus"] == {"GPU X": {"capability": "9.0", "multiprocessors": 132}}
