@@ -345,8 +345,11 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     configs = report.get("int4_kernel_configs")
     if configs:  # whose tuned configs the int4 CUDA layers run: a borrowed table or the heuristics explain a figure
         shapes = Counter(configs.values())
+        gpu = (report.get("host") or {}).get("cuda_device")
+        own = {gpu, f"{gpu} (llmc tune's table)"}  # this GPU's tuned configs of the shape itself
+        hint = "" if set(shapes) <= own else f"; `llmc tune {report.get('engine_dir') or 'BUILD'}` tunes them here"
         console.print("int4 kernel configs: " + "; ".join(f"{source} ({shapes[source]} shapes)"
-                                                          for source in sorted(shapes)), highlight=False)
+                                                          for source in sorted(shapes)) + hint, highlight=False)
     why_random = (report.get("workload") or {}).get("why")
     if why_random:
         console.print(f"synthetic prompts of random token ids: {why_random}", highlight=False)

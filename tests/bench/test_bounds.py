@@ -127,4 +127,19 @@ def test_the_report_says_whose_int4_kernel_configs_the_layers_ran(monkeypatch):
     console = Console(width=300, record=True)
     print_report(report, console)
     assert ("int4 kernel configs: NVIDIA H100 80GB HBM3 (2 shapes); NVIDIA H100 80GB HBM3, shape 6144x4096g128 "
-            "(1 shapes); heuristics (1 shapes)") in console.export_text()
+            "(1 shapes); heuristics (1 shapes); `llmc tune x` tunes them here") in console.export_text()
+    # every shape on this GPU's own configs (shipped or tuned here): nothing to suggest
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H100 80GB HBM3"})
+    own = {"6144x4096g128": "NVIDIA H100 80GB HBM3", "4608x3584g128": "NVIDIA H100 80GB HBM3 (llmc tune's table)"}
+    report = build_report({**RUN, "engine_dir": "/b/qwen", "int4_kernel_configs": own}, [_level(0.0537, 4 * 0.33)],
+                          PLAN, {})
+    console = Console(width=300, record=True)
+    print_report(report, console)
+    text = console.export_text()
+    assert "int4 kernel configs: NVIDIA H100 80GB HBM3 (1 shapes); NVIDIA H100 80GB HBM3 (llmc tune's table) " \
+           "(1 shapes)\n" in text and "llmc tune" not in text.replace("(llmc tune's table)", "")
+    report = build_report({**RUN, "engine_dir": "/b/qwen", "int4_kernel_configs": {**own, "1x1g64": "heuristics"}},
+                          [_level(0.0537, 4 * 0.33)], PLAN, {})
+    console = Console(width=300, record=True)
+    print_report(report, console)
+    assert "heuristics (1 shapes); `llmc tune /b/qwen` tunes them here" in console.export_text()
