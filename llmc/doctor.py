@@ -254,12 +254,14 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     """Which backends are usable, from what was found (pure: tests pass the findings in).
     ``cuda_int4_why_not``: why llmc's CUDA int4 kernels cannot be built here (None: they can)."""
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
+    # llmc tune times the CUDA library's kernels: said where they can run
+    tune = "; `llmc tune BUILD` tunes a build's own shapes on this GPU" if cuda_int4_why_not is None else ""
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
                          f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}{prompt_step_paths()}; AWQ int4 (W4A16), "
                          f"weights kept packed: "
                          f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
-                         f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'})"
+                         f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'}{tune})"
                          f"{embedding_place()}"
                          if triton_version else "; CUDA decode steps: eager reference attention, and AWQ int4 "
                          "(W4A16) layers dequantized to 16-bit at load (no triton; Fix: pip install triton for "

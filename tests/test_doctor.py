@@ -93,7 +93,8 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
                                  "qkv layers rotate q, k and write the KV cache in their epilogue "
                                  "(LLMC_ROPE_EPILOGUE=0 turns it off); o and down add to the residual stream in "
                                  "their epilogue and the next int4 layer finishes the norm, up to 8 rows "
-                                 "(LLMC_NORM_EPILOGUE=0 turns it off) (tuned for NVIDIA H200)" + host)
+                                 "(LLMC_NORM_EPILOGUE=0 turns it off) (tuned for NVIDIA H200; `llmc tune BUILD` "
+                                 "tunes a build's own shapes on this GPU)" + host)
     without, _ = backend_statuses((H100,), None, "missing")
     assert "eager reference attention, and AWQ int4 (W4A16) layers dequantized to 16-bit at load" in without.detail
     assert "Fix: pip install triton" in without.detail
@@ -258,7 +259,7 @@ def test_doctor_names_whose_int4_configs_an_untuned_gpu_borrows():
                                         "NVIDIA H100 80GB HBM3, used on NVIDIA H100 PCIe: same compute capability 9.0"]
     assert tuned_gpus((GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2, 108),)) == []
     untuned, _ = backend_statuses((B200,), None, "missing", triton_version="3.6.0")
-    assert "(tuned for no GPU here: heuristic configs)" in untuned.detail
+    assert "(tuned for no GPU here: heuristic configs)" in untuned.detail  # the CUDA library cannot run: no tune
 
 
 def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_path, monkeypatch):
