@@ -285,7 +285,7 @@ def descend(start: dict[str, tuple], candidates: dict[str, list[tuple]], seconds
     return configs, rounds
 
 
-def step_order(shapes: list[Spec], entries: dict, report: dict, rows=STEP_ROWS, top: int = 4,
+def step_order(shapes: list[Spec], entries: dict, report: dict, rows: tuple[int, ...] = STEP_ROWS, top: int = 4,
                log: Callable[[str], None] = print) -> dict:
     """Choose the decode buckets of ``entries`` (shape key -> ``{"mma": entry}``, as :func:`tune_family` made them
     from ``report``'s timings) again by a whole step's linears in step order: in a step each kernel follows one of
@@ -334,7 +334,7 @@ def gpu_record() -> tuple[str, dict]:
 
 
 def tune_build(shapes: list[Spec], log: Callable[[str], None] = print, family: Family = MMA,
-               step_rows=STEP_ROWS) -> tuple[dict, dict]:
+               step_rows: tuple[int, ...] = STEP_ROWS) -> tuple[dict, dict]:
     """``(table, report)``: this GPU's tuned CUDA-library entries for ``shapes`` (a table of one GPU, as
     :func:`save_table` merges it) and every timing (``family``: MMA's row buckets and configs, or fewer), the
     decode buckets of ``step_rows`` chosen again in step order (:func:`step_order`)."""
