@@ -68,4 +68,3 @@ def tensor_headers(checkpoint_dir: str | Path) -> dict[str, tuple[str, tuple[int
                 start, end = info["data_offsets"]
                 tensors[name] = (info["dtype"], tuple(info["shape"]), int(end) - int(start))
     return tensors
-

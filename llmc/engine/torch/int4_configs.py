@@ -94,9 +94,9 @@ def _tuned_table() -> dict:
     return table
 
 
-def user_table(path: Path, label: str | None = None) -> dict:
-    """A table of tuned configs read over the shipped one (``label``: where it comes from, for the error; default
-    ``LLMC_INT4_CONFIGS``); EngineError naming the problem and the fix if it is unreadable."""
+def user_table(path: Path, label: str) -> dict:
+    """A table of tuned configs read over the shipped one (``label``: where it comes from, for the error);
+    EngineError naming the problem and the fix if it is unreadable."""
     try:
         table = json.loads(path.read_text())
         why = None
@@ -109,7 +109,7 @@ def user_table(path: Path, label: str | None = None) -> dict:
     if why:
         if label == LOCAL_LABEL:
             said, fix = f"{LOCAL_LABEL} {path}", "move it away and run `llmc tune BUILD` again"
-        elif label is None or label.startswith(CONFIGS_ENV):
+        elif label.startswith(CONFIGS_ENV):
             said = f"{CONFIGS_ENV}={path}"
             fix = f"point it at a table written by `llmc tune BUILD --out FILE`, or unset {CONFIGS_ENV}"
         else:
@@ -142,11 +142,6 @@ def upgrade_table(table: dict) -> dict:
                 entry.pop("mma", None)
         table["version"] = TABLE_VERSION
     return table
-
-
-def tuned_device_names() -> list[str]:
-    """The GPU names the shipped config table has tuned entries for."""
-    return list(_tuned_table().get("devices", {}))
 
 
 def config_devices(name: str, capability: str | None = None, multiprocessors: int = 0) -> list[str]:

@@ -151,4 +151,3 @@ def config_sources(model: nn.Module) -> dict[str, str]:
     heuristics; what ``llmc bench`` reports beside its figures."""
     return {shape_key(m.columns, m.in_features, m.group_size): m.configs_from
             for m in model.modules() if isinstance(m, Int4CudaLinear)}
-

@@ -356,7 +356,7 @@ def save_table(path: Path, tuned: dict) -> dict:
     """Merge ``tuned`` over the table at ``path`` (other GPUs and shapes stay) and write it whole: a temp file in
     the same folder, then a rename, so a reader never sees half a table. The merged table."""
     old = user_table(path, f"{path} (the table to merge into)") if path.exists() else {}
-    merged = merge_tables(old, tuned) if old else tuned
+    merged = merge_tables(old, tuned)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
