@@ -254,8 +254,9 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
     """Which backends are usable, from what was found (pure: tests pass the findings in).
     ``cuda_int4_why_not``: why llmc's CUDA int4 kernels cannot be built here (None: they can)."""
     torch_detail = "CPU" + (f" and CUDA ({', '.join(g.name for g in gpus)})" if gpus else "; no CUDA GPU found")
-    # llmc tune times the CUDA library's kernels: said where they can run
-    tune = "; `llmc tune BUILD` tunes a build's own shapes on this GPU" if cuda_int4_why_not is None else ""
+    # llmc tune times the kernels int4 engines run here: the CUDA library's where it can be built, else Triton's
+    tune = "; `llmc tune BUILD` tunes a build's own shapes on this GPU" + (
+        "" if cuda_int4_why_not is None else " (the Triton kernels, which int4 engines run here)")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
                          f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}{prompt_step_paths()}; AWQ int4 (W4A16), "

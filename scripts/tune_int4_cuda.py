@@ -42,13 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmc.engine.torch.int4_configs import (TABLE_VERSION, KernelConfig, is_wgmma, mma_configs,  # noqa: E402
+from llmc.engine.torch.int4_configs import (TABLE_VERSION, is_wgmma, mma_configs,  # noqa: E402
                                             shape_key, upgrade_table)
 from llmc.engine.torch import cuda_ext  # noqa: E402
 from llmc.engine.torch.int4_tune import (MMA, MMA_BUCKETS, Family, build_shapes, mma_layers,  # noqa: E402
                                          tune_family)
 from llmc.errors import LlmcError  # noqa: E402
-from scripts.tune_int4_triton import BUCKETS, DENSE_MS, candidates, precompile, triton_layers  # noqa: E402
+from llmc.engine.torch.int4_tune_triton import TRITON, precompile, triton_layers  # noqa: E402
 
 # (name, N columns, K, group, silu_output, prequant in kernel): how the loader builds each layer (qkv and fc + gate
 # have their prequant folded into the norms; o and down apply it in the input load; fc + gate, with interleaved
@@ -58,13 +58,6 @@ LLAMA8B = [("qkv", 6144, 4096, 128, False, False), ("o", 4096, 4096, 128, False,
 SMOLLM2 = [("qkv", 960, 576, 64, False, False), ("o", 576, 576, 64, False, True),
            ("fc_gate", 3072, 576, 64, True, False), ("down", 576, 1536, 64, False, True)]
 SM90 = cuda_ext.warpgroup_kernels()  # the warpgroup kernel's GPUs
-
-TRITON = Family("int4", "", BUCKETS, DENSE_MS, DENSE_MS, candidates,
-                lambda layer, x, cfg: layer.matmul(x, cfg), lambda cfg: cfg.to_list(),
-                lambda values: KernelConfig(*values),
-                lambda ref: torch.nn.functional.silu(ref[:, 0::2]) * ref[:, 1::2],  # fc, gate interleaved
-                lambda layer, m: layer.config_for(m))
-
 
 STEP = ("qkv", "o", "fc_gate", "down")  # a layer's linears in the order a decode step runs them
 
@@ -171,11 +164,11 @@ def main() -> None:
     else:
         family, title = TRITON, "decode-step linears, 32 layers (SmolLM2 has 30: x30/32 for its own step)"
         quick = {shape_key(n, k, g) for _, n, k, g, _, _ in SMOLLM2}  # checked on a few configs, not tuned hard
-        report["compile_failures"] = precompile(shapes, args.workers, quick)
+        report["compile_failures"] = precompile(shapes, args.workers, quick=frozenset(quick))
         for spec in shapes:
             key = shape_key(spec[1], spec[2], spec[3])
             tuned.setdefault(key, {}).update(  # keeps the shape's "mma" entry
-                tune_family(spec, TRITON, *triton_layers(spec, key in quick), report["shapes"], key in quick))
+                tune_family(spec, TRITON, *triton_layers(spec, quick=key in quick), report["shapes"], key in quick))
             torch.cuda.empty_cache()
     args.configs.write_text(json.dumps(table, indent=1) + "\n")
     for label, model_shapes in (("llama3.1-8b", LLAMA8B), ("smollm2", SMOLLM2)):

@@ -80,7 +80,9 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
             "a mixed-step budget's steps: CUDA graphs in pieces (LLMC_PIECE_GRAPHS=0 eager)") in with_triton.detail
     # The shipped int4 configs were tuned on this H100 too.
     assert with_triton.detail.endswith("AWQ int4 (W4A16), weights kept packed: llmc's Triton W4A16 kernels (not "
-                                       "checked) (tuned for NVIDIA H100 80GB HBM3)" + host)
+                                       "checked) (tuned for NVIDIA H100 80GB HBM3; `llmc tune BUILD` tunes a build's "
+                                       "own shapes on this GPU (the Triton kernels, which int4 engines run here))"
+                                       + host)
     no_nvcc, _ = backend_statuses((H100,), None, "missing", "3.6.0", "nvcc was not found (CUDA_HOME, PATH)")
     assert "llmc's Triton W4A16 kernels (nvcc was not found (CUDA_HOME, PATH))" in no_nvcc.detail
     h200 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA H200"})
@@ -259,7 +261,9 @@ def test_doctor_names_whose_int4_configs_an_untuned_gpu_borrows():
                                         "NVIDIA H100 80GB HBM3, used on NVIDIA H100 PCIe: same compute capability 9.0"]
     assert tuned_gpus((GpuInfo(0, "NVIDIA A100-SXM4-80GB", "8.0", 79.2, 108),)) == []
     untuned, _ = backend_statuses((B200,), None, "missing", triton_version="3.6.0")
-    assert "(tuned for no GPU here: heuristic configs)" in untuned.detail  # the CUDA library cannot run: no tune
+    # the CUDA library cannot run there: llmc tune tunes the Triton kernels int4 engines run instead
+    assert ("(tuned for no GPU here: heuristic configs; `llmc tune BUILD` tunes a build's own shapes on this GPU (the "
+            "Triton kernels, which int4 engines run here))") in untuned.detail
 
 
 def test_doctor_says_an_unreadable_users_config_table_instead_of_failing(tmp_path, monkeypatch):

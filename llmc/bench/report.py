@@ -316,6 +316,13 @@ def bound_line(level: dict[str, Any]) -> str:
     return line
 
 
+def own_configs(source: str, gpu: str | None) -> bool:
+    """Whether a layer's config source (``Int4CudaLinear.configs_from``) is this GPU's own tuning of the shape itself:
+    shipped, or from a table read over it (llmc tune's, LLMC_INT4_CONFIGS'), of the CUDA library or Triton."""
+    source = source.removeprefix("Triton: ")
+    return gpu is not None and (source == gpu or source.startswith(f"{gpu} ("))
+
+
 def print_report(report: dict[str, Any], console: Any = None) -> None:
     """Print the report as tables: llmc's levels, the baseline's, the ratios and the scaling."""
     from rich.table import Table
@@ -346,8 +353,8 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     if configs:  # whose tuned configs the int4 CUDA layers run: a borrowed table or the heuristics explain a figure
         shapes = Counter(configs.values())
         gpu = (report.get("host") or {}).get("cuda_device")
-        own = {gpu, f"{gpu} (llmc tune's table)"}  # this GPU's tuned configs of the shape itself
-        hint = "" if set(shapes) <= own else f"; `llmc tune {report.get('engine_dir') or 'BUILD'}` tunes them here"
+        hint = "" if all(own_configs(source, gpu) for source in shapes) else (
+            f"; `llmc tune {report.get('engine_dir') or 'BUILD'}` tunes them here")
         console.print("int4 kernel configs: " + "; ".join(f"{source} ({shapes[source]} shapes)"
                                                           for source in sorted(shapes)) + hint, highlight=False)
     why_random = (report.get("workload") or {}).get("why")

@@ -143,3 +143,30 @@ def test_the_report_says_whose_int4_kernel_configs_the_layers_ran(monkeypatch):
     console = Console(width=300, record=True)
     print_report(report, console)
     assert "heuristics (1 shapes); `llmc tune /b/qwen` tunes them here" in console.export_text()
+
+
+def test_the_triton_kernels_tuned_for_this_gpu_need_no_tuning_hint_and_borrowed_ones_get_it(monkeypatch):
+    """Engines without llmc's CUDA library run the Triton kernels: their layers say "Triton: <whose>"; this GPU's own
+    (shipped or from llmc tune) get no hint, another GPU's or the heuristics do."""
+    from rich.console import Console
+
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H100 80GB HBM3"})
+
+    def printed(configs: dict) -> str:
+        report = build_report({**RUN, "engine_dir": "/b/q", "int4_kernel_configs": configs},
+                              [_level(0.0537, 4 * 0.33)], PLAN, {})
+        console = Console(width=300, record=True)
+        print_report(report, console)
+        return console.export_text()
+
+    own = {"6144x4096g128": "Triton: NVIDIA H100 80GB HBM3",
+           "4608x3584g128": "Triton: NVIDIA H100 80GB HBM3 (llmc tune's table)",
+           "3584x3584g128": "Triton: NVIDIA H100 80GB HBM3 (LLMC_INT4_CONFIGS=/t.json)"}  # llmc tune --out's
+    assert "tunes them here" not in printed(own)
+    assert "tunes them here" not in printed({"1x1g64": "NVIDIA H100 80GB HBM3 (LLMC_INT4_CONFIGS=/t.json)"})
+    assert "tunes them here" in printed({"1x1g64": "NVIDIA H100 80GB HBM3, shape 6144x4096g128 (llmc tune's table)"})
+    assert ("Triton: NVIDIA H200 (1 shapes); `llmc tune /b/q` tunes them here" in
+            printed({**own, "4096x4096g128": "Triton: NVIDIA H200"}))
+    assert "Triton: heuristics (1 shapes); `llmc tune /b/q` tunes them here" in printed({"1x1g64": "Triton: heuristics"})

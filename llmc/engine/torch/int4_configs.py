@@ -121,7 +121,8 @@ def user_table(path: Path, label: str) -> dict:
 def merge_tables(shipped: dict, user: dict, label: str | None = None) -> dict:
     """``shipped`` with ``user``'s GPUs and shapes over it: a shape's kernel families (the Triton ``buckets`` and
     ``dense_from_m``, the CUDA library's ``mma``) from the user's table where it has them; ``label`` (where the
-    user's table comes from) marks its CUDA-library entries (``"mma_table"``), for ``llmc bench``'s report."""
+    user's table comes from) marks its entries of each family (``"mma_table"``, ``"triton_table"``), for ``llmc
+    bench``'s report."""
     merged = {"version": TABLE_VERSION, "gpus": {**shipped.get("gpus", {}), **user.get("gpus", {})},
               "devices": {name: dict(shapes) for name, shapes in shipped.get("devices", {}).items()}}
     for name, shapes in user.get("devices", {}).items():
@@ -130,6 +131,8 @@ def merge_tables(shipped: dict, user: dict, label: str | None = None) -> dict:
             mine[key] = {**mine.get(key, {}), **entry}
             if label and "mma" in entry:
                 mine[key]["mma_table"] = label
+            if label and "buckets" in entry:
+                mine[key]["triton_table"] = label
     return merged
 
 
@@ -167,8 +170,8 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
                 multiprocessors: int = 0) -> dict | None:
     """The tuned entry of a shape on a GPU, or None: ``{"buckets": [[m_max, *config]], "dense_from_m": int}`` (the
     Triton kernels) and ``{"mma": {...}}`` (the CUDA library's), each kernel family's from the first of
-    :func:`config_devices` that has it (``capability`` None: the GPU's own entry only; ``"mma_gpu"`` names the
-    CUDA library's). A shape nobody tuned
+    :func:`config_devices` that has it (``capability`` None: the GPU's own entry only; ``"mma_gpu"`` and
+    ``"triton_gpu"`` name whose they are). A shape nobody tuned
     takes the CUDA library's configs of the nearest tuned shape (:func:`nearest_shape`; the layer still checks
     that each fits, else the heuristic), marked ``"mma_from": its key``: left out of the tuning of those GPUs,
     each 8B and SmolLM2 shape ran at 1.15x its own best config so (geometric mean over 6 row buckets, H100
@@ -180,7 +183,10 @@ def tuned_entry(device_name: str, n: int, k: int, group_size: int, capability: s
         entry = devices[name].get(key, {})
         if "mma" in entry:  # the CUDA library's configs, from this GPU (and table) only
             merged.pop("mma_table", None)
-        merged.update(entry, **({"mma_gpu": name} if "mma" in entry else {}))
+        if "buckets" in entry:  # the Triton kernels' likewise
+            merged.pop("triton_table", None)
+        merged.update(entry, **({"mma_gpu": name} if "mma" in entry else {}),
+                      **({"triton_gpu": name} if "buckets" in entry else {}))
     if "mma" not in merged:
         for name in chosen:
             near = nearest_shape(n, k, group_size, [s for s, e in devices[name].items() if "mma" in e])

@@ -162,7 +162,9 @@ class Int4CudaLinear(nn.Module):
             scratch.reserve(norm_sums=max(self.dense_from_m - 1, 1) * (self.columns // 16))  # pending norms
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
-        self.configs_from = "Triton: " + ("tuned" if "buckets" in entry else "heuristics")
+        table = f" ({entry['triton_table']})" if "triton_table" in entry else ""
+        self.configs_from = "Triton: " + (entry.get("triton_gpu", "tuned") + table if "buckets" in entry else
+                                          "heuristics")
         self._buckets = [(b[0], KernelConfig(*b[1:])) for b in entry.get("buckets", [])]
         # Every config this layer can launch (rows 1 .. dense_from_m - 1), for the shared buffers' sizes: each row
         # count, as the heuristic's split-K (a shape without tuned buckets) varies with the rows.

@@ -3,7 +3,8 @@ the CUDA library launches is checked against a float32 product over the dequanti
 distinct random weight copies (one per layer, as in a decode step, so nothing is served from L2) in one CUDA graph,
 median of 20 replays; the fastest correct config is kept, and ``dense_from_m`` is the smallest row count from which
 dequantize + cuBLAS beats it. ``llmc tune`` runs this for a build's shapes (:func:`tune_build`);
-``scripts/tune_int4_cuda.py`` for the shipped table (and the Triton fallback's configs).
+``scripts/tune_int4_cuda.py`` for the shipped table. The Triton fallback's kernels are tuned the same way
+(:mod:`llmc.engine.torch.int4_tune_triton`).
 """
 
 from __future__ import annotations
@@ -110,16 +111,16 @@ MMA = Family("mma int4", "mma_", MMA_BUCKETS, MMA_DENSE_MS, MMA_DENSE_MS + (2048
 
 
 def make_mma_layer(n: int, k: int, group: int, silu: bool, prequant: bool, seed: int, scratch: Scratch,
-                   dtype: torch.dtype = torch.bfloat16):
-    """A random int4 layer of the CUDA mma kernels and its IR tensors ``(packed, scales, prequant)`` (fc + gate:
-    the first N/2 rows are fc, the rest gate)."""
+                   dtype: torch.dtype = torch.bfloat16, backend: str = "mma"):
+    """A random int4 layer of the CUDA mma kernels (``backend`` "triton": of the Triton fallback) and its IR tensors
+    ``(packed, scales, prequant)`` (fc + gate: the first N/2 rows are fc, the rest gate)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8, device="cuda")
     scales = (torch.rand(n, k // group, generator=gen, device="cuda") * 0.01 + 0.002).to(dtype)
     pq = (torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype) if prequant else None
     packed = pack_int4(q)
     parts = [(packed[: n // 4], scales[: n // 2]), (packed[n // 4:], scales[n // 2:])] if silu else [(packed, scales)]
-    layer = Int4CudaLinear.from_ir(parts, pq, group, scratch, silu_output=silu, backend="mma")
+    layer = Int4CudaLinear.from_ir(parts, pq, group, scratch, silu_output=silu, backend=backend)
     return layer, (packed, scales, pq)
 
 

@@ -12,6 +12,7 @@ from llmc.engine.torch.int4_configs import CONFIG_FILE, config_devices, tuned_en
 
 SHAPE = "4096x4096g128"
 TRITON = {"buckets": [[1, 16, 64, 1, 2, 3, 8]], "dense_from_m": 128}  # the Triton fallback's keys
+TRITON_A = {**TRITON, "triton_gpu": "A"}  # as tuned_entry gives them: A's
 MMA_A = {"mma": {"buckets": [[1, 1, 2, 16, 2]], "dense_from_m": 160}}
 MMA_B = {"mma": {"buckets": [[1, 1, 4, 8, 4]], "dense_from_m": 256}}
 
@@ -45,16 +46,34 @@ def test_an_untuned_gpu_borrows_the_closest_tuned_gpu_of_its_compute_capability(
     assert config_devices("New Ada", "8.9", 128) == []  # no tuned GPU of 8.9: the heuristics
     assert tuned_entry("New Ada", 4096, 4096, 128, "8.9", 128) is None
     assert tuned_entry("New Hopper", 4096, 4096, 128) is None  # without its capability nothing is borrowed
-    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 130) == {**TRITON, **MMA_A, "mma_gpu": "A"}
+    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 130) == {**TRITON_A, **MMA_A, "mma_gpu": "A"}
 
 
 def test_each_kernel_family_comes_from_the_first_gpu_that_has_it(table):
     # B's own CUDA-library configs; the Triton fallback's from A, which B has none of
-    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}
-    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON, **MMA_A, "mma_gpu": "A"}
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON_A, **MMA_B, "mma_gpu": "B"}
+    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON_A, **MMA_A, "mma_gpu": "A"}
     assert tuned_entry("B", 4096, 4096, 128) == {**MMA_B, "mma_gpu": "B"}
     # a shape nobody tuned: the CUDA library's configs of the nearest shape, never the Triton fallback's
     assert tuned_entry("B", 576, 576, 64, "9.0", 114) == {**MMA_B, "mma_gpu": "B", "mma_from": SHAPE}
+
+
+def test_the_triton_configs_tuned_here_go_over_those_borrowed_and_say_where_they_come_from(table, tmp_path,
+                                                                                         monkeypatch):
+    """What ``llmc tune`` writes where the Triton kernels run: B's own Triton entry (from this machine's table) over
+    A's shipped one, marked as this machine's; A keeps its own; a GPU that borrows gets no mark of B's table."""
+    local = tmp_path / "cache" / "int4_cuda_configs.json"
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
+    local.parent.mkdir()
+    mine = {"buckets": [[1, 16, 32, 1, 2, 3, 4]], "dense_from_m": 256}
+    local.write_text(json.dumps({"version": 2, "devices": {"B": {SHAPE: mine}}}))
+    int4_configs._tuned_table.cache_clear()
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**mine, **MMA_B, "mma_gpu": "B", "triton_gpu": "B",
+                                                              "triton_table": "llmc tune's table"}
+    assert tuned_entry("A", 4096, 4096, 128, "9.0", 132) == {**TRITON_A, **MMA_A, "mma_gpu": "A"}
+    assert tuned_entry("New Hopper", 4096, 4096, 128, "9.0", 120) == {
+        **mine, **MMA_B, "mma_gpu": "B", "triton_gpu": "B", "triton_table": "llmc tune's table"}  # B's, borrowed
+    assert "buckets" not in tuned_entry("B", 4608, 3584, 128, "9.0", 114)  # no nearest shape for the Triton kernels
 
 
 def test_a_shape_nobody_tuned_takes_the_cuda_configs_of_the_nearest_tuned_shape(table):
@@ -136,10 +155,10 @@ def test_a_users_table_named_by_the_environment_goes_over_the_shipped_one(table,
     monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / "mine.json"))
     int4_configs._tuned_table.cache_clear()
     env = {"mma_table": f"LLMC_INT4_CONFIGS={tmp_path / 'mine.json'}"}
-    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A", **env}  # A's Triton entry stays
+    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON_A, **MMA_B, "mma_gpu": "A", **env}  # A's Triton entry stays
     assert tuned_entry("A", 4608, 3584, 128) == {**MMA_B, "mma_gpu": "A", **env}  # tuned by the user: not borrowed
     assert tuned_entry("NVIDIA L40S", 4096, 4096, 128, "8.9", 142) == {**MMA_B, "mma_gpu": "NVIDIA L40S", **env}
-    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}  # B's own, shipped
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON_A, **MMA_B, "mma_gpu": "B"}  # B's own, shipped
     assert config_devices("B", "9.0", 114) == ["B", "A"]  # the shipped GPUs stay
     assert json.loads(int4_configs.CONFIG_FILE.read_text()) == table  # nothing written
     for bad, why in (("missing.json", "cannot be read \\(No such file"), ("bad.json", "not valid JSON"),
@@ -185,11 +204,11 @@ def test_llmc_tunes_table_on_this_machine_goes_over_the_shipped_one_and_the_envi
     int4_configs._tuned_table.cache_clear()
     here = {"mma_table": "llmc tune's table"}
     assert [label for label, _ in int4_configs.table_sources()] == ["llmc tune's table"]
-    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON, **MMA_B, "mma_gpu": "A", **here}
+    assert tuned_entry("A", 4096, 4096, 128) == {**TRITON_A, **MMA_B, "mma_gpu": "A", **here}
     # a shape tuned here lends its configs, marked as this machine's, to the shapes near it
     assert tuned_entry("A", 4608, 4096, 128, "9.0", 132) == {**MMA_B, "mma_gpu": "A", **here, "mma_from": SHAPE}
     # B's own CUDA-library configs, from the shipped table (not marked), A's shipped Triton ones under them
-    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON, **MMA_B, "mma_gpu": "B"}
+    assert tuned_entry("B", 4096, 4096, 128, "9.0", 114) == {**TRITON_A, **MMA_B, "mma_gpu": "B"}
     (tmp_path / "env.json").write_text(json.dumps({"version": 2, "devices": {"A": {SHAPE: MMA_A}}}))
     monkeypatch.setenv(int4_configs.CONFIGS_ENV, str(tmp_path / "env.json"))
     int4_configs._tuned_table.cache_clear()

@@ -119,3 +119,66 @@ def test_a_shape_tuned_here_is_what_the_next_layer_of_that_shape_runs(tmp_path, 
             assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 8e-3
     finally:
         int4_configs._tuned_table.cache_clear()
+
+
+def test_the_triton_tuning_compiles_each_config_of_a_shape_once_at_the_fewest_rows_it_runs():
+    from llmc.engine.torch.int4_tune_triton import TRITON, candidates, compile_jobs, tried_configs
+
+    shapes = [("o", 576, 576, 64, False, True), ("qkv", 960, 576, 64, False, False)]
+    jobs = compile_jobs(shapes)
+    per_shape = {name: [(values, rows) for spec, values, rows in jobs if spec[0] == name] for name, *_ in shapes}
+    configs = {tuple(c.to_list()) for _, c in tried_configs(576)}
+    assert len(per_shape["o"]) == len(per_shape["qkv"]) == len(configs)  # each distinct config once a shape
+    assert {tuple(v) for v, _ in per_shape["o"]} == configs
+    rows = dict((tuple(v), r) for v, r in per_shape["o"])
+    assert rows[tuple(candidates(1)[0].to_list())] == 1  # tried first at 1 row (the 1- and 16-row lists are one)
+    assert rows[tuple(candidates(64)[0].to_list())] == 64 and rows[(128, 128, 1, 8, 3, 1)] == 128  # from 65 rows
+    assert len(compile_jobs(shapes, quick=frozenset({"576x576g64"}))) < len(jobs)
+    assert TRITON.prefix == "triton_" and [m for _, m in TRITON.buckets] == [1, 16, 32, 64, 128, 256]
+
+
+@pytest.mark.gpu
+def test_the_triton_kernels_tuned_here_are_what_the_next_triton_layer_of_that_shape_runs(tmp_path, monkeypatch):
+    """Where llmc's CUDA library cannot run, llmc tune tunes the Triton kernels: SmolLM2's o (input scale in the
+    kernel) at 1 and 16 rows over a few candidates, compiled as they are tried; each bucket's config is the fastest
+    timed, the one the layer ran before among them; saved as this machine's table, a new Triton layer of the shape
+    runs it, says so, and matches a float32 product."""
+    from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
+    from llmc.engine.torch.int4_configs import KernelConfig
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
+    from llmc.engine.torch.int4_tune_triton import TRITON, candidates, tune_build_triton
+
+    spec = ("o", 576, 576, 64, False, True)
+    family = dataclasses.replace(TRITON, buckets=[(1, 1), (16, 16)], dense_ms=(128,), report_ms=(128,),
+                                 candidates=lambda m, quick: candidates(m, quick=True))
+    table, report = tune_build_triton([spec], log=lambda line: None, family=family, workers=1)
+    gpu = torch.cuda.get_device_name()
+    entry = table["devices"][gpu]["576x576g64"]
+    assert [b[0] for b in entry["buckets"]] == [1, 16] and entry["dense_from_m"] == 128 and "mma" not in entry
+    for m, bucket in ((1, 0), (16, 1)):
+        cell = report["shapes"]["576x576g64"][f"triton_{m}"]
+        timed = {label: us for label, us in cell["tried_us"].items() if isinstance(us, float)}
+        assert cell["us_32_layers"] == min(timed.values()) and entry["buckets"][bucket][1:] == cell["best"]
+        assert str(cell["before"]["config"]) in cell["tried_us"] and cell["us_32_layers"] <= cell["before"][
+            "us_32_layers"]
+    local = tmp_path / "int4_cuda_configs.json"
+    save_table(local, table)
+    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
+    int4_configs._tuned_table.cache_clear()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        q = torch.randint(-8, 8, (576, 576), generator=gen, dtype=torch.int8, device="cuda")
+        scales = (torch.rand(576, 9, generator=gen, device="cuda") * 0.01 + 0.002).bfloat16()
+        pq = (torch.rand(576, generator=gen, device="cuda") + 0.5).bfloat16()
+        layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], pq, 64, Scratch(torch.bfloat16, torch.device("cuda")),
+                                       backend="triton")
+        layer.scratch.allocate()
+        assert layer.configs_from == f"Triton: {gpu} (llmc tune's table)"
+        weight = dequantize_w4a16(pack_int4(q), scales, pq, 64)
+        for m, bucket in ((1, 0), (16, 1)):
+            assert layer.config_for(m) == KernelConfig(*entry["buckets"][bucket][1:])
+            x = torch.randn(m, 576, generator=gen, device="cuda").bfloat16()
+            ref = x.float() @ weight.T
+            assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 8e-3
+    finally:
+        int4_configs._tuned_table.cache_clear()
