@@ -79,8 +79,6 @@ def test_a_shape_tuned_here_is_what_the_next_layer_of_that_shape_runs(tmp_path, 
     """SmolLM2's o projection (input scale in the kernel) tuned at 1 and 16 rows: each bucket's config is the fastest
     of those timed, the one the layer ran before among them; saved as this machine's table, a new layer of the shape
     runs it, says so, and matches a float32 product."""
-    from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
-    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
     from llmc.engine.torch.int4_tune import MMA, tune_build
 
     spec = ("o", 576, 576, 64, False, True)
@@ -98,27 +96,8 @@ def test_a_shape_tuned_here_is_what_the_next_layer_of_that_shape_runs(tmp_path, 
         assert cell["us_32_layers"] == min(timed.values()) and cell["best"] in [json.loads(k) for k in timed]
         before = cell["before"]
         assert str(before["config"]) in cell["tried_us"] and cell["us_32_layers"] <= before["us_32_layers"]
-    local = tmp_path / "int4_cuda_configs.json"
-    save_table(local, table)
-    monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
-    int4_configs._tuned_table.cache_clear()
-    try:
-        gen = torch.Generator(device="cuda").manual_seed(3)
-        q = torch.randint(-8, 8, (576, 576), generator=gen, dtype=torch.int8, device="cuda")
-        scales = (torch.rand(576, 9, generator=gen, device="cuda") * 0.01 + 0.002).bfloat16()
-        pq = (torch.rand(576, generator=gen, device="cuda") + 0.5).bfloat16()
-        layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], pq, 64, Scratch(torch.bfloat16, torch.device("cuda")),
-                                       backend="mma")
-        layer.scratch.allocate()
-        assert layer.configs_from == f"{gpu} (llmc tune's table)"
-        weight = dequantize_w4a16(pack_int4(q), scales, pq, 64)
-        for m, bucket in ((1, 0), (16, 1)):
-            assert layer.mma_config_for(m) == tuple(entry["buckets"][bucket][1:])
-            x = torch.randn(m, 576, generator=gen, device="cuda").bfloat16()
-            ref = x.float() @ weight.T
-            assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 8e-3
-    finally:
-        int4_configs._tuned_table.cache_clear()
+    check_new_layer_runs(tmp_path, monkeypatch, table, "mma", f"{gpu} (llmc tune's table)",
+                         [tuple(bucket[1:]) for bucket in entry["buckets"]])
 
 
 def test_the_triton_tuning_compiles_each_config_of_a_shape_once_at_the_fewest_rows_it_runs():
@@ -143,9 +122,7 @@ def test_the_triton_kernels_tuned_here_are_what_the_next_triton_layer_of_that_sh
     kernel) at 1 and 16 rows over a few candidates, compiled as they are tried; each bucket's config is the fastest
     timed, the one the layer ran before among them; saved as this machine's table, a new Triton layer of the shape
     runs it, says so, and matches a float32 product."""
-    from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
     from llmc.engine.torch.int4_configs import KernelConfig
-    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
     from llmc.engine.torch.int4_tune_triton import TRITON, candidates, tune_build_triton
 
     spec = ("o", 576, 576, 64, False, True)
@@ -161,22 +138,32 @@ def test_the_triton_kernels_tuned_here_are_what_the_next_triton_layer_of_that_sh
         assert cell["us_32_layers"] == min(timed.values()) and entry["buckets"][bucket][1:] == cell["best"]
         assert str(cell["before"]["config"]) in cell["tried_us"] and cell["us_32_layers"] <= cell["before"][
             "us_32_layers"]
+    check_new_layer_runs(tmp_path, monkeypatch, table, "triton", f"Triton: {gpu} (llmc tune's table)",
+                         [KernelConfig(*bucket[1:]) for bucket in entry["buckets"]])
+
+
+def check_new_layer_runs(tmp_path, monkeypatch, table: dict, backend: str, said: str, configs: list) -> None:
+    """Saved as this machine's table, ``table`` is what a new layer of SmolLM2's o (input scale in the kernel) on
+    ``backend`` runs: it says so (``said``), runs ``configs`` at 1 and 16 rows, and matches a float32 product."""
+    from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4
+    from llmc.engine.torch.int4_cuda import Int4CudaLinear, Scratch
+
     local = tmp_path / "int4_cuda_configs.json"
     save_table(local, table)
     monkeypatch.setattr(int4_configs, "local_table_path", lambda: local)
     int4_configs._tuned_table.cache_clear()
     try:
-        gen = torch.Generator(device="cuda").manual_seed(5)
+        gen = torch.Generator(device="cuda").manual_seed(3)
         q = torch.randint(-8, 8, (576, 576), generator=gen, dtype=torch.int8, device="cuda")
         scales = (torch.rand(576, 9, generator=gen, device="cuda") * 0.01 + 0.002).bfloat16()
         pq = (torch.rand(576, generator=gen, device="cuda") + 0.5).bfloat16()
         layer = Int4CudaLinear.from_ir([(pack_int4(q), scales)], pq, 64, Scratch(torch.bfloat16, torch.device("cuda")),
-                                       backend="triton")
+                                       backend=backend)
         layer.scratch.allocate()
-        assert layer.configs_from == f"Triton: {gpu} (llmc tune's table)"
+        assert layer.configs_from == said
         weight = dequantize_w4a16(pack_int4(q), scales, pq, 64)
-        for m, bucket in ((1, 0), (16, 1)):
-            assert layer.config_for(m) == KernelConfig(*entry["buckets"][bucket][1:])
+        for m, config in zip((1, 16), configs, strict=True):
+            assert (layer.mma_config_for(m) if backend == "mma" else layer.config_for(m)) == config
             x = torch.randn(m, 576, generator=gen, device="cuda").bfloat16()
             ref = x.float() @ weight.T
             assert ((layer(x).float() - ref).norm() / ref.norm()).item() < 8e-3
