@@ -43,9 +43,7 @@ def choose_kernels(kernels: str) -> str:
     chosen ones cannot run."""
     from llmc.engine.torch import cuda_ext, triton_support
 
-    why = cuda_ext.static_why_not()
-    if why is None and kernels != "triton" and cuda_ext.load() is None:
-        why = cuda_ext.status()
+    why = cuda_ext.static_why_not() if kernels == "triton" else cuda_ext.why_not()
     if why is None and kernels != "triton":
         return "cuda"
     where = "run it on the GPU the engine will serve on"
@@ -66,6 +64,7 @@ def choose_kernels(kernels: str) -> str:
 
 
 def torch_cuda() -> bool:
+    """Whether PyTorch sees a CUDA GPU (imported here: the CLI starts without torch)."""
     import torch
 
     return torch.cuda.is_available()
@@ -91,8 +90,9 @@ def tune_cmd(build: Path, out: Path | None, report: Path | None, kernels: str) -
     target = out or int4_configs.local_table_path()
     if target.exists():  # an unreadable table stops here, before minutes of timing
         int4_configs.user_table(target, int4_configs.LOCAL_LABEL if out is None else f"--out {target}")
-    click.echo(f"tuning the {'CUDA library' if kind == 'cuda' else 'Triton'} int4 kernels for {len(shapes)} layer "
-               f"shapes of {build}: " + ", ".join(f"{s[0]} {s[1]} x {s[2]}" for s in shapes))
+    which = "llmc's CUDA" if kind == "cuda" else "the Triton"
+    click.echo(f"tuning {which} int4 kernels for {len(shapes)} layer shapes of {build}: " + ", ".join(
+        f"{s[0]} {s[1]} x {s[2]}" for s in shapes))
     if kind == "cuda":
         table, timings = tune_build(shapes, log=click.echo)
     else:
@@ -113,6 +113,6 @@ def tune_cmd(build: Path, out: Path | None, report: Path | None, kernels: str) -
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(json.dumps(timings, indent=1) + "\n")
     gpu = timings["device"]
-    click.echo(f"\nwrote {gpu}'s {'CUDA library' if kind == 'cuda' else 'Triton'} configs to {target}: " + (
+    click.echo(f"\nwrote {gpu}'s {'CUDA' if kind == 'cuda' else 'Triton'} int4 kernel configs to {target}: " + (
         "llmc engines on this machine run them from now on (llmc doctor says so)" if out is None else
         f"serve with {int4_configs.CONFIGS_ENV}={target} on a machine with this GPU to run them"))

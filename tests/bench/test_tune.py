@@ -28,6 +28,7 @@ def test_without_a_gpu_for_the_kernels_it_says_why_and_where_to_run_it(tmp_path,
     from llmc.engine.torch import cuda_ext
 
     monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: "no CUDA GPU is visible")
+    monkeypatch.setattr(cuda_ext, "why_not", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(tune, "torch_cuda", lambda: False)
     result = invoke(str(w4a16_ir(tmp_path / "ir")))
     assert ("llmc tune times the int4 kernels on this machine's GPU, and none can run here: no CUDA GPU is visible. "
@@ -43,7 +44,9 @@ def test_without_a_gpu_for_the_kernels_it_says_why_and_where_to_run_it(tmp_path,
 def test_where_the_cuda_library_cannot_run_it_tunes_the_triton_kernels_engines_run_instead(monkeypatch):
     from llmc.engine.torch import cuda_ext, triton_support
 
-    monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: "nvcc was not found (CUDA_HOME, /usr/local/cuda, PATH)")
+    nvcc = "nvcc was not found (CUDA_HOME, /usr/local/cuda, PATH)"
+    monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: nvcc)
+    monkeypatch.setattr(cuda_ext, "why_not", lambda: nvcc)
     monkeypatch.setattr(tune, "torch_cuda", lambda: True)
     monkeypatch.setattr(triton_support, "modules", lambda: ("triton", "tl"))
     said = []
@@ -56,7 +59,7 @@ def test_where_the_cuda_library_cannot_run_it_tunes_the_triton_kernels_engines_r
                                         "engine will serve on \\(an NVIDIA GPU with Triton installed"):
         tune.choose_kernels("auto")
     monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: None)  # the CUDA library builds and loads: it
-    monkeypatch.setattr(cuda_ext, "load", lambda: object())
+    monkeypatch.setattr(cuda_ext, "why_not", lambda: None)
     assert tune.choose_kernels("auto") == "cuda" == tune.choose_kernels("cuda")
     monkeypatch.setattr(triton_support, "modules", lambda: ("triton", "tl"))
     assert tune.choose_kernels("triton") == "triton"  # asked for: the fallback's configs on a machine that has both
@@ -102,7 +105,7 @@ def test_it_writes_this_machines_table_and_says_what_the_tuning_gained(tmp_path,
     assert "M=   8: before   0.500 ms  tuned   0.500 ms (1.00x faster)" in result.output  # the failed one left out
     assert "in step order, 32 layers (what the engine runs):\n  M=   1: before   1.600 ms  tuned   1.500 ms (1.07x" in (
         result.output)
-    assert f"wrote GPU X's CUDA library configs to {local}: llmc engines on this machine run them from now on" in (
+    assert f"wrote GPU X's CUDA int4 kernel configs to {local}: llmc engines on this machine run them from now on" in (
         result.output)
     out = tmp_path / "elsewhere.json"
     result = invoke(str(tmp_path / "ir"), "--out", str(out))
@@ -131,7 +134,7 @@ def test_the_triton_kernels_tuned_are_written_beside_the_cuda_librarys_and_summe
     assert result.exit_code == 0, result.output
     assert "tuning the Triton int4 kernels for 4 layer shapes of" in result.output
     assert "M=   1: before   1.200 ms  tuned   0.800 ms (1.50x faster)  bf16 cuBLAS   1.600 ms" in result.output
-    assert "step order" not in result.output and f"wrote GPU X's Triton configs to {local}" in result.output
+    assert "step order" not in result.output and f"wrote GPU X's Triton int4 kernel configs to {local}" in result.output
     entry = json.loads(local.read_text())["devices"]["GPU X"]["4608x3584g128"]
     assert entry == {"mma": {"buckets": [[1, 1, 2, 8, 2]], "dense_from_m": 96}, "buckets": [[1, 16, 64, 1, 2, 3, 8]],
                      "dense_from_m": 128}

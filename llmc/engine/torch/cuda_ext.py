@@ -221,11 +221,16 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def why_not() -> str | None:
+    """Why the int4 layers of this process do not use llmc's CUDA kernels (None: they do); builds them if need be."""
+    return None if load() is not None else _why_not
+
+
 def status() -> str:
     """One line: which int4 kernels CUDA layers of this process use, and why."""
-    if load() is not None:
-        return "llmc's CUDA tensor-core W4A16 kernels (decode) + dequantize and cuBLAS (prefill)"
-    return f"llmc's Triton W4A16 kernels ({_why_not})"
+    why = why_not()
+    return f"llmc's Triton W4A16 kernels ({why})" if why else ("llmc's CUDA tensor-core W4A16 kernels (decode) + "
+                                                               "dequantize and cuBLAS (prefill)")
 
 
 def _check(code: int, what: str) -> None:
