@@ -62,8 +62,8 @@ def tried_configs(n: int, family: Family = TRITON, quick: bool = False) -> list[
             + [(m, c) for m in family.report_ms for c in family.candidates(last, quick)])
 
 
-def triton_layers(spec: Spec, copies: int = LAYERS, family: Family = TRITON, quick: bool = False,
-                  seed0: int = 0) -> tuple[list, torch.Tensor]:
+def triton_layers(spec: Spec, copies: int = LAYERS, family: Family = TRITON,
+                  quick: bool = False) -> tuple[list, torch.Tensor]:
     """``copies`` random layers of the Triton kernels (their split-K buffers sized for every config tried) and the
     float32 reference weight ``[N, K]`` of the first."""
     _, n, k, group, silu, prequant = spec
@@ -71,7 +71,7 @@ def triton_layers(spec: Spec, copies: int = LAYERS, family: Family = TRITON, qui
     tried = tried_configs(n, family, quick)
     scratch.reserve(partials=max(c.workspace(m, n) for m, c in tried),
                     counters=max(c.grid(m, n)[0] * c.grid(m, n)[1] for m, c in tried))
-    made = [make_mma_layer(n, k, group, silu, prequant, seed0 + i, scratch, backend="triton") for i in range(copies)]
+    made = [make_mma_layer(n, k, group, silu, prequant, seed, scratch, backend="triton") for seed in range(copies)]
     scratch.allocate()
     packed, scales, pq = made[0][1]
     return [layer for layer, _ in made], dequantize_w4a16(packed, scales, pq if pq is not None else
