@@ -58,7 +58,7 @@ def test_where_the_cuda_library_cannot_run_it_tunes_the_triton_kernels_engines_r
     with pytest.raises(LlmcError, match="none can run here: Triton is not installed. Fix: run it on the GPU the "
                                         "engine will serve on \\(an NVIDIA GPU with Triton installed"):
         tune.choose_kernels("auto")
-    monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: None)  # the CUDA library builds and loads: it
+    monkeypatch.setattr(cuda_ext, "static_why_not", lambda *a: None)  # the CUDA library builds and loads here
     monkeypatch.setattr(cuda_ext, "why_not", lambda: None)
     assert tune.choose_kernels("auto") == "cuda" == tune.choose_kernels("cuda")
     monkeypatch.setattr(triton_support, "modules", lambda: ("triton", "tl"))
