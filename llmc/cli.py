@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("llmc.builder.commands:inspect_cmd", "Show a build's manifest, model shape, weight bytes and KV-cache plan."),
     "generate": ("llmc.runtime.commands:generate_cmd", "Stream a completion from a built engine."),
     "bench": ("llmc.bench.commands:bench_cmd", "Benchmark TTFT / ITL / TGS offline or against a server (--url)."),
-    "tune": ("llmc.bench.tune:tune_cmd", "Tune the int4 CUDA kernels for a W4A16 build's shapes on this GPU."),
+    "tune": ("llmc.bench.tune:tune_cmd", "Tune the int4 kernels (CUDA or Triton) for a W4A16 build on this GPU."),
     "serve": ("llmc.serve.commands:serve_cmd", "Serve an engine: KServe v2 HTTP + gRPC, OpenAI API, /metrics."),
     "repo": ("llmc.serve.commands:repo_cmd", "Generate the Triton model repository for a built engine."),
     "doctor": ("llmc.doctor:doctor_cmd", "Report GPU, CPU, driver, CUDA and library versions, usable backends and the CPU prefill path."),

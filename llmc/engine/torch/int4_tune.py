@@ -334,19 +334,29 @@ def gpu_record() -> tuple[str, dict]:
     return props.name, {"capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count}
 
 
+def tune_shapes(shapes: list[Spec], family: Family, make_layers: Callable[[Spec, int], tuple], report: dict,
+                log: Callable[[str], None] = print) -> dict[str, dict]:
+    """``{shape key: entry}``: :func:`tune_family` of each distinct shape, over as many weight copies
+    ``make_layers(spec, copies)`` (layers, float32 weight) as the GPU's memory holds (:func:`layer_copies`)."""
+    entries = {}
+    for spec in dict.fromkeys(shapes):
+        layers, weight = make_layers(spec, layer_copies(spec[1], spec[2]))
+        log(f"{spec[0]} ({spec[1]} x {spec[2]}, group {spec[3]}): timing over {len(layers)} weight copies")
+        entries[shape_key(*spec[1:4])] = tune_family(spec, family, layers, weight, report, log=log)
+        del layers, weight
+        torch.cuda.empty_cache()  # the shape's weight copies are garbage now
+    return entries
+
+
 def tune_build(shapes: list[Spec], log: Callable[[str], None] = print, family: Family = MMA,
                step_rows: tuple[int, ...] = STEP_ROWS) -> tuple[dict, dict]:
     """``(table, report)``: this GPU's tuned CUDA-library entries for ``shapes`` (a table of one GPU, as
     :func:`save_table` merges it) and every timing (``family``: MMA's row buckets and configs, or fewer), the
     decode buckets of ``step_rows`` chosen again in step order (:func:`step_order`)."""
     name, gpu = gpu_record()
-    entries, report = {}, {"device": name, "torch": torch.__version__, "shapes": {}}
-    for spec in dict.fromkeys(shapes):
-        layers, weight = mma_layers(spec, layer_copies(spec[1], spec[2]))
-        log(f"{spec[0]} ({spec[1]} x {spec[2]}, group {spec[3]}): timing over {len(layers)} weight copies")
-        entries[shape_key(*spec[1:4])] = {"mma": tune_family(spec, family, layers, weight, report["shapes"], log=log)}
-        del layers, weight
-        torch.cuda.empty_cache()  # the shape's weight copies are garbage now
+    report = {"device": name, "torch": torch.__version__, "shapes": {}}
+    entries = {key: {"mma": entry} for key, entry in tune_shapes(shapes, family, mma_layers, report["shapes"],
+                                                                 log).items()}
     if step_rows:
         log(f"the decode buckets again, {len(shapes)} linears a layer in step order, 32 layers:")
         report["step_order"] = step_order(list(dict.fromkeys(shapes)), entries, report["shapes"], step_rows, log=log)

@@ -21,7 +21,7 @@ import torch
 from llmc.checkpoint.int4 import dequantize_w4a16
 from llmc.engine.torch.int4_configs import TABLE_VERSION, KernelConfig, shape_key
 from llmc.engine.torch.int4_cuda import Scratch
-from llmc.engine.torch.int4_tune import LAYERS, Family, Spec, gpu_record, layer_copies, make_mma_layer, tune_family
+from llmc.engine.torch.int4_tune import LAYERS, Family, Spec, gpu_record, make_mma_layer, tune_shapes
 
 BUCKETS = [(1, 1), (16, 16), (32, 32), (64, 64), (128, 128), (256, 256)]  # (bucket's largest M, M tuned at)
 DENSE_MS = (128, 256, 512, 1024, 2048)
@@ -97,9 +97,10 @@ def compile_jobs(shapes: list[Spec], family: Family = TRITON, quick: frozenset =
     per row count)."""
     jobs = []
     for spec in dict.fromkeys(shapes):
-        configs = dict.fromkeys(c for _, c in tried_configs(spec[1], family, shape_key(*spec[1:4]) in quick))
-        rows = {c: m for m, c in reversed(tried_configs(spec[1], family, shape_key(*spec[1:4]) in quick))}
-        jobs += [(spec, c.to_list(), rows[c]) for c in configs]
+        first_rows: dict[KernelConfig, int] = {}  # each config at the fewest rows it runs
+        for m, config in tried_configs(spec[1], family, shape_key(*spec[1:4]) in quick):
+            first_rows.setdefault(config, m)
+        jobs += [(spec, config.to_list(), m) for config, m in first_rows.items()]
     return jobs
 
 
@@ -129,13 +130,9 @@ def tune_build_triton(shapes: list[Spec], log: Callable[[str], None] = print, fa
     """``(table, report)``: this GPU's tuned Triton entries for ``shapes`` (``{"buckets", "dense_from_m"}`` per shape
     key, a table of one GPU as ``int4_tune.save_table`` merges it) and every timing."""
     name, gpu = gpu_record()
-    entries, report = {}, {"device": name, "torch": torch.__version__, "kernels": "triton", "shapes": {}}
+    report = {"device": name, "torch": torch.__version__, "kernels": "triton", "shapes": {}}
     report["compile_failures"] = precompile(shapes, default_workers() if workers is None else workers, family,
                                             log=log)
-    for spec in dict.fromkeys(shapes):
-        layers, weight = triton_layers(spec, layer_copies(spec[1], spec[2]), family)
-        log(f"{spec[0]} ({spec[1]} x {spec[2]}, group {spec[3]}): timing over {len(layers)} weight copies")
-        entries[shape_key(*spec[1:4])] = tune_family(spec, family, layers, weight, report["shapes"], log=log)
-        del layers, weight
-        torch.cuda.empty_cache()  # the shape's weight copies are garbage now
+    entries = tune_shapes(shapes, family, lambda spec, copies: triton_layers(spec, copies, family), report["shapes"],
+                          log)
     return {"version": TABLE_VERSION, "gpus": {name: gpu}, "devices": {name: entries}}, report
