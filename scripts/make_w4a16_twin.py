@@ -71,7 +71,8 @@ def main() -> None:
     config, ranks = read_checkpoint(args.build / "engine" / engine["checkpoint"])
     if len(ranks) != 1 or (config.get("quantization") or {}).get("quant_algo"):
         sys.exit("error: the source build must be a 16-bit, single-rank build")
-    quant = {"quant_algo": "W4A16_AWQ", "group_size": args.group_size}
+    quant = {"quant_algo": "W4A16_AWQ", "group_size": args.group_size,  # an FP8 KV cache's scales stay as they are
+             "kv_cache_quant_algo": (config.get("quantization") or {}).get("kv_cache_quant_algo")}
     config = {**config, "quantization": quantization_block(quant)}
     weights = quantize_ir(ranks[0], config["num_hidden_layers"], args.group_size, args.device, args.seed)
     tmp = args.out.with_name(f".{args.out.name}.tmp")

@@ -158,6 +158,9 @@ def run_offline_bench(opts: BenchOptions, params: Any) -> tuple[dict[str, Any], 
            # What the levels' hardware bounds need (llmc.bench.bounds); absent for engines that do not say.
            "model_shape": _model_shape(engine.runner),
            "kv_bytes_per_token": getattr(engine.runner, "kv_bytes_per_token", None),
+           # The KV cache's dtype here, and why a recipe's fp8 runs 16-bit (None: it does not).
+           "kv_cache_dtype": str(getattr(engine.runner, "kv_dtype", "")).removeprefix("torch.") or None,
+           "kv_cache_fallback": getattr(engine.runner, "kv_fallback", None),
            "prefix_caching": {"mode": opts.prefix_caching, "llmc": engine.block_manager.enable_prefix_caching,
                               "baseline": False if baseline else None, "why": why},
            "order": "at each level llmc first, then the baseline, same prompts" if baseline else "llmc only",

@@ -349,6 +349,11 @@ def print_report(report: dict[str, Any], console: Any = None) -> None:
     if on_host:
         console.print(f"weights in page-locked host memory (the input embedding, a row per token): "
                       f"{sum(on_host.values()) / 1e9:.2f} GB", highlight=False)
+    kv_dtype, per_token = report.get("kv_cache_dtype"), report.get("kv_bytes_per_token")
+    if kv_dtype:  # an fp8 cache halves the KV bytes a step reads: part of a figure's conditions
+        console.print(f"KV cache: {kv_dtype}" + (f", {per_token:,} bytes a token" if per_token else "")
+                      + (f" ({report['kv_cache_fallback']})" if report.get("kv_cache_fallback") else ""),
+                      highlight=False)
     configs = report.get("int4_kernel_configs")
     if configs:  # whose tuned configs the int4 CUDA layers run: a borrowed table or the heuristics explain a figure
         shapes = Counter(configs.values())

@@ -26,6 +26,7 @@ from rich.console import Console
 from llmc import manifest as mf
 from llmc.builder.build_files import export_tokenizer, make_manifest
 from llmc.builder.export import export_checkpoint
+from llmc.builder.kv_scales import calibrate_checkpoint
 from llmc.builder.output_dir import building_into, check_output_location, remove_stale_temp_dirs
 from llmc.builder.progress import BuildProgress
 from llmc.builder.quantize import quantize_checkpoint
@@ -164,16 +165,21 @@ def _build_into(tmp: Path, out_dir: Path, recipe: Recipe, recipe_sha: str, sourc
 
 
 def _checkpoint_steps(tmp: Path, source: load.SourceModel, recipe: Recipe, progress: BuildProgress) -> dict:
-    """Export the 16-bit IR, or quantize (AWQ/RTN) and run the accuracy gate; returns the step reports."""
+    """Export the 16-bit IR, or quantize (AWQ/RTN); calibrate an FP8 KV cache's scales; run the accuracy gate of a
+    quantized build (with the fp8 cache where the recipe asks for one); returns the step reports."""
     ckpt = tmp / "checkpoint"
     reports: dict[str, Any] = {}
     if recipe.quantization.method == "none":
         with progress.step("export checkpoint"):
             reports["export"] = export_checkpoint(source, recipe, ckpt)
-        return reports
-    with progress.step(f"quantize ({recipe.quantization.method})") as step:
-        reports["quantize"] = quantize_checkpoint(source, recipe, ckpt, progress=step)
-    if recipe.quantization.gate.enabled:
+    else:
+        with progress.step(f"quantize ({recipe.quantization.method})") as step:
+            reports["quantize"] = quantize_checkpoint(source, recipe, ckpt, progress=step)
+    if recipe.kv_cache.dtype == "fp8":
+        with progress.step("fp8 KV-cache scales") as step:
+            reports["kv_scales"] = calibrate_checkpoint(source, recipe, ckpt)
+            step.note(f"held-out KL {reports['kv_scales']['mean_kl']:.4f}")
+    if recipe.quantization.method != "none" and recipe.quantization.gate.enabled:
         with progress.step("accuracy gate"):
             reports["gate"] = accuracy_gate(source, recipe, ckpt, console=progress.console)
     return reports

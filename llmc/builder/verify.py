@@ -35,9 +35,11 @@ from rich.console import Console
 
 from llmc.builder import gate_report, heldout
 from llmc.builder.devices import PeakMemory, describe_device, free_gpu_memory, resolve_build_device
+from llmc.builder.hf_kv import attention_layers, use_fp8_cache
 from llmc.checkpoint import names
 from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
 from llmc.checkpoint.io import read_checkpoint
+from llmc.checkpoint.kv_scales import read as read_kv_scales
 from llmc.console import table_console
 from llmc.engine.torch import cpu_gemm
 from llmc.errors import AccuracyGateError, BuildError
@@ -76,6 +78,7 @@ def accuracy_gate(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Pat
                          "the gate")
     with PeakMemory(device) as peak:
         models = GateModels(source, recipe, checkpoint_dir, device, dtype)
+        kv_cache = models.kv_scales
         with cpu_gemm.fp32_linears(device):  # float32 forwards on the CPU through oneDNN where it is faster
             scores = score_domains(models, texts.windows, gate.rtn_baseline, device)
             chat = chat_end_check(models, tokenizer, source)
@@ -94,6 +97,7 @@ def accuracy_gate(source: SourceModel, recipe: Recipe, checkpoint_dir: str | Pat
         "worst_positions": {name: gate_report.worst_positions(by_model["int4"], tokenizer)
                             for name, by_model in scores.items()},
         "special_token_check": chat,
+        "kv_cache": "16-bit" if kv_cache is None else "fp8",  # what the int4 and RTN models computed with
         "device": describe_device(device),
         "dtype": str(dtype).removeprefix("torch."),
         "peak_gpu_memory_bytes": peak.bytes,
@@ -153,6 +157,11 @@ class GateModels:
         self.sets["rtn"] = ((reference, self._rtn) if device.type == "cuda"
                             else ({k: self._rtn(k, v) for k, v in reference.items()}, None))
         self.current = "16bit"
+        # kv_cache.dtype fp8: the int4 and RTN models compute with the fp8 cache the engines will hold (the IR's
+        # calibrated scales), the 16-bit reference with a 16-bit one; None: 16-bit caches throughout.
+        config, ranks = read_checkpoint(Path(checkpoint_dir))
+        self.kv_scales = read_kv_scales(config, ranks[0], len(attention_layers(model)))
+        del ranks
 
     def use(self, name: str) -> torch.nn.Module:
         """The model, computing with weight set ``name``."""
@@ -166,6 +175,8 @@ class GateModels:
                         continue
                     host = weights[key]
                     param.copy_(transform(key, host) if transform is not None else host)
+            if self.kv_scales is not None:
+                use_fp8_cache(self.model, None if name == "16bit" else self.kv_scales)
             self.current = name
         return self.model
 

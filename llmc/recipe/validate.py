@@ -59,9 +59,6 @@ def _check_backend(recipe: Recipe, ctx: Context) -> None:
     if recipe.backend == "tensorrt_llm" and recipe.model.dtype == "float32":
         raise ctx.error("model.dtype", "float32 is not supported by the tensorrt_llm backend",
                         "use dtype float16 or bfloat16, or backend: torch")
-    if recipe.backend == "torch" and recipe.kv_cache.dtype == "fp8":
-        raise ctx.error("kv_cache.dtype", "an fp8 KV cache is not supported by the torch engine",
-                        "use kv_cache.dtype auto, float16 or bfloat16, or backend: tensorrt_llm")
 
 
 def _check_kv_cache(recipe: Recipe, ctx: Context) -> None:

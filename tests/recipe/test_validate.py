@@ -16,7 +16,6 @@ AWQ = {"quantization.method": "awq"}
 BAD_COMBINATIONS = [
     ({"engine.max_input_len": 4096, "engine.max_seq_len": 2048}, "engine.max_seq_len", "max_input_len"),
     ({"backend": "tensorrt_llm", "model.dtype": "float32"}, "model.dtype", "backend: torch"),
-    ({"kv_cache.dtype": "fp8"}, "kv_cache.dtype", "backend: tensorrt_llm"),
     ({"kv_cache.paged": False}, "kv_cache.paged", "paged: true"),
     ({"kv_cache.paged": False, "backend": "tensorrt_llm"}, "tensorrt_llm.use_paged_context_fmha", "paged"),
     ({"kv_cache.paged": False, "backend": "tensorrt_llm", "tensorrt_llm.use_paged_context_fmha": False},
@@ -74,9 +73,10 @@ def test_inconsistent_values(write_recipe, overrides, where, hint):
     assert str(path) in message and where in message and "Fix:" in message and hint in message
 
 
-def test_fp8_kv_cache_is_fine_for_tensorrt_llm(write_recipe):
-    recipe = load_recipe(write_recipe({"backend": "tensorrt_llm", "kv_cache.dtype": "fp8"}))
-    assert recipe.kv_cache.dtype == "fp8"
+@pytest.mark.parametrize("backend", ["tensorrt_llm", "torch"])
+def test_fp8_kv_cache_is_fine_for_both_backends(write_recipe, backend):
+    recipe = load_recipe(write_recipe({"backend": backend, "kv_cache.dtype": "fp8"}))
+    assert recipe.kv_cache.dtype == "fp8" and recipe.backend == backend
 
 
 @pytest.mark.parametrize("content, problem", [(None, "does not exist"), ("", "is empty"), ("  \n\n", "is empty")])

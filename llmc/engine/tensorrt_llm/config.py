@@ -13,11 +13,12 @@ import os
 import shlex
 from pathlib import Path
 
+from llmc.checkpoint import kv_scales
 from llmc.checkpoint.config import W4A16_AWQ
 from llmc.errors import CheckpointError
 from llmc.recipe import Recipe
 
-FP8_KV_ALGO = "FP8"  # line 32: kv_cache_quant_algo for an FP8 KV cache
+FP8_KV_ALGO = kv_scales.FP8_KV_ALGO  # line 32: kv_cache_quant_algo for an FP8 KV cache
 KV_SCALE_SUFFIX = "attention.kv_cache_scaling_factor"  # line 32: per-layer fp32 tensor of shape [1]
 PLUGIN_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint/engine dtypes
 MAX_BEAM_WIDTH = 1  # line 73: BuildConfig max_beam_width (default 1); llmc does not beam-search
@@ -108,16 +109,15 @@ def kv_cache_quantization(quant_block: dict | None, kv_dtype: str) -> dict | Non
 
 def missing_kv_cache_scales(num_layers: int, tensor_names: set[str]) -> list[str]:
     """Names of the per-layer FP8 KV scales (line 32) that ``tensor_names`` lacks."""
-    wanted = [f"transformer.layers.{n}.{KV_SCALE_SUFFIX}" for n in range(num_layers)]
-    return [name for name in wanted if name not in tensor_names]
+    return kv_scales.missing(num_layers, tensor_names)
 
 
 def require_kv_cache_scales(num_layers: int, rank_tensor_names: list[set[str]]) -> None:
     """Raise :class:`CheckpointError` unless every rank has all per-layer FP8 KV scales.
 
-    llmc does not calibrate KV-cache scales and will not invent them: a scale of 1.0 is only right
-    when the K/V activations already fit FP8's range, which nothing here has measured. A missing
-    tensor is also a hard error in TensorRT-LLM's own build (line 61).
+    ``llmc build`` calibrates them (:mod:`llmc.builder.kv_scales`); a checkpoint from elsewhere must bring its
+    own, since a scale of 1.0 is only right when the K/V activations already fit FP8's range. A missing tensor is
+    also a hard error in TensorRT-LLM's own build (line 61).
     """
     for rank, names in enumerate(rank_tensor_names):
         missing = missing_kv_cache_scales(num_layers, names)
@@ -125,9 +125,9 @@ def require_kv_cache_scales(num_layers: int, rank_tensor_names: list[set[str]]) 
             raise CheckpointError(
                 f"kv_cache.dtype fp8 needs a per-layer fp32 {KV_SCALE_SUFFIX} tensor of shape [1] in "
                 f"every rank of the checkpoint; rank {rank} lacks {len(missing)} (first: {missing[0]}). "
-                "llmc does not calibrate FP8 KV-cache scales. Fix: set kv_cache.dtype to auto (16-bit KV "
-                "cache), or provide a checkpoint whose KV scales were calibrated (e.g. by NVIDIA's "
-                "ModelOpt quantization) "
+                "Fix: rebuild with `llmc build --force` (llmc calibrates them), set kv_cache.dtype to auto "
+                "(16-bit KV cache), or provide a checkpoint whose KV scales were calibrated (e.g. by NVIDIA's "
+                "ModelOpt quantization)"
             )
 
 

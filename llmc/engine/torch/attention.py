@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmc.engine.torch import cpu_ext
+from llmc.engine.torch.kv_store import FP8, from_cache, write_kv
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
 from llmc.engine.torch.triton_prefill import attend_cached_chunks
 from llmc.engine.types import ScheduledSequence
@@ -188,31 +189,24 @@ def build_attention_metadata(
     )
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store the new ``k, v [T, nkv, hd]`` at their flat cache slots (in the cache's dtype)."""
-    num_kv_heads, head_size = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, bf16_prefill: bool = False, kv_written: bool = False,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
 
     ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first (``kv_written``: the
-    caller's fused RoPE kernel wrote them already). Returns ``[T, nh, hd]``. On CUDA, prompt chunks that continue a
+    caller's fused RoPE kernel wrote them already); ``kv_scale``: an fp8 cache's scale (:func:`to_cache`). Returns
+    ``[T, nh, hd]``. On CUDA, prompt chunks that continue a
     cached context attend through one Triton kernel (:mod:`llmc.engine.torch.triton_prefill`).
     ``bf16_prefill`` (CPU, a model whose prefill GEMMs run in bfloat16): prefill chunks attend in bfloat16 products
     with float32 sums too, through llmc's kernel where it runs (:func:`cpu_ext.prefill_attention_available`).
     """
     if not kv_written:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scale)
     if meta.all_decode:  # pure decode step: no packing to undo
-        return decode_attention(q, k_cache, v_cache, meta, scale)
+        return decode_attention(q, k_cache, v_cache, meta, scale, kv_scale)
     if bf16_prefill and cpu_ext.prefill_attention_available(q, k_cache):
         return _bf16_prefill_attention(q, k_cache, v_cache, meta, scale)
     if meta.max_query_len <= CPU_KERNEL_MAX_QUERY_LEN and cpu_ext.decode_attention_available(q, k_cache):
@@ -223,16 +217,17 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.decode_seqs.numel() > 0:
         q_dec = q.index_select(0, meta.decode_tokens)  # [D, nh, hd]
-        out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale))
+        out.index_copy_(0, meta.decode_tokens, decode_attention(q_dec, k_cache, v_cache, meta, scale, kv_scale))
     chunks = [(i, meta.query_starts[i], meta.query_lens[i], meta.num_computed[i]) for i in meta.prefill_seqs]
-    done = attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, scale, out)  # CUDA: those over a cache
+    done = attend_cached_chunks(q, k_cache, v_cache, meta.block_tables, chunks, scale, out,  # CUDA: those over a cache
+                                kv_scale)
     for i in (i for i in meta.prefill_seqs if i not in done):
         start, end = meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i]
         if meta.num_computed[i] == 0:
             # Fresh prefill: the whole context is this step's k/v, no need to read the cache back.
             k_ctx, v_ctx = k[start:end], v[start:end]
         else:
-            k_ctx, v_ctx = _gather_context(k_cache, v_cache, meta, i)
+            k_ctx, v_ctx = (from_cache(c, q.dtype, kv_scale) for c in _gather_context(k_cache, v_cache, meta, i))
         out[start:end] = _prefill_attention(q[start:end], k_ctx, v_ctx, meta.num_computed[i], scale)
     return out
 
@@ -267,6 +262,8 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     On CPU this is one ``index_select`` over whole blocks viewed as rows (each a contiguous memcpy), measured
     ~2.7x faster than advanced indexing for one sequence and ~5x for 16; CUDA keeps advanced indexing.
     """
+    if cache.dtype == FP8:  # gathered as bytes: float8 has no indexing kernels everywhere
+        return gather_blocks(cache.view(torch.uint8), tables).view(FP8)
     d, nb = tables.shape
     num_blocks, block_size, num_kv_heads, head_size = cache.shape
     if cache.device.type != "cpu":
@@ -363,7 +360,8 @@ def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.T
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]`` (this step's
     keys and values must be in the cache already).
@@ -375,22 +373,24 @@ def decode_attention(
     """
     d, num_heads, head_size = q.shape
     if q.is_cuda and kernel_available(q.device, meta.block_size, head_size):
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale)
-    if cpu_ext.decode_attention_available(q, k_cache):
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale,
+                                      kv_scale=kv_scale)
+    if cpu_ext.decode_attention_available(q, k_cache):  # not for fp8 caches
         return cpu_ext.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens,
                                               scale)
-    return reference_decode_attention(q, k_cache, v_cache, meta, scale)
+    return reference_decode_attention(q, k_cache, v_cache, meta, scale, kv_scale)
 
 
 def reference_decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """The portable decode path: gather each context, pad to the longest, SDPA under the key mask."""
     d, num_heads, head_size = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = gather_blocks(k_cache, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [D, nkv, L, hd]
-    v = gather_blocks(v_cache, meta.decode_tables).transpose(1, 2).to(q.dtype)
+    k = from_cache(gather_blocks(k_cache, meta.decode_tables).transpose(1, 2), q.dtype, kv_scale)  # [D, nkv, L, hd]
+    v = from_cache(gather_blocks(v_cache, meta.decode_tables).transpose(1, 2), q.dtype, kv_scale)
     q_g = q.view(d, num_kv_heads, group, head_size)  # query heads of one kv head share its keys
     out = F.scaled_dot_product_attention(q_g, k, v, attn_mask=meta.decode_mask, scale=scale)
     return out.reshape(d, num_heads, head_size)

@@ -2,8 +2,8 @@
 
 The portable engine runs the IR directly, so its engine folder holds only a self-description:
 ``{backend: "torch", format_version, checkpoint (relative path), dtype, quantization, model, limits,
-kv_cache, kv_bytes_per_token}``. ``kv_bytes_per_token`` is for the engine dtype (a CUDA deployment); on CPU
-the runner computes in float32 and an ``auto`` KV cache then takes twice that.
+kv_cache, kv_bytes_per_token}``. ``kv_bytes_per_token`` is for the engine dtype (a CUDA deployment; fp8: one byte
+an element); on CPU the runner computes in float32 and an ``auto`` KV cache then takes twice that.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from llmc.checkpoint import kv_scales
 from llmc.checkpoint.convert import torch_dtype
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.kv_alloc import kv_bytes_per_token, kv_cache_dtype
@@ -40,6 +41,10 @@ def compile_torch_engine(recipe: Recipe, checkpoint_dir: str | Path, engine_dir:
     ir_config = json.loads(config_path.read_text())
     model = ModelConfig.from_checkpoint_config(ir_config)
     kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(model.dtype))
+    if (recipe.kv_cache.dtype == "fp8") != kv_scales.fp8_kv(ir_config):
+        raise EngineError(f"kv_cache.dtype is {recipe.kv_cache.dtype} but the checkpoint's kv_cache_quant_algo is "
+                          f"{(ir_config.get('quantization') or {}).get('kv_cache_quant_algo')}. Fix: rebuild the "
+                          f"checkpoint from this recipe (`llmc build --force`)")
     bytes_per_token = kv_bytes_per_token(model, kv_dtype)
     engine = {
         "backend": BACKEND,

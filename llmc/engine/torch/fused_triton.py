@@ -70,14 +70,15 @@ def _heads(row, bias_ptr, norm_ptr, eps, h, ok, d, rot, HD: tl.constexpr, HAS_BI
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_out_ptr,
-                    bias_ptr, q_norm_ptr, k_norm_ptr, eps,
+                    bias_ptr, q_norm_ptr, k_norm_ptr, eps, inv_kv_scale,
                     stride_qkv, stride_cs, stride_q, stride_slot, stride_k_out, NH, NKV,
                     HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, HAS_K_OUT: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """One token per program: rotate its q heads (stored to q) and k heads (stored at the token's cache slot,
     and to ``k_out`` when given), copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened
     blocks). ``HAS_BIAS``: q, k and v get the qkv bias first (Qwen2); ``HAS_NORM``: each q and k head is
-    RMS-normed (``q_norm`` / ``k_norm`` weights ``[HD]``, Qwen3) before the rotation."""
+    RMS-normed (``q_norm`` / ``k_norm`` weights ``[HD]``, Qwen3) before the rotation. ``FP8``: the cache holds k
+    and v times ``inv_kv_scale``, clamped to e4m3's range and rounded to nearest (``attention.to_cache``)."""
     if PDL:  # launched while the previous kernel runs: the next may launch now, and we wait for the previous one
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -102,14 +103,22 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     # Round like the reference: k is rotated in the activations' dtype, then stored in the cache's dtype.
     k = tl.fma(x, cos, xr * sin).to(qkv_ptr.dtype.element_ty)
     cache = slot * NKV * HD + g * HD + d[None, :]
-    tl.store(k_cache_ptr + cache, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(k_cache_ptr + cache, _cached(k, inv_kv_scale, k_cache_ptr.dtype.element_ty, FP8), mask=ok)
     if HAS_K_OUT:
         tl.store(k_out_ptr + t * stride_k_out + g * HD + d[None, :], k, mask=ok)
     v = tl.load(k_row + NKV * HD + g * HD + d[None, :], mask=ok, other=0.0)
     if HAS_BIAS:
         b = tl.load(bias_ptr + (NH + NKV) * HD + g * HD + d[None, :], mask=ok, other=0.0)
         v = (v.to(tl.float32) + b.to(tl.float32)).to(qkv_ptr.dtype.element_ty)
-    tl.store(v_cache_ptr + cache, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + cache, _cached(v, inv_kv_scale, v_cache_ptr.dtype.element_ty, FP8), mask=ok)
+
+
+@triton.jit
+def _cached(x, inv_scale, dtype, FP8: tl.constexpr):
+    """Keys or values (the activations' dtype) as the cache stores them."""
+    if FP8:
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(dtype)
+    return x.to(dtype)
 
 
 def add_rms_norm_(h: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,14 +147,15 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
                   head_size: int, return_k: bool = False, bias: torch.Tensor | None = None,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  kv_scale: float = 1.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RoPE + KV-cache write of one step: ``qkv [T, (nh + 2 nkv) hd]``, tables ``cos, sin [T, 1, hd]`` (from
     :func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``.
     Returns the rotated queries ``[T, nh, hd]``; with ``return_k`` also the rotated keys ``[T, nkv, hd]`` in the
     activations' dtype (what a fresh prompt's attention reads, instead of gathering them back from the cache).
     ``bias [(nh + 2 nkv) hd]`` (Qwen2) is added to q, k and v first; ``q_norm, k_norm [hd]`` (Qwen3, both or
     neither) RMS-norm each q and k head (``eps``) before the rotation: what the model's reference path does in
-    separate ops, in this one kernel."""
+    separate ops, in this one kernel. An fp8 cache gets k and v divided by ``kv_scale``
+    (:func:`llmc.engine.torch.attention.to_cache`)."""
     assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together"
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
@@ -155,9 +165,9 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         cos2, sin2 = cos.reshape(t, head_size), sin.reshape(t, head_size)
         _rope_kv_kernel[(t,)](qkv, cos2, sin2, q, k_cache, v_cache, slot_mapping, k,
                               qkv if bias is None else bias, qkv if q_norm is None else q_norm,
-                              qkv if k_norm is None else k_norm, eps, qkv.stride(0), cos2.stride(0),
+                              qkv if k_norm is None else k_norm, eps, 1.0 / kv_scale, qkv.stride(0), cos2.stride(0),
                               q.stride(0), slot_mapping.stride(0), k.stride(0), num_heads, num_kv_heads, HD=head_size,
                               BLOCK_H=pow2_at_least(num_heads), BLOCK_KV=pow2_at_least(num_kv_heads),
                               HAS_K_OUT=return_k, HAS_BIAS=bias is not None, HAS_NORM=q_norm is not None,
-                              num_warps=4, **pdl_kwargs(qkv.device))
+                              FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl_kwargs(qkv.device))
     return (q, k) if return_k else q

@@ -21,6 +21,8 @@ from llmc.checkpoint.config import W4A16_AWQ
 from llmc.checkpoint.convert import dequantized_weights, merge_shards, torch_dtype
 from llmc.checkpoint.int4 import unpack_int4
 from llmc.checkpoint.io import read_checkpoint
+from llmc.checkpoint.kv_scales import is_scale as is_kv_scale
+from llmc.checkpoint.kv_scales import read as read_kv_scales
 from llmc.engine.torch import cpu_ext, host_embedding, triton_support
 from llmc.engine.torch.model import LlamaForCausalLM, ModelConfig, state_dict_name
 from llmc.engine.torch.prefill_cpu import MixedLinear, prefill_precision
@@ -66,12 +68,27 @@ def load_model(
       every decoder linear (:class:`~llmc.engine.torch.dense16_cpu.Dense16Linear`) in decode steps with llmc's
       kernel over the exact 16-bit copy of the weight: half the bytes per token.
 
+    An IR with an FP8 KV cache gives each layer's ``kv_cache_scaling_factor`` to its attention (``kv_scale``).
+
     Raises CheckpointError for a missing/unreadable folder, an unsupported config, a missing tensor or a
     shape that does not match the config (extra tensors are ignored with a warning, as TensorRT-LLM does).
     """
     raw_config, rank_weights = read_checkpoint(Path(checkpoint_dir))
-    raw_ranks, raw_checkpoint_rank0 = rank_weights, rank_weights[0]
     config = ModelConfig.from_checkpoint_config(raw_config)
+    scales = read_kv_scales(raw_config, rank_weights[0], config.num_layers)  # None without an FP8 KV cache
+    if scales is not None:
+        rank_weights = [{k: v for k, v in rank.items() if not is_kv_scale(k)} for rank in rank_weights]
+    model = _load(raw_config, rank_weights, config, device, dtype, cpu_kernels, cuda_kernels, fold_prequant,
+                  triton_on_cpu)
+    for layer, scale in zip(model.transformer.layers, scales or ()):
+        layer.attention.kv_scale = scale  # used where the cache is fp8 (kv_alloc.runtime_kv_dtype)
+    return model
+
+
+def _load(raw_config: dict, rank_weights: list[dict[str, torch.Tensor]], config: ModelConfig,
+          device: torch.device | str, dtype: torch.dtype | str | None, cpu_kernels: bool, cuda_kernels: bool,
+          fold_prequant: bool, triton_on_cpu: bool) -> LlamaForCausalLM:
+    raw_ranks, raw_checkpoint_rank0 = rank_weights, rank_weights[0]
     quant = raw_config.get("quantization") or {}
     if quant.get("quant_algo") not in (None, W4A16_AWQ):
         raise CheckpointError(

@@ -119,6 +119,7 @@ class Attention(nn.Module):
         self.q_layernorm, self.k_layernorm = norm(), norm()
         self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
         self.bf16_prefill = False  # CPU: prefill chunks attend in bfloat16 products (see use_bf16_prefill)
+        self.kv_scale = 1.0  # an fp8 cache holds k / kv_scale and v / kv_scale (the IR's kv_cache_scaling_factor)
 
     def use_bf16_prefill(self) -> None:
         """CPU, with the model's prefill GEMMs in bfloat16: attend prefill chunks in bfloat16 products with float32
@@ -136,7 +137,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, : q_size + kv_size].view(t, -1, self.head_size), cos, sin)  # q and k heads at once
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)  # [T, nh, hd], [T, nkv, hd]
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_size)  # [T, nkv, hd]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill)  # [T, nh, hd]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.bf16_prefill,
+                              kv_scale=self.kv_scale)  # [T, nh, hd]
         return self.dense(out.reshape(t, q_size))
 
     def _qkv_for_rope(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,19 +180,20 @@ class Attention(nn.Module):
             q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
             if q is None:  # the layer has no epilogue, or it does not apply: the rope kernel adds the bias, norms
                 q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh,
-                                               nkv, hd, **self._rope_extras())  # the heads (one kernel)
+                                               nkv, hd, kv_scale=self.kv_scale, **self._rope_extras())  # one kernel
             return q, None, None
         qkv = self._qkv_for_rope(x)  # [T, (nh + 2 nkv) hd]
         q, k = fused_triton.rope_write_kv(qkv, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv, hd,
-                                          return_k=True)
+                                          return_k=True, kv_scale=self.kv_scale)
         return q, k, qkv[:, (nh + nkv) * hd :].view(x.shape[0], nkv, hd)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,
                kv_cache: KVCache) -> torch.Tensor:
         """Attention of :meth:`project`'s outputs (their keys and values already in the cache) -> ``[T, nh, hd]``."""
         if attn.all_decode:
-            return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True)
+            return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale, self.kv_scale)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True,
+                               kv_scale=self.kv_scale)
 
 
 def _linear_add_norm(linear: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor | PendingNorm:

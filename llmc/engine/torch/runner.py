@@ -25,7 +25,7 @@ from llmc.engine.torch.attention import build_attention_metadata
 from llmc.engine.torch.compile import read_engine_config
 from llmc.engine.torch.cuda_graphs import CHUNK_ROWS, CHUNKS_ENV, DecodeGraphs, last_rows, verify_rows
 from llmc.engine.torch.drafts import DraftRows
-from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype, plan_num_blocks
+from llmc.engine.torch.kv_alloc import allocate_kv_cache, kv_bytes_per_token, plan_num_blocks, runtime_kv_dtype
 from llmc.engine.torch.int4_install import config_sources
 from llmc.engine.torch.loader import host_weight_bytes, load_model, weight_bytes
 from llmc.engine.torch.piece_graphs import PieceGraphs, piece_buckets, pieces_enabled
@@ -61,7 +61,8 @@ class TorchModelRunner:
     configs each int4 CUDA layer shape runs), ``block_size`` (recipe
     ``kv_cache.tokens_per_block``), ``num_blocks`` (given, or
     from the recipe's KV budget: ``cpu_budget_mb`` on CPU, ``memory_fraction`` of free CUDA memory after the
-    weights), ``vocab_size``, ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
+    weights), ``vocab_size``, ``kv_dtype`` (the cache's; ``kv_fallback``: why the recipe's fp8 runs as 16-bit
+    here, else None), ``kv_bytes_per_token``, ``model``, ``kv_caches``, ``graphs`` (the captured
     decode steps on CUDA, else None), ``pieces`` (steps with prompt tokens under a mixed-step budget, from graphs in
     pieces: :meth:`capture_pieces`, else None).
 
@@ -86,9 +87,14 @@ class TorchModelRunner:
         self.host_weight_bytes = host_weight_bytes(self.model)  # {dtype: bytes}: an input embedding in host memory
         self.int4_config_sources = config_sources(self.model)  # {int4 CUDA layer shape: whose kernel configs}
         # `auto` = the checkpoint's dtype (docs/RECIPE.md), also where CPU computes in float32: the CPU attention
-        # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device.
-        kv_dtype = kv_cache_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype))
+        # kernel widens float16/bfloat16 caches exactly, and engine.json's kv_bytes_per_token holds on every device
+        # (fp8: where the GPU runs it, else the checkpoint's dtype, said in the log).
         self.block_size = recipe.kv_cache.tokens_per_block
+        kv_dtype, self.kv_fallback = runtime_kv_dtype(recipe.kv_cache.dtype, torch_dtype(config.dtype), self.device,
+                                                      self.block_size, config.head_size)
+        if self.kv_fallback:
+            logger.warning("%s", self.kv_fallback)
+        self.kv_dtype = kv_dtype
         self.max_prompt_chunk = min(recipe.engine.max_input_len, recipe.engine.max_num_tokens)
         self.max_num_tokens = recipe.engine.max_num_tokens
         self.vocab_size = config.vocab_size

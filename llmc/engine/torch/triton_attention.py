@@ -104,15 +104,17 @@ def _kernel():
     # would compile a variant per divisibility class of each, in the middle of serving, on a fresh machine).
     @triton.jit(do_not_specialize=["num_splits", "stride_tb"])
     def paged_decode(
-        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr, scale, num_splits,
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr, scale, kv_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_R: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
         PER_ITER: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, FUSED: tl.constexpr, SPLITS_P: tl.constexpr,
-        PRECISION: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+        if FP8:  # the cache holds k / kv_scale and v / kv_scale: the scale goes into the logits and the output
+            scale = scale * kv_scale
         seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         num_kv_heads = tl.num_programs(1)
         ctx = tl.load(lens_ptr + seq)
@@ -137,6 +139,8 @@ def _kernel():
             offs = block[:, None] * stride_kb + jt[:, None] * stride_ks + kvh * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
             v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+            if FP8:  # e4m3 values are exact in 16 bits
+                k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
             s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_P, tokens] fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -145,6 +149,8 @@ def _kernel():
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        if FP8:
+            acc = acc * kv_scale
         if FUSED and num_splits == 1:  # the whole context in this program: no partials
             out_rows = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
             tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
@@ -244,13 +250,14 @@ def combine_splits_reference(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.d
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence ``q [D, nh, hd]`` over its cached context -> ``[D, nh, hd]``.
 
     ``k_cache, v_cache [num_blocks, block_size, nkv, hd]``; ``block_tables [D, max_blocks]`` int32 (entries
     past a sequence's blocks are never read); ``context_lens [D]`` int32, each >= 1 (this step's key is already
-    in the cache). Fixed shapes and no host synchronisation, so it can be captured in a CUDA graph.
+    in the cache). Fixed shapes and no host synchronisation, so it can be captured in a CUDA graph. An fp8 cache
+    (``torch.float8_e4m3fn``) holds keys and values divided by ``kv_scale``.
     """
     d, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -269,13 +276,13 @@ def paged_decode_attention(
     ml = torch.empty(partials, 2, dtype=torch.float32, device=q.device)
     counters = _counters(q.device, d * num_kv_heads)
     _kernel()[(d, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, acc, ml, counters, out, scale, splits,
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, counters, out, scale, kv_scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), GROUP_R=_next_pow2(group), HEAD=head_size,
         BLOCK=block_size, PER_ITER=per_iter, MIN_PER_SPLIT=min_per_split, FUSED=fused, SPLITS_P=MAX_FUSED_SPLITS,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        num_warps=num_warps or warps, num_stages=num_stages or stages,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=num_warps or warps, num_stages=num_stages or stages,
         **triton_support.pdl_kwargs(q.device),
     )
     if fused:

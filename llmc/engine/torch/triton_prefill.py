@@ -58,14 +58,16 @@ def _kernel():
 
     @triton.jit(do_not_specialize=["stride_tb"])
     def paged_prefill(
-        q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, out_ptr, qk_scale,
+        q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, out_ptr, qk_scale, kv_scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr, HEAD: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+        if FP8:  # the cache holds k / kv_scale and v / kv_scale: the scale goes into the logits and the output
+            qk_scale = qk_scale * kv_scale
         tile, kvh = tl.program_id(0), tl.program_id(1)
         row = tl.load(tiles_ptr + tile * 4)
         q0 = tl.load(tiles_ptr + tile * 4 + 1)
@@ -105,6 +107,8 @@ def _kernel():
                 else:
                     k = tl.load(k_ptr + offs, mask=inside[:, None], other=0.0)
                     v = tl.load(v_ptr + offs, mask=inside[:, None], other=0.0)
+                if FP8:  # e4m3 values are exact in 16 bits
+                    k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
                 s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N] fp32
                 if masked == 1:
                     s = tl.where((k_pos[None, :] <= q_pos[:, None]) & inside[None, :], s, float("-inf"))
@@ -114,6 +118,8 @@ def _kernel():
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
                 m_i = m_new
+        if FP8:
+            acc = acc * kv_scale
         out_rows = out_ptr + (q0 + tok)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
@@ -123,11 +129,12 @@ def _kernel():
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, chunks: list[tuple[int, int, int, int]], scale: float,
                             out: torch.Tensor, rows: int = ROWS, block_n: int = BLOCK_N, num_warps: int = WARPS,
-                            num_stages: int = STAGES) -> torch.Tensor:
+                            num_stages: int = STAGES, kv_scale: float = 1.0) -> torch.Tensor:
     """Attention of the prompt chunks ``chunks`` (row of ``block_tables``, packed index of its first new token, its
     new tokens, tokens cached before them) of the packed queries ``q [T, nh, hd]`` over each chunk's cache, whose
     keys and values (the chunk's own included) are already written. Writes those rows of ``out [T, nh, hd]`` and
-    returns it. ``k_cache, v_cache [num_blocks, block_size, nkv, hd]``; ``block_tables [B, max_blocks]`` int32."""
+    returns it. ``k_cache, v_cache [num_blocks, block_size, nkv, hd]`` (fp8: keys and values divided by
+    ``kv_scale``); ``block_tables [B, max_blocks]`` int32."""
     _, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -138,12 +145,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     _kernel()[(table.shape[0], num_kv_heads)](
-        q, k_cache, v_cache, block_tables, table, out, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, table, out, scale * LOG2E, kv_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, TOKENS=tokens, HEAD=head_size, BLOCK=block_size, BLOCK_N=block_n,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        num_warps=num_warps, num_stages=num_stages, **triton_support.pdl_kwargs(q.device),
+        FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=num_warps, num_stages=num_stages,
+        **triton_support.pdl_kwargs(q.device),
     )
     return out
 
@@ -164,12 +172,12 @@ def prefill_kernel_enabled() -> bool:
 
 def attend_cached_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, chunks: list[tuple[int, int, int, int]], scale: float,
-                         out: torch.Tensor) -> frozenset[int]:
+                         out: torch.Tensor, kv_scale: float = 1.0) -> frozenset[int]:
     """On CUDA with Triton: a step's prompt chunks that continue a cached context (as :func:`paged_prefill_attention`
     takes them; chunks without cached tokens are left out) through the kernel, into ``out``; returns their table
     rows (none elsewhere, or with ``LLMC_PREFILL_KERNEL=0``: the caller's reference path takes them)."""
     if not prefill_kernel_enabled() or not kernel_available(q.device, k_cache.shape[1], q.shape[-1]):  # CUDA only
         return frozenset()
     chunks = [chunk for chunk in chunks if chunk[3] > 0]
-    paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, scale, out)
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, chunks, scale, out, kv_scale=kv_scale)
     return frozenset(chunk[0] for chunk in chunks)

@@ -87,14 +87,6 @@ def test_the_build_report_says_the_cpu_prefill_path(tiny_hf_dir, tmp_path):
     assert report16["cpu_prefill"].startswith("bfloat16" if cpu_ext.bf16_prefill_why_not() is None else "float32")
 
 
-def test_fp8_kv_cache_is_refused_by_the_torch_backend(tiny_hf_dir, tiny_ir_dir, tmp_path):
-    # The recipe validator refuses this combination too; the engine does not rely on it.
-    r = recipe(tiny_hf_dir)
-    r = dataclasses.replace(r, kv_cache=dataclasses.replace(r.kv_cache, dtype="fp8"))
-    with pytest.raises(EngineError, match="fp8"):
-        compile_engine(r, tiny_ir_dir, tmp_path / "engine")
-
-
 def test_missing_checkpoint_is_a_checkpoint_error(tiny_hf_dir, tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         compile_engine(recipe(tiny_hf_dir), tmp_path / "nope", tmp_path / "engine")

@@ -133,7 +133,7 @@ def test_auto_kv_dtype_is_the_checkpoints_also_on_cpu(tiny_hf_dir, tmp_path, mon
     assert runner.kv_caches[0][0].dtype == torch.float16
     assert runner.model.transformer.ln_f.weight.dtype == torch.float32
     assert runner.kv_bytes_per_token == read_engine_config(build / "engine")["kv_bytes_per_token"]
-    monkeypatch.setattr(runner_module, "kv_cache_dtype", lambda recipe_dtype, model_dtype: torch.float32)
+    monkeypatch.setattr(runner_module, "runtime_kv_dtype", lambda *args: (torch.float32, None))
     wide = TorchModelRunner(build, device="cpu")
     assert wide.kv_caches[0][0].dtype == torch.float32
     assert greedy(runner) == greedy(wide)
