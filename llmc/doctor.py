@@ -234,6 +234,17 @@ def triton_launch(sm: int) -> str:
     return f" (launched programmatically; {PDL_ENV}=0 turns it off)"
 
 
+def fp8_kv_cache(sm: int) -> str:
+    """What ``kv_cache.dtype: fp8`` gives on a GPU of compute capability ``sm`` (with Triton)."""
+    from llmc.engine.torch.kv_alloc import FP8_ENV
+
+    if sm < 89:
+        return f"; kv_cache.dtype fp8 runs as a 16-bit cache (SM{sm}: fp8 conversions need SM89+)"
+    if os.environ.get(FP8_ENV, "1") == "0":
+        return f"; kv_cache.dtype fp8 runs as a 16-bit cache ({FP8_ENV}=0)"
+    return "; kv_cache.dtype fp8: an fp8 KV cache (half the bytes a token)"
+
+
 def embedding_place() -> str:
     """Where a CUDA engine keeps an untied input embedding (``LLMC_EMBEDDING``), or the variable's problem."""
     from llmc.engine.torch.host_embedding import ENV, placement
@@ -259,7 +270,8 @@ def backend_statuses(gpus: tuple[GpuInfo, ...], trtllm_version: str | None, trtl
         "" if cuda_int4_why_not is None else " (the Triton kernels, which int4 engines run here)")
     if gpus:  # the CUDA paths: Triton kernels + CUDA graphs, or PyTorch's ops (AWQ dequantized to 16-bit)
         torch_detail += (f"; CUDA decode steps: Triton {triton_version} paged attention and fused norm/RoPE "
-                         f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}{prompt_step_paths()}; AWQ int4 (W4A16), "
+                         f"kernels in CUDA graphs{triton_launch(gpus[0].sm)}{prompt_step_paths()}"
+                         f"{fp8_kv_cache(gpus[0].sm)}; AWQ int4 (W4A16), "
                          f"weights kept packed: "
                          f"{int4_cuda_path(cuda_int4_why_not, gpus[0].sm)} "
                          f"(tuned for {', '.join(tuned_gpus(gpus)) or 'no GPU here: heuristic configs'}{tune})"

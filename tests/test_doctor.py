@@ -104,6 +104,18 @@ def test_cuda_decode_and_int4_paths_named_by_triton_presence(monkeypatch):
     assert cpu_only.detail == "CPU; no CUDA GPU found"
 
 
+def test_doctor_says_what_an_fp8_kv_cache_gets(monkeypatch):
+    monkeypatch.delenv("LLMC_KV_FP8", raising=False)
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert "; kv_cache.dtype fp8: an fp8 KV cache (half the bytes a token); AWQ int4" in status.detail
+    a100 = H100.__class__(**{**H100.__dict__, "name": "NVIDIA A100", "compute_capability": "8.0"})
+    status, _ = backend_statuses((a100,), None, "missing", triton_version="3.6.0")
+    assert "; kv_cache.dtype fp8 runs as a 16-bit cache (SM80: fp8 conversions need SM89+)" in status.detail
+    monkeypatch.setenv("LLMC_KV_FP8", "0")
+    status, _ = backend_statuses((H100,), None, "missing", triton_version="3.6.0")
+    assert "; kv_cache.dtype fp8 runs as a 16-bit cache (LLMC_KV_FP8=0)" in status.detail
+
+
 def test_doctor_says_how_cuda_steps_with_prompt_tokens_run(monkeypatch):
     from llmc.doctor import prompt_step_paths
 
