@@ -197,8 +197,8 @@ def paged_attention(
     """Causal attention of the packed queries ``q [T, nh, hd]`` over each sequence's cached context.
 
     ``k, v [T, nkv, hd]`` are this step's keys/values; they are written to the cache first (``kv_written``: the
-    caller's fused RoPE kernel wrote them already); ``kv_scale``: an fp8 cache's scale (:func:`to_cache`). Returns
-    ``[T, nh, hd]``. On CUDA, prompt chunks that continue a
+    caller's fused RoPE kernel wrote them already); ``kv_scale``: an fp8 cache's scale
+    (:func:`llmc.engine.torch.kv_store.to_cache`). Returns ``[T, nh, hd]``. On CUDA, prompt chunks that continue a
     cached context attend through one Triton kernel (:mod:`llmc.engine.torch.triton_prefill`).
     ``bf16_prefill`` (CPU, a model whose prefill GEMMs run in bfloat16): prefill chunks attend in bfloat16 products
     with float32 sums too, through llmc's kernel where it runs (:func:`cpu_ext.prefill_attention_available`).

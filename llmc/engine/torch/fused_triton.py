@@ -78,7 +78,7 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, 
     and to ``k_out`` when given), copy its v heads to the cache. The cache is ``[slots, NKV, HD]`` (flattened
     blocks). ``HAS_BIAS``: q, k and v get the qkv bias first (Qwen2); ``HAS_NORM``: each q and k head is
     RMS-normed (``q_norm`` / ``k_norm`` weights ``[HD]``, Qwen3) before the rotation. ``FP8``: the cache holds k
-    and v times ``inv_kv_scale``, clamped to e4m3's range and rounded to nearest (``attention.to_cache``)."""
+    and v times ``inv_kv_scale``, clamped to e4m3's range and rounded to nearest (``kv_store.to_cache``)."""
     if PDL:  # launched while the previous kernel runs: the next may launch now, and we wait for the previous one
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -155,7 +155,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     ``bias [(nh + 2 nkv) hd]`` (Qwen2) is added to q, k and v first; ``q_norm, k_norm [hd]`` (Qwen3, both or
     neither) RMS-norm each q and k head (``eps``) before the rotation: what the model's reference path does in
     separate ops, in this one kernel. An fp8 cache gets k and v divided by ``kv_scale``
-    (:func:`llmc.engine.torch.attention.to_cache`)."""
+    (:func:`llmc.engine.torch.kv_store.to_cache`)."""
     assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together"
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_size, dtype=qkv.dtype, device=qkv.device)
