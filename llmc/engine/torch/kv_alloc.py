@@ -49,7 +49,8 @@ def fp8_why_not(device: torch.device, block_size: int, head_size: int) -> str | 
         return (f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no "
                 f"fp8 conversions; they need 8.9+ (Ada, Hopper, Blackwell)")
     if not kernel_available(device, block_size, head_size):
-        return "the Triton attention kernels do not run here (Triton missing, or a block or head size not a power of 2)"
+        return (f"the Triton attention kernels need Triton and power-of-two block and head sizes of at least 16 "
+                f"(kv_cache.tokens_per_block {block_size}, heads of {head_size})")
     return None
 
 

@@ -128,7 +128,7 @@ def fp8_build(tmp_path_factory, tiny_hf_dir):
         return recipe_from_dict({
             "name": f"tiny-{kv}", "model": {"source": str(tiny_hf_dir), "dtype": "bfloat16"},
             "engine": {"max_batch_size": 2, "max_input_len": 64, "max_seq_len": 128, "max_num_tokens": 128},
-            "kv_cache": {"tokens_per_block": 8, "cpu_budget_mb": 16, "dtype": kv}})
+            "kv_cache": {"tokens_per_block": 16, "cpu_budget_mb": 16, "dtype": kv}})  # 16: the CUDA kernels
 
     root = tmp_path_factory.mktemp("fp8")
     return build(recipe("fp8"), root / "fp8").build_dir, build(recipe("auto"), root / "auto").build_dir
@@ -284,7 +284,7 @@ def test_an_fp8_build_on_cuda_keeps_an_fp8_cache_and_agrees_with_a_16bit_one(fp8
             out.append(token)
         return out
 
-    fp8 = TorchModelRunner(fp8_build[0], device="cuda", num_blocks=8)
+    fp8 = TorchModelRunner(fp8_build[0], device="cuda", num_blocks=8)  # blocks of 16: 48 tokens in blocks 0-2
     assert fp8.kv_dtype == FP8 and fp8.kv_fallback is None and fp8.kv_caches[0][0].dtype == FP8
     eager = TorchModelRunner(fp8_build[0], device="cuda", num_blocks=8, cuda_graphs=False)
     assert greedy(fp8) == greedy(eager)
