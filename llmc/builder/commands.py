@@ -180,8 +180,28 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
         "quantization": {"recipe": manifest.quantization, "checkpoint": ir_cfg.get("quantization")},
         "eos_token_ids": list(manifest.eos_token_ids),
         "special_token_ids": list(manifest.special_token_ids),
-        "kv_cache": {"dtype": kv_dtype, "dtype_bytes": DTYPE_BYTES[kv_dtype], **plan},
+        "kv_cache": {"dtype": kv_dtype, "dtype_bytes": DTYPE_BYTES[kv_dtype], **plan,
+                     "fp8_scales": fp8_scales(Path(build_dir), ir_cfg, shape["layers"])},
     }
+
+
+def fp8_scales(build_dir: Path, ir_config: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
+    """An fp8 cache's per-layer scales in the IR (read alone from rank 0) and the build's held-out KL of the cache
+    against a 16-bit one (``build_report.json``); None for a 16-bit cache."""
+    from safetensors import safe_open
+
+    from llmc.checkpoint import kv_scales
+
+    if not kv_scales.fp8_kv(ir_config):
+        return None
+    with safe_open(str(build_dir / "checkpoint" / "rank0.safetensors"), "pt") as f:
+        present = set(f.keys())
+        scales = [float(f.get_tensor(kv_scales.scale_name(n))[0]) for n in range(num_layers)
+                  if kv_scales.scale_name(n) in present]
+    report_path = build_dir / "build_report.json"
+    report = json.loads(report_path.read_text()).get("kv_scales") if report_path.is_file() else None
+    return {"layers": len(scales), "min": min(scales, default=None), "max": max(scales, default=None),
+            "heldout_mean_kl": (report or {}).get("mean_kl")}
 
 
 def _host_part(held: dict[str, int]) -> str:
@@ -216,6 +236,12 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
     table.add_row(f"batch {full['batch']} x seq {full['seq_len']}",
                   f"{human_bytes(full['bytes'])} ({'fits' if full['fits_budget'] else 'exceeds'} the budget)")
     console.print(table)
+    fp8 = kv.get("fp8_scales")
+    if fp8:
+        kl = fp8["heldout_mean_kl"]
+        console.print(f"fp8 KV cache: {fp8['layers']} layer scales {fp8['min']:.4g}-{fp8['max']:.4g}"
+                      + (f", held-out mean KL {kl:.4f} against a 16-bit cache" if kl is not None else "")
+                      + "; fp8 on CUDA GPUs of compute capability 8.9+, 16-bit elsewhere", highlight=False)
 
 
 @click.command("inspect")

@@ -157,6 +157,25 @@ def test_an_fp8_build_holds_calibrated_scales_that_the_engine_takes(fp8_build):
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
 
 
+def test_inspect_shows_the_fp8_scales_and_their_held_out_kl(fp8_build):
+    import json
+
+    from rich.console import Console
+
+    from llmc.builder.commands import _print_inspection, inspect_build
+
+    info = inspect_build(fp8_build[0])
+    report = json.loads((fp8_build[0] / "build_report.json").read_text())["kv_scales"]
+    fp8 = info["kv_cache"]["fp8_scales"]
+    assert info["kv_cache"]["dtype"] == "fp8" and info["kv_cache"]["dtype_bytes"] == 1
+    assert fp8["layers"] == 2 and fp8["min"] == pytest.approx(min(report["scales"]), rel=1e-6)
+    assert fp8["max"] == pytest.approx(max(report["scales"]), rel=1e-6) and fp8["heldout_mean_kl"] == report["mean_kl"]
+    assert inspect_build(fp8_build[1])["kv_cache"]["fp8_scales"] is None
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))
+    _print_inspection(info, console)
+    assert f"held-out mean KL {report['mean_kl']:.4f} against a 16-bit cache" in console.export_text()
+
+
 def test_an_fp8_checkpoint_without_its_scales_is_refused(fp8_build, tmp_path):
     import shutil
 
