@@ -171,3 +171,22 @@ def test_the_triton_kernels_tuned_for_this_gpu_need_no_tuning_hint_and_borrowed_
             printed({**own, "4096x4096g128": "Triton: NVIDIA H200"}))
     heuristic = printed({"1x1g64": "Triton: heuristics"})
     assert "Triton: heuristics (1 shapes); `llmc tune /b/q` tunes them here" in heuristic
+
+
+def test_the_report_names_the_kv_caches_dtype_and_why_a_recipes_fp8_ran_16bit(monkeypatch):
+    from rich.console import Console
+
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H100 80GB HBM3"})
+    texts = []
+    for dtype, per_token, why in (("float8_e4m3fn", 65536, None),
+                                  ("bfloat16", 131072, "kv_cache.dtype fp8 runs as bfloat16 here: LLMC_KV_FP8=0")):
+        report = build_report({**RUN, "kv_cache_dtype": dtype, "kv_bytes_per_token": per_token,
+                               "kv_cache_fallback": why}, [_level(0.0537, 4 * 0.33)], PLAN, {})
+        console = Console(width=300, record=True)
+        print_report(report, console)
+        texts.append(console.export_text())
+    assert "KV cache: float8_e4m3fn, 65,536 bytes a token\n" in texts[0]
+    assert "KV cache: bfloat16, 131,072 bytes a token (kv_cache.dtype fp8 runs as bfloat16 here: LLMC_KV_FP8=0)" \
+        in texts[1]
