@@ -181,26 +181,21 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
         "eos_token_ids": list(manifest.eos_token_ids),
         "special_token_ids": list(manifest.special_token_ids),
         "kv_cache": {"dtype": kv_dtype, "dtype_bytes": DTYPE_BYTES[kv_dtype], **plan,
-                     "fp8_scales": fp8_scales(Path(build_dir), ir_cfg, shape["layers"])},
+                     "fp8_scales": fp8_scales(Path(build_dir))},
     }
 
 
-def fp8_scales(build_dir: Path, ir_config: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
-    """An fp8 cache's per-layer scales in the IR (read alone from rank 0) and the build's held-out KL of the cache
-    against a 16-bit one (``build_report.json``); None for a 16-bit cache."""
-    from safetensors import safe_open
-
+def fp8_scales(build_dir: Path) -> dict[str, Any] | None:
+    """An fp8 cache's per-layer scales in the IR and the build's held-out KL of the cache against a 16-bit one
+    (``build_report.json``); None for a 16-bit cache."""
     from llmc.checkpoint import kv_scales
 
-    if not kv_scales.fp8_kv(ir_config):
+    scales = kv_scales.read_dir(build_dir / "checkpoint")
+    if scales is None:
         return None
-    with safe_open(str(build_dir / "checkpoint" / "rank0.safetensors"), "pt") as f:
-        present = set(f.keys())
-        scales = [float(f.get_tensor(kv_scales.scale_name(n))[0]) for n in range(num_layers)
-                  if kv_scales.scale_name(n) in present]
     report_path = build_dir / "build_report.json"
     report = json.loads(report_path.read_text()).get("kv_scales") if report_path.is_file() else None
-    return {"layers": len(scales), "min": min(scales, default=None), "max": max(scales, default=None),
+    return {"layers": len(scales), "min": min(scales), "max": max(scales),
             "heldout_mean_kl": (report or {}).get("mean_kl")}
 
 

@@ -35,11 +35,11 @@ from rich.console import Console
 
 from llmc.builder import gate_report, heldout
 from llmc.builder.devices import PeakMemory, describe_device, free_gpu_memory, resolve_build_device
-from llmc.builder.hf_kv import attention_layers, use_fp8_cache
+from llmc.builder.hf_kv import use_fp8_cache
 from llmc.checkpoint import names
 from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
 from llmc.checkpoint.io import read_checkpoint
-from llmc.checkpoint.kv_scales import read as read_kv_scales
+from llmc.checkpoint.kv_scales import read_dir as read_kv_scales
 from llmc.console import table_console
 from llmc.engine.torch import cpu_gemm
 from llmc.errors import AccuracyGateError, BuildError
@@ -159,9 +159,7 @@ class GateModels:
         self.current = "16bit"
         # kv_cache.dtype fp8: the int4 and RTN models compute with the fp8 cache the engines will hold (the IR's
         # calibrated scales), the 16-bit reference with a 16-bit one; None: 16-bit caches throughout.
-        config, ranks = read_checkpoint(Path(checkpoint_dir))
-        self.kv_scales = read_kv_scales(config, ranks[0], len(attention_layers(model)))
-        del ranks
+        self.kv_scales = read_kv_scales(checkpoint_dir)
 
     def use(self, name: str) -> torch.nn.Module:
         """The model, computing with weight set ``name``."""
