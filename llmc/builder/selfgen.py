@@ -83,7 +83,8 @@ class SelfTextWriter:
 
 
 def generator_recipe(recipe: Any) -> Any:
-    """The 16-bit, torch-backend recipe of the generator: limits sized for seed prompts plus answers."""
+    """The 16-bit, torch-backend recipe of the generator: limits sized for seed prompts plus answers, a 16-bit
+    KV cache (a recipe's fp8 cache is calibrated after quantizing, for the weights that ship)."""
     from llmc.recipe import recipe_from_dict, recipe_to_dict
 
     spec = recipe.quantization.calibration.self_generation
@@ -94,6 +95,7 @@ def generator_recipe(recipe: Any) -> Any:
                       "max_seq_len": max_input + spec.max_new_tokens, "tp_size": 1,
                       "max_num_tokens": max(recipe.engine.max_num_tokens, spec.max_batch_size)}
     data["serving"] = {**data["serving"], "enable_kv_cache_reuse": False}
+    data["kv_cache"] = {**data["kv_cache"], "dtype": "auto"}  # the 16-bit model's own text: an exact cache, no scales
     return recipe_from_dict(data, check_inputs=False)
 
 
