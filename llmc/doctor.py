@@ -236,11 +236,11 @@ def triton_launch(sm: int) -> str:
 
 def fp8_kv_cache(sm: int) -> str:
     """What ``kv_cache.dtype: fp8`` gives on a GPU of compute capability ``sm`` (with Triton)."""
-    from llmc.engine.torch.kv_alloc import FP8_ENV
+    from llmc.engine.torch.kv_alloc import FP8_ENV, FP8_MIN_SM, fp8_switched_off
 
-    if sm < 89:
-        return f"; kv_cache.dtype fp8 runs as a 16-bit cache (SM{sm}: fp8 conversions need SM89+)"
-    if os.environ.get(FP8_ENV, "1") == "0":
+    if sm < FP8_MIN_SM:
+        return f"; kv_cache.dtype fp8 runs as a 16-bit cache (SM{sm}: fp8 conversions need SM{FP8_MIN_SM}+)"
+    if fp8_switched_off():
         return f"; kv_cache.dtype fp8 runs as a 16-bit cache ({FP8_ENV}=0)"
     return "; kv_cache.dtype fp8: an fp8 KV cache (half the bytes a token)"
 

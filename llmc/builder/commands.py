@@ -188,9 +188,9 @@ def inspect_build(build_dir: Path, kv_gib: float = 1.0) -> dict[str, Any]:
 def fp8_scales(build_dir: Path) -> dict[str, Any] | None:
     """An fp8 cache's per-layer scales in the IR and the build's held-out KL of the cache against a 16-bit one
     (``build_report.json``); None for a 16-bit cache."""
-    from llmc.checkpoint import kv_scales
+    from llmc.checkpoint.io import read_kv_scales
 
-    scales = kv_scales.read_dir(build_dir / "checkpoint")
+    scales = read_kv_scales(build_dir / "checkpoint")
     if scales is None:
         return None
     report_path = build_dir / "build_report.json"

@@ -53,6 +53,12 @@ def register() -> str:
     return ATTENTION
 
 
+def install(model: torch.nn.Module) -> None:
+    """Make ``model`` attend through the attention function (once: later calls only check)."""
+    if model.config._attn_implementation != ATTENTION:
+        model.set_attn_implementation(register())
+
+
 def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers' attention modules of a transformers causal LM, in order."""
     return [layer.self_attn for layer in model.model.layers]
@@ -60,7 +66,7 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def use_fp8_cache(model: torch.nn.Module, scales: list[float] | None) -> None:
     """From now on ``model`` computes as with an fp8 cache of ``scales`` (one per layer), or a 16-bit one (None)."""
-    model.set_attn_implementation(register())
+    install(model)
     for n, attention in enumerate(attention_layers(model)):
         attention.llmc_kv = LayerState(scale=None if scales is None else scales[n])
 
@@ -68,7 +74,7 @@ def use_fp8_cache(model: torch.nn.Module, scales: list[float] | None) -> None:
 @contextmanager
 def observing(model: torch.nn.Module) -> Iterator[list[LayerState]]:
     """Track each layer's largest key and value magnitudes while inside (16-bit cache)."""
-    model.set_attn_implementation(register())
+    install(model)
     states = [LayerState(amax=torch.zeros(2)) for _ in attention_layers(model)]
     for attention, state in zip(attention_layers(model), states):
         attention.llmc_kv = state

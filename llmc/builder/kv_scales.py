@@ -26,7 +26,7 @@ import torch
 from llmc.builder import calib_text, heldout, seed_prompts
 from llmc.builder.devices import describe_device, free_gpu_memory, resolve_build_device
 from llmc.builder.hf_kv import observing, use_fp8_cache
-from llmc.builder.verify import gate_dtype, ir_to_hf_state_dict
+from llmc.builder.verify import gate_dtype, hf_state_dict
 from llmc.checkpoint import kv_scales
 from llmc.checkpoint.io import read_checkpoint, write_checkpoint
 from llmc.engine.torch.kv_store import FP8_MAX
@@ -107,12 +107,12 @@ def calibrate_checkpoint(source: Any, recipe: Any, checkpoint_dir: str | Path) -
     device = resolve_build_device(recipe.quantization.device)
     dtype = gate_dtype(recipe, device)
     tokenizer = load_tokenizer(source.hf_dir)
+    config, ranks = read_checkpoint(Path(checkpoint_dir))  # once: the weights to load, the ranks to write back
     model = AutoModelForCausalLM.from_pretrained(str(source.hf_dir), dtype=dtype).eval()
-    load_weights(model, ir_to_hf_state_dict(checkpoint_dir, source.hf_config, dtype))
+    load_weights(model, hf_state_dict(config, ranks, source.hf_config, dtype))
     model.to(device)
     sequences = calibration_sequences(tokenizer, source.chat_template)
     scales = calibrate(model, sequences, device)
-    config, ranks = read_checkpoint(Path(checkpoint_dir))
     write_checkpoint(checkpoint_dir, config, [{**rank, **kv_scales.tensors(scales)} for rank in ranks])
     gate = recipe.quantization.gate
     texts = heldout.domain_windows(gate.domains, tokenizer, source.chat_template, HELDOUT_TOKENS, WINDOW)

@@ -38,8 +38,7 @@ from llmc.builder.devices import PeakMemory, describe_device, free_gpu_memory, r
 from llmc.builder.hf_kv import use_fp8_cache
 from llmc.checkpoint import names
 from llmc.checkpoint.convert import dequantized_weights, trtllm_to_hf
-from llmc.checkpoint.io import read_checkpoint
-from llmc.checkpoint.kv_scales import read_dir as read_kv_scales
+from llmc.checkpoint.io import read_checkpoint, read_kv_scales
 from llmc.console import table_console
 from llmc.engine.torch import cpu_gemm
 from llmc.errors import AccuracyGateError, BuildError
@@ -284,5 +283,11 @@ def ir_to_hf_state_dict(checkpoint_dir: str | Path, hf_config: dict[str, Any], d
     """The IR's weights as a HF Llama state dict in ``dtype`` (int4 layers dequantized, TP merged, padding
     removed)."""
     config, ranks = read_checkpoint(Path(checkpoint_dir))
+    return hf_state_dict(config, ranks, hf_config, dtype)
+
+
+def hf_state_dict(config: dict[str, Any], ranks: list[dict[str, torch.Tensor]], hf_config: dict[str, Any],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """:func:`ir_to_hf_state_dict` of a checkpoint already read (``config``, every rank's tensors)."""
     weights = dequantized_weights(config, ranks, dtype)
     return trtllm_to_hf({k: v.to(dtype) for k, v in weights.items()}, hf_config)

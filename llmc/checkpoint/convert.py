@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from llmc.checkpoint import names
+from llmc.checkpoint import kv_scales, names
 from llmc.checkpoint.config import ModelShape
 from llmc.checkpoint.int4 import dequantize_rank, pack_int4
 from llmc.errors import CheckpointError, SourceError
@@ -72,8 +72,8 @@ def hf_to_trtllm(
         for trt_norm, hf_norm in names.QK_NORMS.items() if shape.qk_norm else ():
             out[names.trt_layer(layer, trt_norm)] = take(names.hf_layer(layer, hf_norm))
         if shape.kv_cache_quant_algo == "FP8":
-            # No KV calibration: scale 1.0 stores K/V as-is in FP8 (|values| up to 448 are representable).
-            out[names.trt_layer(layer, "attention", names.KV_CACHE_SCALING_FACTOR)] = torch.ones(1)
+            # A placeholder: llmc build's fp8 KV-cache step writes the calibrated scales (builder/kv_scales.py).
+            out[kv_scales.scale_name(layer)] = torch.ones(1)
     unused = [k for k in state_dict if k not in used and not names.HF_IGNORED.match(k)]
     if unused:
         log.warning("ignored %d HF tensors not used by the Llama IR: %s", len(unused), ", ".join(unused[:8]))

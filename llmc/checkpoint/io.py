@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from llmc.checkpoint import names
+from llmc.checkpoint import kv_scales, names
 from llmc.checkpoint.config import ModelShape
 from llmc.checkpoint.convert import torch_dtype
 from llmc.checkpoint.safetensors_header import read_safetensors_header
@@ -167,6 +167,20 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc}); rebuild with llmc build --force") from exc
+
+
+def read_kv_scales(directory: str | Path) -> list[float] | None:
+    """An FP8 KV cache's per-layer scales in the IR in ``directory`` (:func:`kv_scales.read`; None for a 16-bit
+    cache), loading only rank 0's scale tensors, not its weights."""
+    config = read_config(directory)
+    if not kv_scales.fp8_kv(config):
+        return None
+    num_layers = int(config["num_hidden_layers"])
+    with safe_open(str(Path(directory) / rank_file(0)), "pt") as f:
+        present = set(f.keys())
+        rank0 = {kv_scales.scale_name(n): f.get_tensor(kv_scales.scale_name(n)) for n in range(num_layers)
+                 if kv_scales.scale_name(n) in present}
+    return kv_scales.read(config, rank0, num_layers)
 
 
 def read_checkpoint(

@@ -8,7 +8,6 @@ magnitude of the layer's keys and values over its calibration text, divided by 4
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -16,7 +15,6 @@ from llmc.checkpoint import names
 from llmc.checkpoint.config import KV_FP8
 from llmc.errors import CheckpointError
 
-FP8_KV_ALGO = KV_FP8  # kv_cache_quant_algo of an FP8 KV cache
 MODULE = "attention"
 
 
@@ -32,7 +30,7 @@ def is_scale(name: str) -> bool:
 
 def fp8_kv(config: Mapping) -> bool:
     """Whether the IR config asks for an FP8 KV cache."""
-    return (config.get("quantization") or {}).get("kv_cache_quant_algo") == FP8_KV_ALGO
+    return (config.get("quantization") or {}).get("kv_cache_quant_algo") == KV_FP8
 
 
 def missing(num_layers: int, tensor_names: set[str]) -> list[str]:
@@ -58,22 +56,6 @@ def read(config: Mapping, rank0: Mapping[str, torch.Tensor], num_layers: int) ->
         raise CheckpointError(f"layer {bad[0][0]}'s {names.KV_CACHE_SCALING_FACTOR} is {bad[0][1]}, not a positive "
                               f"finite number. Fix: rebuild the checkpoint with `llmc build --force`")
     return scales
-
-
-def read_dir(directory: str | Path) -> list[float] | None:
-    """:func:`read` of the IR in ``directory``, loading only rank 0's scale tensors (not its weights)."""
-    from safetensors import safe_open
-
-    from llmc.checkpoint.io import rank_file, read_config
-
-    config = read_config(directory)
-    if not fp8_kv(config):
-        return None
-    num_layers = int(config["num_hidden_layers"])
-    with safe_open(str(Path(directory) / rank_file(0)), "pt") as f:
-        present = set(f.keys())
-        rank0 = {scale_name(n): f.get_tensor(scale_name(n)) for n in range(num_layers) if scale_name(n) in present}
-    return read(config, rank0, num_layers)
 
 
 def tensors(scales: list[float]) -> dict[str, torch.Tensor]:

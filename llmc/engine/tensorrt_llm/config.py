@@ -14,11 +14,11 @@ import shlex
 from pathlib import Path
 
 from llmc.checkpoint import kv_scales
-from llmc.checkpoint.config import W4A16_AWQ
+from llmc.checkpoint.config import KV_FP8, W4A16_AWQ
 from llmc.errors import CheckpointError
 from llmc.recipe import Recipe
 
-FP8_KV_ALGO = kv_scales.FP8_KV_ALGO  # line 32: kv_cache_quant_algo for an FP8 KV cache
+FP8_KV_ALGO = KV_FP8  # line 32: kv_cache_quant_algo for an FP8 KV cache
 KV_SCALE_SUFFIX = "attention.kv_cache_scaling_factor"  # line 32: per-layer fp32 tensor of shape [1]
 PLUGIN_DTYPES = ("float16", "bfloat16")  # line 23: checkpoint/engine dtypes
 MAX_BEAM_WIDTH = 1  # line 73: BuildConfig max_beam_width (default 1); llmc does not beam-search

@@ -22,6 +22,7 @@ from llmc.engine.torch.model import KVCache, ModelConfig
 from llmc.errors import EngineError
 
 KV_DTYPES = ("float16", "bfloat16", "fp8")  # the recipe's kv_cache.dtype values the torch backend stores
+FP8_MIN_SM = 89  # compute capability (x10) of the first GPUs with fp8 conversions: Ada
 
 
 def kv_cache_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -45,7 +46,7 @@ def fp8_why_not(device: torch.device, block_size: int, head_size: int) -> str | 
     if device.type != "cuda":
         return f"llmc's {device.type.upper()} attention kernels read 16- and 32-bit caches only"
     capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
+    if 10 * capability[0] + capability[1] < FP8_MIN_SM:
         return (f"{torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]}) has no "
                 f"fp8 conversions; they need 8.9+ (Ada, Hopper, Blackwell)")
     if not kernel_available(device, block_size, head_size):
@@ -57,6 +58,11 @@ def fp8_why_not(device: torch.device, block_size: int, head_size: int) -> str | 
 FP8_ENV = "LLMC_KV_FP8"  # "0": an fp8 build's cache runs at the checkpoint's 16-bit dtype (A/B measurements)
 
 
+def fp8_switched_off() -> bool:
+    """``LLMC_KV_FP8=0``: fp8 caches run 16-bit."""
+    return os.environ.get(FP8_ENV, "1") == "0"
+
+
 def runtime_kv_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype, device: torch.device, block_size: int,
                      head_size: int) -> tuple[torch.dtype, str | None]:
     """The dtype the runner's cache takes on ``device`` and, where the recipe's fp8 falls back to the checkpoint's
@@ -64,7 +70,7 @@ def runtime_kv_dtype(recipe_kv_dtype: str, model_dtype: torch.dtype, device: tor
     dtype = kv_cache_dtype(recipe_kv_dtype, model_dtype)
     if dtype != FP8:
         return dtype, None
-    why = (f"{FP8_ENV}=0" if os.environ.get(FP8_ENV, "1") == "0" else fp8_why_not(device, block_size, head_size))
+    why = f"{FP8_ENV}=0" if fp8_switched_off() else fp8_why_not(device, block_size, head_size)
     if why is None:
         return dtype, None
     return model_dtype, f"kv_cache.dtype fp8 runs as {str(model_dtype).removeprefix('torch.')} here: {why}"
