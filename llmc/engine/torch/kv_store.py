@@ -5,10 +5,34 @@ and the Triton attention kernels read them the same way)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 FP8 = torch.float8_e4m3fn  # an fp8 cache's storage dtype (TensorRT-LLM's FP8 KV cache is e4m3 too)
 FP8_MAX = 448.0  # e4m3's largest finite value: a layer's scale is its keys' and values' largest magnitude / this
+F16_MAX = 65504.0  # float16's largest finite value: the attention kernels clamp 16-bit queries to it (f16_dots)
+F16_DOTS = True  # the Triton attention kernels' dots over an fp8 cache in float16 (False: in the queries' dtype)
+
+
+def f16_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """Whether the Triton attention kernels take their dots over an fp8 cache in float16 (16-bit queries): e4m3
+    converts to float16 exactly in one instruction for two values (to bfloat16 it goes through float32 value by
+    value), a bfloat16 query is exact in float16 within its range (queries are clamped to +-F16_MAX, far above any
+    model's), and float16 probabilities carry 3 more bits than bfloat16's."""
+    return F16_DOTS and cache_dtype == FP8 and q_dtype in (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedKV:
+    """A decode step's keys and values bound for an fp8 cache, still 16-bit (``k, v [D, nkv, hd]``: an int4 qkv
+    layer's RoPE epilogue writes them in staging rows, as its 16-bit epilogue is the fast one), and their cache
+    ``slots [D]``. The Triton decode kernel stores them in the cache (:func:`to_cache`'s bytes) before it reads
+    their block; any other path stores them first with :func:`write_kv`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
 
 
 def write_kv(

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from llmc.engine.torch import triton_support
+from llmc.engine.torch import kv_store, triton_support
 from llmc.engine.torch.triton_attention import kernel_available
 
 PREFILL_KERNEL_ENV = "LLMC_PREFILL_KERNEL"  # "0": chunks over a cached context take the gather + SDPA path
@@ -61,7 +61,8 @@ def _kernel():
         q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, out_ptr, qk_scale, kv_scale,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr, HEAD: tl.constexpr,
-        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+        BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+        F16_DOTS: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
@@ -80,6 +81,8 @@ def _kernel():
         d = tl.arange(0, HEAD)
         q = tl.load(q_ptr + (q0 + tok)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=keep[:, None], other=0.0)  # [R, HEAD]
+        if F16_DOTS:  # float16 dots over an fp8 cache (kv_store.f16_dots): q clamped to +-kv_store.F16_MAX
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         q_pos = pos0 + tok  # [R]; padding rows see the tile's keys too (finite sums, never stored)
         end = pos0 + count  # keys at positions < end
         m_i = tl.full([TOKENS * GROUP_P], float("-inf"), tl.float32)
@@ -107,8 +110,8 @@ def _kernel():
                 else:
                     k = tl.load(k_ptr + offs, mask=inside[:, None], other=0.0)
                     v = tl.load(v_ptr + offs, mask=inside[:, None], other=0.0)
-                if FP8:  # e4m3 values are exact in 16 bits
-                    k, v = k.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty)
+                if FP8:  # e4m3 values are exact in 16 bits (to float16: one instruction for two values)
+                    k, v = k.to(q.dtype), v.to(q.dtype)
                 s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION) * qk_scale  # [R, BLOCK_N] fp32
                 if masked == 1:
                     s = tl.where((k_pos[None, :] <= q_pos[:, None]) & inside[None, :], s, float("-inf"))
@@ -150,7 +153,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=group_p, TOKENS=tokens, HEAD=head_size, BLOCK=block_size, BLOCK_N=block_n,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
-        FP8=k_cache.dtype == torch.float8_e4m3fn, num_warps=num_warps, num_stages=num_stages,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, F16_DOTS=kv_store.f16_dots(k_cache.dtype, q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
         **triton_support.pdl_kwargs(q.device),
     )
     return out

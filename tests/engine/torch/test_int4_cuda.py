@@ -246,13 +246,16 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     assert (got - got_unfolded).abs().max() < 0.05 * scale  # folding the prequant into the norms changes rounding only
 
 
-def _chunk_decodes_mixed(model, decodes: int) -> torch.Tensor:
+def _chunk_decodes_mixed(model, decodes: int, kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits of a 9-token prompt chunk, ``decodes`` decode steps and a mixed step (a decode and a new prompt) of
-    ``model`` over a paged cache."""
+    ``model`` over a paged cache (of ``kv_dtype``, default the model's)."""
+    from llmc.engine.torch.kv_alloc import allocate_kv_cache
     from tests.engine.torch.helpers import PagedSession
 
     ids = list(range(300, 316))
     session = PagedSession(model, block_size=16, num_blocks=8)
+    if kv_dtype is not None:
+        session.kv = allocate_kv_cache(model.config, 8, 16, kv_dtype, torch.device("cpu"))
     out = [session.step({"a": ids[:9]})["a"]]
     out += [session.step({"a": [t]})["a"] for t in ids[9:9 + decodes]]  # decode steps
     out += [session.step({"a": [ids[12]], "b": ids[:5]})["a"]]  # a mixed step
@@ -278,11 +281,42 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
 
         def epilogue(x, cos, sin, k_cache, v_cache, slots, nh, nkv, qkv=qkv):
             calls.append(x.shape[0])
-            return fused_triton.rope_write_kv(qkv(x), cos, sin, k_cache, v_cache, slots, nh, nkv, k_cache.shape[-1])
+            return fused_triton.rope_write_kv(qkv(x), cos, sin, k_cache, v_cache, slots, nh, nkv,
+                                              k_cache.shape[-1]), None  # q, nothing staged (a 16-bit cache)
 
         qkv.rope_write_kv = epilogue
     assert torch.equal(run(model), ref)
     assert calls == [1] * (3 * len(model.transformer.layers))  # the three decode steps, every layer once
+
+
+def test_keys_and_values_staged_for_an_fp8_cache_reach_it_through_decode_attention(tiny_w4a16_ir):
+    """With an fp8 cache a qkv layer's epilogue stages a decode step's keys and values (kv_store.StagedKV) and the
+    decode attention stores them before it reads the cache (the Triton kernel on CUDA; write_kv here): the logits
+    are those of storing them in the projection. Both stand-ins rotate with the rope kernel into 16-bit rows and
+    store with write_kv's rounding."""
+    from llmc.engine.torch import fused_triton, kv_store
+    from llmc.engine.torch.loader import load_model
+
+    def run(stage: bool) -> torch.Tensor:
+        model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+        for layer in model.transformer.layers:
+            attention = layer.attention
+            attention.kv_scale = 0.05
+
+            def epilogue(x, cos, sin, k_cache, v_cache, slots, nh, nkv, attention=attention):
+                qkv = attention.qkv(x)
+                hd = k_cache.shape[-1]
+                k16, v16 = (torch.zeros(x.shape[0], 1, nkv, hd, dtype=qkv.dtype) for _ in range(2))
+                q = fused_triton.rope_write_kv(qkv, cos, sin, k16, v16, torch.arange(x.shape[0]), nh, nkv, hd)
+                if stage:
+                    return q, kv_store.StagedKV(k16[:, 0], v16[:, 0], slots)
+                kv_store.write_kv(k_cache, v_cache, k16[:, 0], v16[:, 0], slots, attention.kv_scale)
+                return q, None
+
+            attention.qkv.rope_write_kv = epilogue
+        return _chunk_decodes_mixed(model, decodes=3, kv_dtype=kv_store.FP8)
+
+    assert torch.equal(run(stage=True), run(stage=False))
 
 
 def test_the_fused_decoder_leaves_norms_pending_where_o_and_down_offer_it(tiny_w4a16_ir):
