@@ -21,6 +21,11 @@ units, hundreds of steps.
 Each engine gets a KV cache sized for the prompts (``num_blocks``), not the recipe's memory fraction: the second
 engine of a comparison must fit beside what the first one left on the GPU.
 
+A build with ``kv_cache.dtype: fp8`` runs with a 16-bit cache on both sides (``LLMC_KV_FP8=0``) unless
+``--fp8-cache`` is given: the tie rule is calibrated for 16-bit caches, and with fp8 the two runs' slightly
+different keys round to different e4m3 values (on the H100, 2026-12-06, the random 8B shape's int4 and dequantized
+runs then first differed by 18 and 29 steps); the cache's own accuracy is the build's report (``kv_scales``).
+
 ``--float32-arbiter`` (with ``--reference dequantized``) judges the int4 kernels against what both 16-bit runs
 approximate instead: the IR dequantized to float32 weights and computed in float32. Along the int4 run's tokens
 (teacher-forced: a prefill of the prompt, then one decode step per token, as the engine runs them) it reports each
@@ -56,9 +61,17 @@ def main() -> int:
                         help="with --reference dequantized: judge both runs' logits against float32 (see above)")
     parser.add_argument("--arbiter-ratio", type=float, default=1.25,
                         help="largest int4 / dequantized ratio of the mean logit error against float32")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="keep a kv_cache.dtype fp8 build's fp8 cache (default: 16-bit on both sides, see above)")
     args = parser.parse_args()
     if args.float32_arbiter and args.reference != "dequantized":
         parser.error("--float32-arbiter needs --reference dequantized")
+    if not args.fp8_cache:
+        import os
+
+        from llmc.engine.torch.kv_alloc import FP8_ENV
+
+        os.environ[FP8_ENV] = "0"
 
     if args.reference == "dequantized":
         return against_dequantized(args)
@@ -69,6 +82,7 @@ def main() -> int:
     prompts = build_prompts(args.build_dir, args.prompts)
     ours, engine, llmc_s = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     dtype = engine.runner.model.transformer.ln_f.weight.dtype
+    kv_cache = str(engine.runner.kv_dtype).removeprefix("torch.")
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -92,7 +106,8 @@ def main() -> int:
                         "first_difference": first_diff, "transformers_at_first_difference": gap,
                         "min_top2_logit_margin_hf": round(m, 4)})
     ok = all(r["match"] or r["transformers_at_first_difference"]["gap_steps"] <= args.tie_steps for r in results)
-    print(json.dumps({"device": args.device, "dtype": str(dtype), "tokens": args.tokens, "all_match": ok,
+    print(json.dumps({"device": args.device, "dtype": str(dtype), "kv_cache": kv_cache, "tokens": args.tokens,
+                      "all_match": ok,
                       "llmc_batch_seconds": round(llmc_s, 3), "results": results}, indent=1))
     return 0 if ok else 1
 
@@ -154,6 +169,7 @@ def against_dequantized(args) -> int:
     prompts = build_prompts(args.build_dir, args.prompts)
     ours, engine, _ = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     int4_layers = sum(type(m).__name__ == "Int4CudaLinear" for m in engine.runner.model.modules())
+    kv_cache = str(engine.runner.kv_dtype).removeprefix("torch.")
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     os.environ[CUDA_KERNELS_ENV] = "0"
@@ -178,8 +194,9 @@ def against_dequantized(args) -> int:
         print(f"no layer of {args.build_dir} ran the CUDA W4A16 kernels on {args.device}: the comparison needs a "
               "W4A16 build on a CUDA device", file=sys.stderr)
     print(json.dumps({"device": args.device, "reference": "dequantized", "int4_layers": int4_layers,
-                      "tokens": args.tokens, "tie_steps": args.tie_steps, "all_match_or_near_tie": near_ties,
-                      "float32_arbiter": arbiter, "ok": ok, "results": results}, indent=1))
+                      "kv_cache": kv_cache, "tokens": args.tokens, "tie_steps": args.tie_steps,
+                      "all_match_or_near_tie": near_ties, "float32_arbiter": arbiter, "ok": ok, "results": results},
+                     indent=1))
     return 0 if ok else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def test_default_near_tie_is_four_bf16_steps(monkeypatch):
     monkeypatch.setattr(greedy_check, "against_dequantized", lambda args: seen.setdefault("tie", args.tie_steps))
     greedy_check.main()
     assert seen["tie"] == 4.0
+
+
+@pytest.mark.parametrize("flag", [[], ["--fp8-cache"]])
+def test_an_fp8_build_is_checked_with_a_16bit_cache_unless_asked(flag, monkeypatch):
+    """The tie rule is calibrated for 16-bit caches: both runs get LLMC_KV_FP8=0 unless --fp8-cache is given."""
+    from llmc.engine.torch.kv_alloc import FP8_ENV
+
+    monkeypatch.delenv(FP8_ENV, raising=False)
+    monkeypatch.setattr(sys, "argv", ["greedy_check.py", "x", "--reference", "dequantized", *flag])
+    seen = {}
+    monkeypatch.setattr(greedy_check, "against_dequantized",
+                        lambda args: seen.setdefault("env", os.environ.get(FP8_ENV)))
+    greedy_check.main()
+    assert seen["env"] == (None if flag else "0")
 
 
 def test_tiny_build_matches_transformers_on_cpu(tiny_build_dir, tiny_hf_dir, monkeypatch, capsys):
