@@ -23,7 +23,7 @@ engine of a comparison must fit beside what the first one left on the GPU.
 
 A build with ``kv_cache.dtype: fp8`` runs with a 16-bit cache on both sides (``LLMC_KV_FP8=0``) unless
 ``--fp8-cache`` is given: the tie rule is calibrated for 16-bit caches, and with fp8 the two runs' slightly
-different keys round to different e4m3 values (on the H100, 2026-12-06, the random 8B shape's int4 and dequantized
+different keys can round to different e4m3 values (on the H100, 2026-12-06, the random 8B shape's int4 and dequantized
 runs then first differed by 18 and 29 steps); the cache's own accuracy is the build's report (``kv_scales``).
 
 ``--float32-arbiter`` (with ``--reference dequantized``) judges the int4 kernels against what both 16-bit runs
