@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -67,8 +68,6 @@ def main() -> int:
     if args.float32_arbiter and args.reference != "dequantized":
         parser.error("--float32-arbiter needs --reference dequantized")
     if not args.fp8_cache:
-        import os
-
         from llmc.engine.torch.kv_alloc import FP8_ENV
 
         os.environ[FP8_ENV] = "0"
@@ -82,7 +81,7 @@ def main() -> int:
     prompts = build_prompts(args.build_dir, args.prompts)
     ours, engine, llmc_s = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     dtype = engine.runner.model.transformer.ln_f.weight.dtype
-    kv_cache = str(engine.runner.kv_dtype).removeprefix("torch.")
+    kv_cache = cache_dtype(engine)
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -107,8 +106,7 @@ def main() -> int:
                         "min_top2_logit_margin_hf": round(m, 4)})
     ok = all(r["match"] or r["transformers_at_first_difference"]["gap_steps"] <= args.tie_steps for r in results)
     print(json.dumps({"device": args.device, "dtype": str(dtype), "kv_cache": kv_cache, "tokens": args.tokens,
-                      "all_match": ok,
-                      "llmc_batch_seconds": round(llmc_s, 3), "results": results}, indent=1))
+                      "all_match": ok, "llmc_batch_seconds": round(llmc_s, 3), "results": results}, indent=1))
     return 0 if ok else 1
 
 
@@ -158,18 +156,21 @@ def greedy_tokens(build_dir: Path, device: str, prompts, tokens: int):
     return out, engine, seconds
 
 
+def cache_dtype(engine) -> str:
+    """The dtype of the KV cache ``engine`` ran with (an fp8 build's is 16-bit under LLMC_KV_FP8=0)."""
+    return str(engine.runner.kv_dtype).removeprefix("torch.")
+
+
 def against_dequantized(args) -> int:
     """The int4 build's tokens (CUDA kernels) vs the same IR dequantized (LLMC_CUDA_KERNELS=0), near-ties judged
     on the dequantized model's own logits at the first differing step."""
-    import os
-
     from llmc.engine.torch.loader import CUDA_KERNELS_ENV
 
     os.environ.pop(CUDA_KERNELS_ENV, None)
     prompts = build_prompts(args.build_dir, args.prompts)
     ours, engine, _ = greedy_tokens(args.build_dir, args.device, prompts, args.tokens)
     int4_layers = sum(type(m).__name__ == "Int4CudaLinear" for m in engine.runner.model.modules())
-    kv_cache = str(engine.runner.kv_dtype).removeprefix("torch.")
+    kv_cache = cache_dtype(engine)
     del engine
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     os.environ[CUDA_KERNELS_ENV] = "0"
@@ -254,8 +255,6 @@ def arbiter_report(int4: list[torch.Tensor], dequantized: list[torch.Tensor], fl
 def float32_arbiter(build_dir: Path, device: str, prompts, tokens) -> dict:
     """Teacher-forced logits along ``tokens`` of the int4 kernels, the 16-bit dequantized IR and the float32
     dequantized IR (one model on the device at a time), compared by :func:`arbiter_report`."""
-    import os
-
     from llmc.engine.torch.loader import CUDA_KERNELS_ENV, load_model
 
     runs = {}
