@@ -49,7 +49,7 @@ def test_default_near_tie_is_four_bf16_steps(monkeypatch):
 
 @pytest.mark.parametrize("flag", [[], ["--fp8-cache"]])
 def test_an_fp8_build_is_checked_with_a_16bit_cache_unless_asked(flag, monkeypatch):
-    """The tie rule is calibrated for 16-bit caches: both runs get LLMC_KV_FP8=0 unless --fp8-cache is given."""
+    """A check of the int4 kernels: both runs get a 16-bit cache (LLMC_KV_FP8=0) unless --fp8-cache is given."""
     from llmc.engine.torch.kv_alloc import FP8_ENV
 
     monkeypatch.delenv(FP8_ENV, raising=False)
