@@ -28,7 +28,7 @@ class StagedKV:
     """A decode step's keys and values bound for an fp8 cache, still 16-bit (``k, v [D, nkv, hd]``: an int4 qkv
     layer's RoPE epilogue writes them in staging rows, as its 16-bit epilogue is the fast one), and their cache
     ``slots [D]``. The Triton decode kernel stores them in the cache (:func:`to_cache`'s bytes) before it reads
-    their block; any other path stores them first with :func:`write_kv`."""
+    their block; any other path stores them first with :func:`write_kv`. Used while ``model.STAGE_FP8`` is on."""
 
     k: torch.Tensor
     v: torch.Tensor

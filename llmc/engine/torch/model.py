@@ -19,10 +19,17 @@ from torch import nn
 from llmc.checkpoint.config import IR_ARCHITECTURES, ModelShape
 from llmc.engine.torch import cpu_ext
 from llmc.engine.torch.attention import AttentionMetadata, decode_attention, paged_attention, planless_sdpa
+from llmc.engine.torch.kv_store import FP8
 from llmc.engine.torch.layers import MLP, RMSNorm
 from llmc.engine.torch.pending_norm import PendingNorm, materialized
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
+
+# An int4 qkv layer's RoPE epilogue stages an fp8 cache's keys and values for the decode kernel to store
+# (kv_store.StagedKV) only when this is on. In a CUDA graph's step, rows of one sequence (a short prompt chunk, drafts)
+# would read each other's new tokens from the cache unordered with their stores (docs/GPU_INT4_LOG.md, 2026-12-06
+# 17:25); the fix awaits its GPU run. Off, the RoPE kernel stores them before attention, one kernel more a layer.
+STAGE_FP8 = False
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_size]
 
@@ -168,9 +175,9 @@ class Attention(nn.Module):
         """CUDA with Triton: qkv, then one kernel rotates q and k and writes k, v to the cache at ``slot_mapping``
         (every step: a prefill's elementwise RoPE ops and cache write cost ~8 % of its step on an H200); in
         ``decode`` steps an int4 qkv layer does it in its own epilogue where it can
-        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`; with an fp8 cache it stages them and
-        :meth:`attend`'s decode kernel stores them). Returns q ``[T, nh, hd]`` and, for prompt steps, k and v
-        ``[T, nkv, hd]`` (None in decode steps: they are read back from the cache)."""
+        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`; with an fp8 cache only under
+        :data:`STAGE_FP8`: it stages them and :meth:`attend`'s decode kernel stores them). Returns q ``[T, nh, hd]``
+        and, for prompt steps, k and v ``[T, nkv, hd]`` (None in decode steps: they are read back from the cache)."""
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
 
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
@@ -178,7 +185,8 @@ class Attention(nn.Module):
             x = materialized(x)  # an int4 layer takes the norm pending (and finishes it) where it can
         if decode:
             plain = self.qkv_bias is None and self.q_layernorm is None  # the epilogue adds no bias, norms no head
-            rope = getattr(self.qkv, "rope_write_kv", None) if plain else None
+            unstaged = kv_cache[0].dtype == FP8 and not STAGE_FP8  # the epilogue would stage: see STAGE_FP8
+            rope = getattr(self.qkv, "rope_write_kv", None) if plain and not unstaged else None
             got = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
             q, self._staged = got if got is not None else (None, None)  # staged: attend's kernel stores them
             if q is None:  # the layer has no epilogue, or it does not apply: the rope kernel adds the bias, norms

@@ -289,13 +289,34 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
     assert calls == [1] * (3 * len(model.transformer.layers))  # the three decode steps, every layer once
 
 
-def test_keys_and_values_staged_for_an_fp8_cache_reach_it_through_decode_attention(tiny_w4a16_ir):
-    """With an fp8 cache a qkv layer's epilogue stages a decode step's keys and values (kv_store.StagedKV) and the
-    decode attention stores them before it reads the cache (the Triton kernel on CUDA; write_kv here): the logits
-    are those of storing them in the projection. Both stand-ins rotate with the rope kernel into 16-bit rows and
-    store with write_kv's rounding."""
-    from llmc.engine.torch import fused_triton, kv_store
+def test_an_fp8_cache_is_stored_by_the_rope_kernel_unless_staging_is_switched_on(tiny_w4a16_ir, monkeypatch):
+    """With an fp8 cache the decode steps do not ask the qkv layer's epilogue (it would stage the keys and values:
+    model.STAGE_FP8 is off) and the rope kernel stores them; with STAGE_FP8 on they ask it, as for 16-bit caches."""
+    from llmc.engine.torch import kv_store
+    from llmc.engine.torch import model as model_module
     from llmc.engine.torch.loader import load_model
+
+    model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
+    calls = []
+    for layer in model.transformer.layers:  # the epilogue asked, and saying it does not apply (the rope kernel runs)
+        layer.attention.qkv.rope_write_kv = lambda *args: calls.append(args[3].dtype)
+    ref = _chunk_decodes_mixed(model, decodes=2, kv_dtype=kv_store.FP8)
+    assert calls == []
+    monkeypatch.setattr(model_module, "STAGE_FP8", True)
+    assert torch.equal(_chunk_decodes_mixed(model, decodes=2, kv_dtype=kv_store.FP8), ref)
+    assert calls == [kv_store.FP8] * (2 * len(model.transformer.layers))
+
+
+def test_keys_and_values_staged_for_an_fp8_cache_reach_it_through_decode_attention(tiny_w4a16_ir, monkeypatch):
+    """With an fp8 cache (and model.STAGE_FP8 on) a qkv layer's epilogue stages a decode step's keys and values
+    (kv_store.StagedKV) and the decode attention stores them before it reads the cache (the Triton kernel on CUDA;
+    write_kv here): the logits are those of storing them in the projection. Both stand-ins rotate with the rope
+    kernel into 16-bit rows and store with write_kv's rounding."""
+    from llmc.engine.torch import fused_triton, kv_store
+    from llmc.engine.torch import model as model_module
+    from llmc.engine.torch.loader import load_model
+
+    monkeypatch.setattr(model_module, "STAGE_FP8", True)
 
     def run(stage: bool) -> torch.Tensor:
         model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
