@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
-from llmc.engine.torch import triton_support
+from llmc.engine.torch import kv_store, triton_support
+from llmc.engine.torch import model as model_module
 from llmc.engine.torch.int4_configs import KernelConfig, heuristic_config
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear, silu_mul
 from llmc.engine.torch.int4_layout import CHUNK, TILE, pack_for_cuda
+from llmc.engine.torch.loader import load_model
 
 
 # tests/conftest.py turns the interpreter on for the whole session where there is no GPU (it must be on before
@@ -218,7 +220,6 @@ def test_whole_int4_model_matches_the_dequantized_model(tiny_w4a16_ir):
     """The Triton path (packed layers, folded prequant, fused kernels) vs the dequantized bf16 model on the same IR,
     through prefill chunks and decode steps of the paged cache."""
     from llmc.engine.torch.int4_cuda import Int4CudaLinear as Layer
-    from llmc.engine.torch.loader import load_model
     from tests.engine.torch.helpers import PagedSession
 
     fast = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)  # Triton's interpreter
@@ -267,7 +268,6 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
     runs the product and the rope kernel only when the layer says it does not apply; prompt chunks never ask. Here
     each layer's epilogue is stood in for by those two steps, so the results must not change."""
     from llmc.engine.torch import fused_triton
-    from llmc.engine.torch.loader import load_model
 
     def run(model):
         return _chunk_decodes_mixed(model, decodes=3)
@@ -292,9 +292,6 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
 def test_an_fp8_cache_is_stored_by_the_rope_kernel_unless_staging_is_switched_on(tiny_w4a16_ir, monkeypatch):
     """With an fp8 cache the decode steps do not ask the qkv layer's epilogue (it would stage the keys and values:
     model.STAGE_FP8 is off) and the rope kernel stores them; with STAGE_FP8 on they ask it, as for 16-bit caches."""
-    from llmc.engine.torch import kv_store
-    from llmc.engine.torch import model as model_module
-    from llmc.engine.torch.loader import load_model
 
     model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
     calls = []
@@ -312,9 +309,7 @@ def test_keys_and_values_staged_for_an_fp8_cache_reach_it_through_decode_attenti
     (kv_store.StagedKV) and the decode attention stores them before it reads the cache (the Triton kernel on CUDA;
     write_kv here): the logits are those of storing them in the projection. Both stand-ins rotate with the rope
     kernel into 16-bit rows and store with write_kv's rounding."""
-    from llmc.engine.torch import fused_triton, kv_store
-    from llmc.engine.torch import model as model_module
-    from llmc.engine.torch.loader import load_model
+    from llmc.engine.torch import fused_triton
 
     monkeypatch.setattr(model_module, "STAGE_FP8", True)
 
@@ -348,7 +343,6 @@ def test_the_fused_decoder_leaves_norms_pending_where_o_and_down_offer_it(tiny_w
     with the norm left pending (and by None for every other layer): the results must not change, and every step
     (prompt chunk, decodes, mixed) asks every o and down layer once."""
     from llmc.engine.torch import fused_triton
-    from llmc.engine.torch.loader import load_model
     from llmc.engine.torch.pending_norm import PendingNorm
 
     def run(model):
@@ -391,7 +385,6 @@ def test_triton_layers_leave_no_norm_pending_and_take_pending_norms_computed(tin
     """The Triton fallback (and so Triton's interpreter on CPU) has neither the add epilogue nor the input norm: it
     says None to ``add_residual`` and computes a pending norm before its product."""
     from llmc.engine.torch import fused_triton
-    from llmc.engine.torch.loader import load_model
     from llmc.engine.torch.pending_norm import PendingNorm
 
     model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
