@@ -185,8 +185,8 @@ class Attention(nn.Module):
             x = materialized(x)  # an int4 layer takes the norm pending (and finishes it) where it can
         if decode:
             plain = self.qkv_bias is None and self.q_layernorm is None  # the epilogue adds no bias, norms no head
-            unstaged = kv_cache[0].dtype == FP8 and not STAGE_FP8  # the epilogue would stage: see STAGE_FP8
-            rope = getattr(self.qkv, "rope_write_kv", None) if plain and not unstaged else None
+            asked = plain and (STAGE_FP8 or kv_cache[0].dtype != FP8)  # with an fp8 cache it would stage: STAGE_FP8
+            rope = getattr(self.qkv, "rope_write_kv", None) if asked else None
             got = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
             q, self._staged = got if got is not None else (None, None)  # staged: attend's kernel stores them
             if q is None:  # the layer has no epilogue, or it does not apply: the rope kernel adds the bias, norms
