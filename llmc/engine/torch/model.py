@@ -28,7 +28,8 @@ from llmc.errors import CheckpointError
 # An int4 qkv layer's RoPE epilogue stages an fp8 cache's keys and values for the decode kernel to store
 # (kv_store.StagedKV) only when this is on. In a CUDA graph's step, rows of one sequence (a short prompt chunk, drafts)
 # would read each other's new tokens from the cache unordered with their stores (docs/GPU_INT4_LOG.md, 2026-12-06
-# 17:25); the fix awaits its GPU run. Off, the RoPE kernel stores them before attention, one kernel more a layer.
+# 17:25, 21:10); the fix awaits its GPU checks. Off, the RoPE kernel stores them before attention, one kernel more a
+# layer.
 STAGE_FP8 = False
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_size]
