@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmc.engine.torch import cpu_ext
-from llmc.engine.torch.kv_store import FP8, StagedKV, from_cache, write_kv
+from llmc.engine.torch.kv_store import FP8, from_cache, write_kv
 from llmc.engine.torch.triton_attention import kernel_available, paged_decode_attention
 from llmc.engine.torch.triton_prefill import attend_cached_chunks
 from llmc.engine.types import ScheduledSequence
@@ -361,10 +361,10 @@ def chunk_attention_lower_right(q: torch.Tensor, k_t: torch.Tensor, v_t: torch.T
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-    kv_scale: float = 1.0, staged: StagedKV | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """All one-token sequences at once: queries ``[D, nh, hd]`` over their contexts -> ``[D, nh, hd]`` (this step's
-    keys and values must be in the cache already, or ``staged``: the Triton kernel stores them first).
+    keys and values must be in the cache already).
 
     One kernel reads the blocks in place: on CUDA with Triton (:mod:`llmc.engine.torch.triton_attention`), on
     CPU llmc's C++ kernel for float32 queries (:mod:`llmc.engine.torch.cpu_ext`). Otherwise the contexts are
@@ -374,9 +374,7 @@ def decode_attention(
     d, num_heads, head_size = q.shape
     if q.is_cuda and kernel_available(q.device, meta.block_size, head_size):
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens, scale,
-                                      kv_scale=kv_scale, staged=staged)
-    if staged is not None:
-        write_kv(k_cache, v_cache, staged.k, staged.v, staged.slots, kv_scale)
+                                      kv_scale=kv_scale)
     if cpu_ext.decode_attention_available(q, k_cache):  # not for fp8 caches
         return cpu_ext.paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_context_lens,
                                               scale)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from llmc.checkpoint.int4 import unpack_int4
-from llmc.engine.torch import cuda_ext, kv_store, pending_norm, triton_support
+from llmc.engine.torch import cuda_ext, pending_norm, triton_support
 from llmc.engine.torch.int4_configs import (DENSE_FROM_M_DEFAULT, KernelConfig, heuristic_config,
                                             heuristic_mma_config, mma_fits, split_buffers, tuned_entry)
 from llmc.engine.torch.int4_layout import (MMA_COLS, TILE, interleave_halves, interleave_tiles, mma_supported,
@@ -70,16 +70,13 @@ class Scratch:
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
-        self.sizes = {"dense": 0, "partials": 0, "counters": 0, "norm_sums": 0, "staged": 0, "rows": 0}
+        self.sizes = {"dense": 0, "partials": 0, "counters": 0, "norm_sums": 0}
         self._buffers: dict[str, torch.Tensor] | None = None
 
-    def reserve(self, dense: int = 0, partials: int = 0, counters: int = 0, norm_sums: int = 0, staged: int = 0,
-                rows: int = 0) -> None:
-        """Room for each need (elements); ``staged``, ``rows``: a qkv layer's keys and values for an fp8 cache and
-        their row numbers (:meth:`Int4CudaLinear.rope_write_kv`)."""
+    def reserve(self, dense: int = 0, partials: int = 0, counters: int = 0, norm_sums: int = 0) -> None:
+        """Room for each need (elements)."""
         assert self._buffers is None, "reserve before allocate: the buffers are made once"
-        for key, numel in (("dense", dense), ("partials", partials), ("counters", counters), ("norm_sums", norm_sums),
-                           ("staged", staged), ("rows", rows)):
+        for key, numel in (("dense", dense), ("partials", partials), ("counters", counters), ("norm_sums", norm_sums)):
             self.sizes[key] = max(self.sizes[key], numel)
 
     def reserve_splits(self, launches, n: int) -> None:
@@ -95,8 +92,6 @@ class Scratch:
                 "partials": torch.empty(self.sizes["partials"], dtype=torch.float32, device=self.device),
                 "counters": torch.zeros(max(1, self.sizes["counters"]), dtype=torch.int32, device=self.device),
                 "norm_sums": torch.empty(self.sizes["norm_sums"], dtype=torch.float32, device=self.device),
-                "staged": torch.empty(self.sizes["staged"], dtype=self.dtype, device=self.device),
-                "rows": torch.arange(self.sizes["rows"], dtype=torch.int64, device=self.device),
             }
 
     def buffer(self, key: str, numel: int) -> torch.Tensor:
@@ -166,8 +161,6 @@ class Int4CudaLinear(nn.Module):
                     if mma_fits(c, self.columns, in_features, prequant is not None)]
             scratch.reserve_splits(fits, self.columns)  # a borrowed config that does not fit the shape never runs
             scratch.reserve(norm_sums=max(self.dense_from_m - 1, 1) * (self.columns // 16))  # pending norms
-            if rope_head:  # a step's keys and values for an fp8 cache (at most all its columns a row)
-                scratch.reserve(staged=max(self.dense_from_m - 1, 1) * self.columns, rows=self.dense_from_m)
             return
         self.dense_from_m = int(entry.get("dense_from_m", DENSE_FROM_M_DEFAULT))
         table = f" ({entry['triton_table']})" if "triton_table" in entry else ""
@@ -281,39 +274,30 @@ class Int4CudaLinear(nn.Module):
 
     def rope_write_kv(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                      num_kv_heads: int) -> tuple[torch.Tensor, kv_store.StagedKV | None] | None:
+                      num_kv_heads: int) -> torch.Tensor | None:
         """A qkv layer's decode-sized product with RoPE and the KV-cache write in the kernel's epilogue (what
         :func:`llmc.engine.torch.fused_triton.rope_write_kv` does after :meth:`forward`, one kernel fewer per layer
         and step): ``x [T, H]`` (or a pending norm, as :meth:`forward` takes), tables ``cos, sin [T, 1, hd]``
         (:func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``
-        int64 -> rotated queries ``[T, nh, hd]`` and None; with an fp8 cache, the keys and values go to 16-bit
-        staging rows instead, returned as a :class:`~llmc.engine.torch.kv_store.StagedKV` for the decode kernel to
-        store (the epilogue writes 16-bit only: an fp8 store in it changed every kernel's code, 4 % slower at 64 rows
-        on an H100). None where it does not apply (no ``rope_head``, prefill-sized steps, a cache of another dtype,
-        or ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps."""
+        int64 -> rotated queries ``[T, nh, hd]``. None where it does not apply (no ``rope_head``, prefill-sized
+        steps, a cache of another dtype than ``x``'s, fp8 too: an fp8 store in the epilogue changed every kernel's code,
+        4 % slower at 64 rows on an H100, or ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps."""
         m, hd = x.shape[0], self.rope_head
         dtype = x.scaled.dtype if isinstance(x, PendingNorm) else x.dtype
-        if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype not in (dtype, kv_store.FP8)
+        if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != dtype
                 or k_cache.shape[-1] != hd
                 or (num_heads + 2 * num_kv_heads) * hd != self.columns or not rope_epilogue_enabled()):
             return None
         norm = x if isinstance(x, PendingNorm) and pending_norm.takes_input_norm(self, x) else None
         x = cuda_ext.aligned_rows(x.scaled if norm is not None else pending_norm.materialized(x))
         q = torch.empty(m, num_heads, hd, dtype=x.dtype, device=x.device)
-        staged, slots = None, slot_mapping
-        if k_cache.dtype == kv_store.FP8:  # 16-bit rows [m, 1, nkv, hd]: a cache of m blocks of one slot each
-            size = m * num_kv_heads * hd
-            rows = self.scratch.buffer("staged", 2 * size)
-            k_cache, v_cache = (rows[i * size:(i + 1) * size].view(m, 1, num_kv_heads, hd) for i in (0, 1))
-            staged = kv_store.StagedKV(k_cache[:, 0], v_cache[:, 0], slot_mapping)
-            slots = self.scratch.buffer("rows", m)[:m]  # row r's keys and values to staging row r
         config = self.mma_config_for(m)
         cuda_ext.w4a16_mma_rope(x, self.words, self.scales, self.prequant, self.columns, self.in_features,
-                                self.group_size, config, cos.reshape(m, hd), sin.reshape(m, hd), slots,
+                                self.group_size, config, cos.reshape(m, hd), sin.reshape(m, hd), slot_mapping,
                                 q.view(m, num_heads * hd), k_cache, v_cache, num_heads, num_kv_heads,
                                 **self._split_buffers(config, m),
                                 **(pending_norm.kernel_args(norm) if norm is not None else {}))
-        return q, staged
+        return q
 
     def add_residual(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> PendingNorm | None:

@@ -5,7 +5,6 @@ and the Triton attention kernels read them the same way)."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -21,18 +20,6 @@ def f16_dots(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     value), a bfloat16 query is exact in float16 within its range (queries are clamped to +-F16_MAX, far above any
     model's), and float16 probabilities carry 3 more bits than bfloat16's."""
     return F16_DOTS and cache_dtype == FP8 and q_dtype in (torch.bfloat16, torch.float16)
-
-
-@dataclasses.dataclass(frozen=True)
-class StagedKV:
-    """A decode step's keys and values bound for an fp8 cache, still 16-bit (``k, v [D, nkv, hd]``: an int4 qkv
-    layer's RoPE epilogue writes them in staging rows, as its 16-bit epilogue is the fast one), and their cache
-    ``slots [D]``. The Triton decode kernel stores them in the cache (:func:`to_cache`'s bytes) before it reads
-    their block; any other path stores them first with :func:`write_kv`. Used while ``model.STAGE_FP8`` is on."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    slots: torch.Tensor
 
 
 def write_kv(

@@ -25,13 +25,6 @@ from llmc.engine.torch.pending_norm import PendingNorm, materialized
 from llmc.engine.torch.rope import RopeScaling, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from llmc.errors import CheckpointError
 
-# An int4 qkv layer's RoPE epilogue stages an fp8 cache's keys and values for the decode kernel to store
-# (kv_store.StagedKV) only when this is on. In a CUDA graph's step, rows of one sequence (a short prompt chunk, drafts)
-# would read each other's new tokens from the cache unordered with their stores (docs/GPU_INT4_LOG.md, 2026-12-06
-# 17:25, 21:10); the fix awaits its GPU checks. Off, the RoPE kernel stores them before attention, one kernel more a
-# layer.
-STAGE_FP8 = False
-
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k, v: [num_blocks, block_size, num_kv_heads, head_size]
 
 
@@ -128,7 +121,6 @@ class Attention(nn.Module):
         self.dense = nn.Linear(config.num_heads * config.head_size, config.hidden_size, bias=False, dtype=dtype)
         self.bf16_prefill = False  # CPU: prefill chunks attend in bfloat16 products (see use_bf16_prefill)
         self.kv_scale = 1.0  # an fp8 cache holds k / kv_scale and v / kv_scale (the IR's kv_cache_scaling_factor)
-        self._staged = None  # a decode step's keys and values not yet in the fp8 cache (project -> attend)
 
     def use_bf16_prefill(self) -> None:
         """CPU, with the model's prefill GEMMs in bfloat16: attend prefill chunks in bfloat16 products with float32
@@ -176,8 +168,9 @@ class Attention(nn.Module):
         """CUDA with Triton: qkv, then one kernel rotates q and k and writes k, v to the cache at ``slot_mapping``
         (every step: a prefill's elementwise RoPE ops and cache write cost ~8 % of its step on an H200); in
         ``decode`` steps an int4 qkv layer does it in its own epilogue where it can
-        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`; with an fp8 cache only under
-        :data:`STAGE_FP8`: it stages them and :meth:`attend`'s decode kernel stores them). Returns q ``[T, nh, hd]``
+        (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`; 16-bit caches only: staging an fp8
+        cache's keys for the decode kernel to store was measured and dropped, docs/GPU_INT4_LOG.md 2026-12-06
+        23:10). Returns q ``[T, nh, hd]``
         and, for prompt steps, k and v ``[T, nkv, hd]`` (None in decode steps: they are read back from the cache)."""
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
 
@@ -186,10 +179,9 @@ class Attention(nn.Module):
             x = materialized(x)  # an int4 layer takes the norm pending (and finishes it) where it can
         if decode:
             plain = self.qkv_bias is None and self.q_layernorm is None  # the epilogue adds no bias, norms no head
-            asked = plain and (STAGE_FP8 or kv_cache[0].dtype != FP8)  # with an fp8 cache it would stage: STAGE_FP8
+            asked = plain and kv_cache[0].dtype != FP8  # the epilogue writes 16 bits
             rope = getattr(self.qkv, "rope_write_kv", None) if asked else None
-            got = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
-            q, self._staged = got if got is not None else (None, None)  # staged: attend's kernel stores them
+            q = None if rope is None else rope(x, cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh, nkv)
             if q is None:  # the layer has no epilogue, or it does not apply: the rope kernel adds the bias, norms
                 q = fused_triton.rope_write_kv(self.qkv(x), cos, sin, kv_cache[0], kv_cache[1], slot_mapping, nh,
                                                nkv, hd, kv_scale=self.kv_scale, **self._rope_extras())  # one kernel
@@ -203,8 +195,7 @@ class Attention(nn.Module):
                kv_cache: KVCache) -> torch.Tensor:
         """Attention of :meth:`project`'s outputs (their keys and values already in the cache) -> ``[T, nh, hd]``."""
         if attn.all_decode:
-            staged, self._staged = self._staged, None
-            return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale, self.kv_scale, staged)
+            return decode_attention(q, kv_cache[0], kv_cache[1], attn, self.scale, self.kv_scale)
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, kv_written=True,
                                kv_scale=self.kv_scale)
 

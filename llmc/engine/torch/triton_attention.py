@@ -106,10 +106,9 @@ def _kernel():
     def paged_decode(
         q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, acc_ptr, ml_ptr, cnt_ptr, out_ptr, scale, kv_scale, num_splits,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_tb, stride_ot, stride_oh,
-        new_k_ptr, new_v_ptr, slots_ptr, stride_new, stride_slot, inv_kv_scale,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, GROUP_R: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr,
         PER_ITER: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, FUSED: tl.constexpr, SPLITS_P: tl.constexpr,
-        PRECISION: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr, STAGED: tl.constexpr, PDL: tl.constexpr,
+        PRECISION: tl.constexpr, FP8: tl.constexpr, F16_DOTS: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # launched while the previous kernel runs: the next may launch now; wait for the previous one
             tl.extra.cuda.gdc_launch_dependents()
@@ -123,15 +122,6 @@ def _kernel():
         per_split = tl.maximum(tl.cdiv(blocks, num_splits), MIN_PER_SPLIT)
         first, last = split * per_split, tl.minimum((split + 1) * per_split, blocks)
         g, d = tl.arange(0, GROUP_P), tl.arange(0, HEAD)
-        if STAGED:  # this step's key and value (16-bit rows) into the fp8 cache, by the split that reads their block
-            if (first < blocks) & (blocks <= last):
-                slot = tl.load(slots_ptr + seq * stride_slot).to(tl.int64)
-                new, at = seq * stride_new + kvh * HEAD + d, slot * stride_ks + kvh * stride_kh + d
-                k_new = tl.load(new_k_ptr + new).to(tl.float32) * inv_kv_scale  # kv_store.to_cache's rounding
-                v_new = tl.load(new_v_ptr + new).to(tl.float32) * inv_kv_scale
-                tl.store(k_ptr + at, tl.clamp(k_new, -448.0, 448.0).to(k_ptr.dtype.element_ty))
-                tl.store(v_ptr + at, tl.clamp(v_new, -448.0, 448.0).to(v_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the stores before any of the program's threads reads the block
         j = tl.arange(0, PER_ITER * BLOCK)  # PER_ITER blocks' tokens
         jb, jt = j // BLOCK, j % BLOCK
         heads = kvh * GROUP + g  # [GROUP_P] query heads of this kv head (rows >= GROUP are padding)
@@ -262,15 +252,14 @@ def combine_splits_reference(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.d
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, splits: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, kv_scale: float = 1.0, staged: kv_store.StagedKV | None = None,
+    num_stages: int | None = None, kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one query per sequence ``q [D, nh, hd]`` over its cached context -> ``[D, nh, hd]``.
 
     ``k_cache, v_cache [num_blocks, block_size, nkv, hd]``; ``block_tables [D, max_blocks]`` int32 (entries
     past a sequence's blocks are never read); ``context_lens [D]`` int32, each >= 1 (this step's key is already
-    in the cache, or ``staged``: 16-bit keys and values the kernel stores in the fp8 cache first, each by the
-    program whose split holds its block). Fixed shapes and no host synchronisation, so it can be captured in a CUDA
-    graph. An fp8 cache (``torch.float8_e4m3fn``) holds keys and values divided by ``kv_scale``.
+    in the cache). Fixed shapes and no host synchronisation, so it can be captured in a CUDA graph. An fp8 cache
+    (``torch.float8_e4m3fn``) holds keys and values divided by ``kv_scale``.
     """
     d, num_heads, head_size = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -281,7 +270,6 @@ def paged_decode_attention(
         fused = splits <= MAX_FUSED_SPLITS
     per_iter, min_per_split, warps, stages = FUSED_FORM if fused else SPLIT_FORM
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous(), "unexpected layout"
-    assert staged is None or (staged.k.stride() == staged.v.stride() and staged.k.stride()[1:] == (head_size, 1))
     out = torch.empty(d, num_heads, head_size, dtype=q.dtype, device=q.device)
     if not d:
         return out
@@ -293,13 +281,10 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, counters, out, scale, kv_scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        *((staged.k, staged.v, staged.slots, staged.k.stride(0), staged.slots.stride(0), 1.0 / kv_scale) if staged
-          else (q, q, context_lens, 0, 0, 1.0)),
         GROUP=group, GROUP_P=max(MIN_DOT_ROWS, _next_pow2(group)), GROUP_R=_next_pow2(group), HEAD=head_size,
         BLOCK=block_size, PER_ITER=per_iter, MIN_PER_SPLIT=min_per_split, FUSED=fused, SPLITS_P=MAX_FUSED_SPLITS,
         PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",  # exact fp32 dots; 16-bit inputs ignore it
         FP8=k_cache.dtype == torch.float8_e4m3fn, F16_DOTS=kv_store.f16_dots(k_cache.dtype, q.dtype),
-        STAGED=staged is not None,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
         **triton_support.pdl_kwargs(q.device),
     )

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from llmc.checkpoint.int4 import dequantize_w4a16, pack_int4, unpack_int4
 from llmc.engine.torch import kv_store, triton_support
-from llmc.engine.torch import model as model_module
 from llmc.engine.torch.int4_configs import KernelConfig, heuristic_config
 from llmc.engine.torch.int4_cuda import Scratch, Int4CudaLinear, silu_mul
 from llmc.engine.torch.int4_layout import CHUNK, TILE, pack_for_cuda
@@ -282,57 +281,24 @@ def test_decode_steps_take_q_from_the_qkv_layers_rope_epilogue_where_it_applies(
         def epilogue(x, cos, sin, k_cache, v_cache, slots, nh, nkv, qkv=qkv):
             calls.append(x.shape[0])
             return fused_triton.rope_write_kv(qkv(x), cos, sin, k_cache, v_cache, slots, nh, nkv,
-                                              k_cache.shape[-1]), None  # q, nothing staged (a 16-bit cache)
+                                              k_cache.shape[-1])
 
         qkv.rope_write_kv = epilogue
     assert torch.equal(run(model), ref)
     assert calls == [1] * (3 * len(model.transformer.layers))  # the three decode steps, every layer once
 
 
-def test_an_fp8_cache_is_stored_by_the_rope_kernel_unless_staging_is_switched_on(tiny_w4a16_ir, monkeypatch):
-    """With an fp8 cache the decode steps do not ask the qkv layer's epilogue (it would stage the keys and values:
-    model.STAGE_FP8 is off) and the rope kernel stores them; with STAGE_FP8 on they ask it, as for 16-bit caches."""
-
+def test_an_fp8_cache_is_stored_by_the_rope_kernel_not_the_epilogue(tiny_w4a16_ir):
+    """The qkv layer's epilogue writes 16 bits, so with an fp8 cache the decode steps do not ask it and the rope
+    kernel stores the keys and values; with a 16-bit cache the same steps ask it (the stand-in is live)."""
     model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
     calls = []
     for layer in model.transformer.layers:  # the epilogue asked, and saying it does not apply (the rope kernel runs)
         layer.attention.qkv.rope_write_kv = lambda *args: calls.append(args[3].dtype)
-    ref = _chunk_decodes_mixed(model, decodes=2, kv_dtype=kv_store.FP8)
-    assert calls == []
-    monkeypatch.setattr(model_module, "STAGE_FP8", True)
-    assert torch.equal(_chunk_decodes_mixed(model, decodes=2, kv_dtype=kv_store.FP8), ref)
-    assert calls == [kv_store.FP8] * (2 * len(model.transformer.layers))
-
-
-def test_keys_and_values_staged_for_an_fp8_cache_reach_it_through_decode_attention(tiny_w4a16_ir, monkeypatch):
-    """With an fp8 cache (and model.STAGE_FP8 on) a qkv layer's epilogue stages a decode step's keys and values
-    (kv_store.StagedKV) and the decode attention stores them before it reads the cache (the Triton kernel on CUDA;
-    write_kv here): the logits are those of storing them in the projection. Both stand-ins rotate with the rope
-    kernel into 16-bit rows and store with write_kv's rounding."""
-    from llmc.engine.torch import fused_triton
-
-    monkeypatch.setattr(model_module, "STAGE_FP8", True)
-
-    def run(stage: bool) -> torch.Tensor:
-        model = load_model(tiny_w4a16_ir, "cpu", dtype=torch.bfloat16, triton_on_cpu=True)
-        for layer in model.transformer.layers:
-            attention = layer.attention
-            attention.kv_scale = 0.05
-
-            def epilogue(x, cos, sin, k_cache, v_cache, slots, nh, nkv, attention=attention):
-                qkv = attention.qkv(x)
-                hd = k_cache.shape[-1]
-                k16, v16 = (torch.zeros(x.shape[0], 1, nkv, hd, dtype=qkv.dtype) for _ in range(2))
-                q = fused_triton.rope_write_kv(qkv, cos, sin, k16, v16, torch.arange(x.shape[0]), nh, nkv, hd)
-                if stage:
-                    return q, kv_store.StagedKV(k16[:, 0], v16[:, 0], slots)
-                kv_store.write_kv(k_cache, v_cache, k16[:, 0], v16[:, 0], slots, attention.kv_scale)
-                return q, None
-
-            attention.qkv.rope_write_kv = epilogue
-        return _chunk_decodes_mixed(model, decodes=3, kv_dtype=kv_store.FP8)
-
-    assert torch.equal(run(stage=True), run(stage=False))
+    fp8 = _chunk_decodes_mixed(model, decodes=2, kv_dtype=kv_store.FP8)
+    assert calls == [] and torch.isfinite(fp8).all()
+    _chunk_decodes_mixed(model, decodes=2, kv_dtype=torch.bfloat16)
+    assert calls == [torch.bfloat16] * (2 * len(model.transformer.layers))
 
 
 def test_the_fused_decoder_leaves_norms_pending_where_o_and_down_offer_it(tiny_w4a16_ir):

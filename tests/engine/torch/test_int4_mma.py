@@ -312,6 +312,7 @@ def test_a_qkv_layer_packed_for_the_rope_epilogue_holds_both_halves_of_a_rotatio
         return layer.rope_write_kv(x, cos[:rows], sin[:rows], cache, cache, slots[:rows], *heads)
 
     assert call(cache=cache.float()) is None and call(heads=(nh + 1, nkv)) is None
+    assert call(cache=cache.to(torch.float8_e4m3fn)) is None  # the epilogue writes 16 bits: the rope kernel stores
     layer.dense_from_m = 2
     assert call() is None  # a prefill-sized step
     layer.dense_from_m = 96

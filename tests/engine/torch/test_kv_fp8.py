@@ -133,37 +133,6 @@ def test_16bit_queries_over_an_fp8_cache_take_float16_dots_clamped_to_its_range(
     assert torch.allclose(got.float(), want, rtol=1.6e-2, atol=1e-2)  # bfloat16's rounding of the output
 
 
-@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("splits", [None, 2, 12])  # the split form (None: 26 splits, 12) and the fused form (2)
-def test_the_decode_kernel_stores_a_steps_staged_keys_and_values_before_it_reads_them(gpu, splits):
-    """An int4 qkv layer stages a decode step's keys and values in 16 bits (kv_store.StagedKV); the decode kernel
-    stores them in the fp8 cache (write_kv's bytes, each by the program that reads its block) and attends over the
-    cache as written. Staged values times a power-of-two scale land on e4m3 values: the interpreter's rounding is
-    not the GPU's (see the rope kernel's test)."""
-    from llmc.engine.torch.kv_store import StagedKV
-    from llmc.engine.torch.triton_attention import paged_decode_attention
-
-    device = kernel_device(gpu)
-    dtype = torch.bfloat16 if gpu else torch.float32
-    q, k16, v16, meta = random_decode_batch(device, torch.float32)
-    kv_scale, scale = 0.0625, q.shape[-1] ** -0.5
-    k8, _ = as_fp8(k16, kv_scale)
-    v8, _ = as_fp8(v16 * 4, kv_scale)
-    d, nkv, hd = q.shape[0], k8.shape[2], k8.shape[3]
-    gen = torch.Generator().manual_seed(5)
-    new_k, new_v = (from_cache(to_cache(torch.randn(d, nkv, hd, generator=gen) * 8, FP8, kv_scale), dtype, kv_scale)
-                    .to(device) for _ in range(2))
-    want_k8, want_v8 = k8.clone(), v8.clone()
-    write_kv(want_k8, want_v8, new_k, new_v, meta.slot_mapping, kv_scale)
-    got = paged_decode_attention(q.to(dtype), k8, v8, meta.decode_tables, meta.decode_context_lens, scale, splits,
-                                 kv_scale=kv_scale, staged=StagedKV(new_k, new_v, meta.slot_mapping))
-    assert torch.equal(k8.view(torch.uint8), want_k8.view(torch.uint8))
-    assert torch.equal(v8.view(torch.uint8), want_v8.view(torch.uint8))
-    want = reference_decode_attention(q.to(dtype).float(), from_cache(k8, torch.float32, kv_scale),
-                                      from_cache(v8, torch.float32, kv_scale), meta, scale)
-    assert torch.allclose(got.float(), want, rtol=1.6e-2 if gpu else 1e-5, atol=2e-2 if gpu else 1e-4)  # bf16 out
-
-
 def test_the_runner_keeps_a_16bit_cache_where_fp8_cannot_run_and_says_why(monkeypatch):
     cpu = torch.device("cpu")
     dtype, why = kv_alloc.runtime_kv_dtype("fp8", torch.bfloat16, cpu, 16, 64)
