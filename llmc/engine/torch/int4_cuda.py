@@ -280,8 +280,9 @@ class Int4CudaLinear(nn.Module):
         and step): ``x [T, H]`` (or a pending norm, as :meth:`forward` takes), tables ``cos, sin [T, 1, hd]``
         (:func:`llmc.engine.torch.rope.rope_cos_sin`), caches ``[blocks, block_size, nkv, hd]``, ``slot_mapping [T]``
         int64 -> rotated queries ``[T, nh, hd]``. None where it does not apply (no ``rope_head``, prefill-sized
-        steps, a cache of another dtype than ``x``'s, fp8 too: an fp8 store in the epilogue changed every kernel's code,
-        4 % slower at 64 rows on an H100, or ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps."""
+        steps, a cache not of ``x``'s dtype, or ``LLMC_ROPE_EPILOGUE=0``): the caller then runs the two steps. The
+        epilogue writes 16 bits (an fp8 store in it changed every kernel's code, 4 % slower at 64 rows on an H100),
+        so the rope kernel stores an fp8 cache."""
         m, hd = x.shape[0], self.rope_head
         dtype = x.scaled.dtype if isinstance(x, PendingNorm) else x.dtype
         if (not hd or m == 0 or m >= self.dense_from_m or k_cache.dtype != dtype

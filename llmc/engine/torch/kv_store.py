@@ -5,7 +5,6 @@ and the Triton attention kernels read them the same way)."""
 
 from __future__ import annotations
 
-
 import torch
 
 FP8 = torch.float8_e4m3fn  # an fp8 cache's storage dtype (TensorRT-LLM's FP8 KV cache is e4m3 too)

@@ -170,8 +170,8 @@ class Attention(nn.Module):
         ``decode`` steps an int4 qkv layer does it in its own epilogue where it can
         (:meth:`~llmc.engine.torch.int4_cuda.Int4CudaLinear.rope_write_kv`; 16-bit caches only: staging an fp8
         cache's keys for the decode kernel to store was measured and dropped, docs/GPU_INT4_LOG.md 2026-12-06
-        23:10). Returns q ``[T, nh, hd]``
-        and, for prompt steps, k and v ``[T, nkv, hd]`` (None in decode steps: they are read back from the cache)."""
+        23:10). Returns q ``[T, nh, hd]`` and, for prompt steps, k and v ``[T, nkv, hd]`` (None in decode steps: they
+        are read back from the cache)."""
         from llmc.engine.torch import fused_triton  # optional dependency: Triton (checked by the loader)
 
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
