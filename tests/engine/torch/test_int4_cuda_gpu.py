@@ -126,9 +126,9 @@ def test_mma_layer_matches_float32_product_for_every_config_and_row_count(n, k, 
 def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, k, group, dtype):
     """A qkv layer packed per head (rope_head) gives the plain layer's bits from forward and its dequantized weight,
     and its RoPE + KV-write epilogue gives the bits of the same product (same config) followed by the Triton rope
-    kernel: q, and k and v in the rows' cache slots (the others stay zero), at the layer's own config (up to 128
-    rows: CUDA graphs' prompt steps) and at every config that fits. An fp8 cache it declines (its epilogue writes 16
-    bits), the cache untouched."""
+    kernel: q, and k and v in the rows' cache slots (the others stay zero), at the layer's own config for every row
+    count the epilogue serves and at every config that fits. An fp8 cache it declines (its epilogue writes 16 bits),
+    the cache untouched."""
     from llmc.engine.torch import cuda_ext, fused_triton
     from llmc.engine.torch.rope import rope_cos_sin, rope_inv_freq
 
@@ -142,14 +142,16 @@ def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, 
     scratch = Scratch(dtype, torch.device("cuda"))
     plain = Int4CudaLinear.from_ir(parts, pq, group, scratch)
     rope = Int4CudaLinear.from_ir(parts, pq, group, scratch, rope_head=hd)
-    reserve_every_split(scratch, n, rows=128)
+    # Every row count the epilogue serves, those below dense_from_m (the tuned tables' 160-512 on the H100 and H200,
+    # 96 untuned): decode steps, CUDA graphs' prompt steps of up to 128 tokens, eager prompt chunks; each bucket's
+    # config with its partial row tiles.
+    sweep = range(1, min(rope.dense_from_m, 512))
+    reserve_every_split(scratch, n, rows=sweep[-1])
     assert rope.rope_head == hd and rope.period == hd and plain.rope_head == 0
     assert torch.equal(rope.dequantize(torch.empty(k, n, dtype=dtype, device="cuda")),
                        plain.dequantize(torch.empty(k, n, dtype=dtype, device="cuda")))
-    blocks, block_size = 12, 16
-    # 128: the CUDA graph of a prompt step of 65-128 tokens; the epilogue serves rows below dense_from_m (the tuned
-    # tables' 160-512 on the H100 and H200, 96 untuned)
-    for rows in [r for r in (1, 3, 8, 17, 64, 128) if r < rope.dense_from_m]:
+    blocks, block_size = 32, 16  # a slot for each of up to 511 rows
+    for rows in sweep:
         x = torch.randn(rows, k, generator=gen).to(dtype).cuda()
         assert torch.equal(rope(x), plain(x))  # the interleaved columns come back in their own order
         positions = torch.randint(0, 4000, (rows,), generator=gen).cuda()
