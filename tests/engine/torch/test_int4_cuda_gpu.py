@@ -176,10 +176,10 @@ def test_qkv_rope_epilogue_equals_the_product_then_the_rope_kernel(nh, nkv, hd, 
             assert torch.equal(got_q, ref_q), (rows, config)
             assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), (rows, config)
             assert k_cache.view(-1, nkv, hd)[slots].abs().sum() > 0
-        # An fp8 cache: declined (the rope kernel stores it), the cache untouched.
-        k8, v8 = (torch.zeros(blocks, block_size, nkv, hd, dtype=FP8, device="cuda") for _ in range(2))
-        assert rope.rope_write_kv(x, cos, sin, k8, v8, slots, nh, nkv) is None
-        assert not k8.view(torch.uint8).any() and not v8.view(torch.uint8).any()
+    # An fp8 cache: declined (the rope kernel stores it), the cache untouched; whatever the rows, so checked once.
+    k8, v8 = (torch.zeros(blocks, block_size, nkv, hd, dtype=FP8, device="cuda") for _ in range(2))
+    assert rope.rope_write_kv(x, cos, sin, k8, v8, slots, nh, nkv) is None
+    assert not k8.view(torch.uint8).any() and not v8.view(torch.uint8).any()
 
 
 @pytest.mark.skipif(not SM90, reason="the warpgroup kernel (split-K included) runs on sm_90 only")
