@@ -17,7 +17,8 @@ tokens) and the engine's shape, weights on the device and KV bytes per token:
   when the prompts are prefilled before they are decoded);
 - ``ttft_p50_min_s`` (no prefix-cache hits): the median of the prompts' own prefill times at the peak.
 
-Peaks are measured figures, for the GPUs llmc was measured on (``PEAKS``); elsewhere no bound is given.
+Peaks are measured figures, for the GPUs llmc was measured on (``PEAKS``: the H200 and the H100 SXM, by the names
+PyTorch gives them); elsewhere no bound is given (an H100 PCIe or NVL has other memory and clocks).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ PEAKS = {
     "NVIDIA H200": Peaks(4.54e12, 790e12, "H200 as measured through llmc's device tool: 4.54 TB/s read-only "
                          "stream (scripts/stream_floor.cu, 3.6 GB in one kernel, the faster of two machines: "
                          "4.41-4.54; a torch device copy of 4 GiB reaches 4.29), ~790 TFLOP/s dense bf16 matmul"),
+    "NVIDIA H100 80GB HBM3": Peaks(3.20e12, 800e12, "H100 SXM as measured through llmc's device tool: 3.20 TB/s "
+                                   "read-only stream (scripts/stream_floor.cu, 3.6 GB in one kernel: 3.17-3.20 over "
+                                   "two runs; a torch device copy of 4 GiB reaches 3.05), ~800 TFLOP/s dense bf16 "
+                                   "matmul (8192^3 on random data: 801 at best, 743 median)"),
 }
 
 

@@ -54,6 +54,24 @@ def test_steps_are_at_least_the_longest_request_and_the_tokens_over_the_concurre
     assert level_bound([(10, 11)] * 10, 2, 0, LLAMA8B, INT4_WEIGHTS, KV_PER_TOKEN, H200)["decode_steps"] == 50
 
 
+def test_the_h100_sxm_has_its_own_measured_peaks_and_its_figures_are_checked_against_them():
+    h100 = peaks_for("cuda:0", "NVIDIA H100 80GB HBM3")
+    assert h100 is PEAKS["NVIDIA H100 80GB HBM3"] and h100.bandwidth < H200.bandwidth
+    assert peaks_for("cuda", "NVIDIA H100 PCIe") is None  # other memory and clocks: not measured, no bound
+    embedding = {"bfloat16": 128256 * 4096 * 2}
+    on_device = {"bfloat16": INT4_WEIGHTS["bfloat16"] - embedding["bfloat16"], "int32": INT4_WEIGHTS["int32"]}
+    # The int4 twin at concurrency 1 as measured on an H100 (2026-12-07 08:10): 16 requests, 362.3 tok/s, TTFT p50
+    # 55.8 ms; the bounds there are ~550 tok/s (a fresh prefill >= 37 ms, then 127 steps of >= 1.5 ms) and ~654
+    # (the decode bytes alone: a schedule overlapping the prefills).
+    bound = level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, h100, embedding)
+    assert bound["tgs_max_prefill_then_decode"] == pytest.approx(550, rel=0.01)
+    assert bound["tgs_max"] == pytest.approx(654, rel=0.01)
+    assert check({"tgs": 362.3, "ttft_s": {"p50": 0.0558}}, bound) == []
+    # 700 tok/s is faster than an H100 can go, and within the H200's bound.
+    assert check({"tgs": 700.0, "ttft_s": {"p50": 0.0558}}, bound) != []
+    assert level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, H200, embedding)["tgs_max"] > 700
+
+
 def _level(ttft: float, wall: float, hits: int = 0) -> LevelResult:
     records = tuple(RequestRecord(2048, 128, 0.0, tuple(ttft + 0.002 * i for i in range(128)), ttft + 0.3, "length")
                     for _ in range(4))
