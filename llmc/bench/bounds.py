@@ -42,9 +42,9 @@ PEAKS = {
                          "stream (scripts/stream_floor.cu, 3.6 GB in one kernel, the faster of two machines: "
                          "4.41-4.54; a torch device copy of 4 GiB reaches 4.29), ~790 TFLOP/s dense bf16 matmul"),
     "NVIDIA H100 80GB HBM3": Peaks(3.20e12, 800e12, "H100 SXM as measured through llmc's device tool: 3.20 TB/s "
-                                   "read-only stream (scripts/stream_floor.cu, 3.6 GB in one kernel: 3.17-3.20 over "
-                                   "two runs; a torch device copy of 4 GiB reaches 3.05), ~800 TFLOP/s dense bf16 "
-                                   "matmul (8192^3 on random data: 801 at best, 743 median)"),
+                                   "read-only stream (scripts/stream_floor.cu, 3.6 GB in one kernel: 3.17-3.20 on two "
+                                   "machines; a torch device copy of 4 GiB reaches 3.05), ~800 TFLOP/s dense bf16 "
+                                   "matmul (8192^3 on random data: 799-801 at best)"),
 }
 
 
