@@ -102,6 +102,18 @@ def test_the_report_flags_figures_faster_than_the_gpu(monkeypatch):
     assert hits["ttft_p50_min_s"] is None and not any("TTFT" in p for p in hits["problems"])
 
 
+def test_a_report_from_an_h100_checks_its_levels_against_the_h100s_peaks(monkeypatch):
+    from llmc.bench import report as report_module
+
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H100 80GB HBM3"})
+    honest = build_report(RUN, [_level(0.0558, 4 * 0.353)], PLAN, {})["levels"][0]  # 362.7 tok/s, as measured
+    assert honest["bound"]["problems"] == [] and honest["bound"]["peaks"].startswith("H100 SXM")
+    fast = build_report(RUN, [_level(0.0558, 4 * 0.18)], PLAN, {})["levels"][0]  # 711 tok/s: past an H100's ~654
+    assert any("TGS" in p for p in fast["bound"]["problems"])
+    monkeypatch.setattr(report_module, "host_info", lambda: {"cuda_device": "NVIDIA H200"})
+    assert build_report(RUN, [_level(0.0558, 4 * 0.18)], PLAN, {})["levels"][0]["bound"]["problems"] == []
+
+
 def test_no_bound_without_known_peaks_or_shape(monkeypatch):
     from llmc.bench import report as report_module
 
