@@ -16,6 +16,8 @@ LLAMA8B = {"num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads
 KV_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # 128 KiB
 INT4_WEIGHTS = {"bfloat16": 2_103_058_432, "int32": 3_598_712_832}  # the 8B int4 twin on an H200 (llmc bench)
 H200 = PEAKS["NVIDIA H200"]
+HOST = {"bfloat16": 128256 * 4096 * 2}  # the input embedding in page-locked host memory (the engine's default)
+INT4_ON_DEVICE = {"bfloat16": INT4_WEIGHTS["bfloat16"] - HOST["bfloat16"], "int32": INT4_WEIGHTS["int32"]}
 
 
 def test_the_8b_shape_matches_the_reference_arithmetic():
@@ -29,11 +31,8 @@ def test_the_8b_shape_matches_the_reference_arithmetic():
 
 
 def test_an_embedding_in_host_memory_is_not_subtracted_from_the_device_weights_again():
-    embedding = 128256 * 4096 * 2
-    on_device = {"bfloat16": INT4_WEIGHTS["bfloat16"] - embedding, "int32": INT4_WEIGHTS["int32"]}
-    host = {"bfloat16": embedding}
-    assert step_weight_bytes(LLAMA8B, on_device, host) == step_weight_bytes(LLAMA8B, INT4_WEIGHTS)
-    moved = level_bound([(2048, 128)], 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, H200, host)
+    assert step_weight_bytes(LLAMA8B, INT4_ON_DEVICE, HOST) == step_weight_bytes(LLAMA8B, INT4_WEIGHTS)
+    moved = level_bound([(2048, 128)], 1, 0, LLAMA8B, INT4_ON_DEVICE, KV_PER_TOKEN, H200, HOST)
     assert moved["tgs_max_prefill_then_decode"] == pytest.approx(730, rel=0.01)  # the same bound as on the device
 
 
@@ -58,18 +57,16 @@ def test_the_h100_sxm_has_its_own_measured_peaks_and_its_figures_are_checked_aga
     h100 = peaks_for("cuda:0", "NVIDIA H100 80GB HBM3")
     assert h100 is PEAKS["NVIDIA H100 80GB HBM3"] and h100.bandwidth < H200.bandwidth
     assert peaks_for("cuda", "NVIDIA H100 PCIe") is None  # other memory and clocks: not measured, no bound
-    embedding = {"bfloat16": 128256 * 4096 * 2}
-    on_device = {"bfloat16": INT4_WEIGHTS["bfloat16"] - embedding["bfloat16"], "int32": INT4_WEIGHTS["int32"]}
     # The int4 twin at concurrency 1 as measured on an H100 (2026-12-07 08:10): 16 requests, 362.3 tok/s, TTFT p50
     # 55.8 ms; the bounds there are ~550 tok/s (a fresh prefill >= 37 ms, then 127 steps of >= 1.5 ms) and ~654
     # (the decode bytes alone: a schedule overlapping the prefills).
-    bound = level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, h100, embedding)
+    bound = level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, INT4_ON_DEVICE, KV_PER_TOKEN, h100, HOST)
     assert bound["tgs_max_prefill_then_decode"] == pytest.approx(550, rel=0.01)
     assert bound["tgs_max"] == pytest.approx(654, rel=0.01)
     assert check({"tgs": 362.3, "ttft_s": {"p50": 0.0558}}, bound) == []
     # 700 tok/s is faster than an H100 can go, and within the H200's bound.
     assert check({"tgs": 700.0, "ttft_s": {"p50": 0.0558}}, bound) != []
-    assert level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, on_device, KV_PER_TOKEN, H200, embedding)["tgs_max"] > 700
+    assert level_bound([(2048, 128)] * 16, 1, 0, LLAMA8B, INT4_ON_DEVICE, KV_PER_TOKEN, H200, HOST)["tgs_max"] > 700
 
 
 def _level(ttft: float, wall: float, hits: int = 0) -> LevelResult:
