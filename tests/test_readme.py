@@ -14,7 +14,7 @@ def bash_blocks(text: str) -> list[str]:
 
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
-    test_cmd = next(b for b in bash_blocks(readme) if b.endswith("python -m pytest -q"))
+    test_cmd = next(b for b in bash_blocks(readme) if b.endswith("python -m pytest -q -n 2"))
     ci = (ROOT / ".ci" / "run").read_text()
     # Same install and test steps; only the venv's path differs.
     expected = test_cmd.replace(".venv", '"$venv"')
