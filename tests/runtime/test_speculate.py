@@ -214,8 +214,8 @@ def test_drafts_of_sampled_requests_are_accepted_at_the_models_rate(tiny_build_d
     """Unseeded sampling at a low temperature (the tiny model's logits are flat; its loops stay likely): drafts are
     accepted often but not always, and every request still ends at its length. Unseeded rows draw from the
     sampler's shared generator, seeded here so the run is the same each time: at temperature 0.05 one unseeded
-    run in CI once accepted all of its 68 drafts; at 0.1, 12 seeds of this generator rejected 7-36 drafts of
-    69-84 (2026-12-07)."""
+    run (under transformers 4.57.3, tests/test_install_beside_trtllm.py) accepted all of its 68 drafts; at 0.1,
+    12 seeds of this generator rejected 7-36 drafts of 69-84 (2026-12-07)."""
     spec = make_engine(tiny_build_dir, speculative_tokens=4)
     spec.runner.sampler._generator.manual_seed(2026)
     done = spec.generate(random_prompts(5, [9, 30]), SamplingParams(max_new_tokens=48, temperature=0.1,
