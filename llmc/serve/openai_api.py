@@ -25,17 +25,20 @@ from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.openai_tools import openai_calls
 from llmc.serve.protocol import client_names
 from llmc.serve.reasoning import ReasoningStream, prompt_opens_thinking
-from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, error_status, openai_error, prepare, read_json, send_sse,
-                              start_sse)
+from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, ServerState, error_status, openai_error, prepare, read_json,
+                              send_sse, start_sse)
 from llmc.serve.tool_syntax import CallStream, ParsedCalls
 
 
-def _model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "llmc"}
+def _model(state: ServerState, name: str) -> dict[str, Any]:
+    """A model card: OpenAI's fields, plus ``max_model_len`` (vLLM's name) so clients can size their requests."""
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "llmc"}
+    return card if state.max_model_len is None else {**card, "max_model_len": state.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model(request.app[STATE_KEY].model_name)]})
+    state = request.app[STATE_KEY]
+    return web.json_response({"object": "list", "data": [_model(state, state.model_name)]})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -43,7 +46,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     state, name = request.app[STATE_KEY], request.match_info["model"]
     if not state.knows(name):
         raise UnknownModelError("model", f"unknown model {name!r}; this server serves {state.model_name!r}")
-    return web.json_response(_model(name))
+    return web.json_response(_model(state, name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -103,7 +103,7 @@ def make_state(engine: Engine, options: ServeOptions) -> ServerState:
     tool_syntax, reasoning = answer_syntaxes(engine, options)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
                        options.api_key, body_timeout_s=options.body_timeout_s, tool_syntax=tool_syntax,
-                       reasoning=reasoning)
+                       reasoning=reasoning, max_model_len=engine.recipe.engine.max_seq_len)
 
 
 async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,

@@ -14,9 +14,10 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -48,6 +49,8 @@ class ServerState:
     max_body_bytes: int = 16 * 1024 * 1024
     tool_syntax: ToolSyntax | None = None  # the model's tool-call syntax (None: tool_choice "auto" is refused)
     reasoning: ReasoningSyntax | None = None  # chat answers' thinking goes out as reasoning_content
+    max_model_len: int | None = None  # prompt + answer tokens a request may hold (the recipe's max_seq_len)
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when serving began
 
     def knows(self, model: str) -> bool:
         """True for the served model's name and the Triton aliases."""

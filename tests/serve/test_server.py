@@ -127,6 +127,10 @@ def test_grpc_errors_have_status_codes(tiny_server):
 def test_openai_endpoints(tiny_server, offline):
     status, models = tiny_server.get("/v1/models")
     assert status == 200 and models["data"][0]["id"] == tiny_server.model
+    card = models["data"][0]  # a real creation time, and the context length clients size their requests by
+    assert card["max_model_len"] == offline.recipe.engine.max_seq_len
+    assert time.time() - 3600 < card["created"] <= time.time()
+    assert tiny_server.get(f"/v1/models/{tiny_server.model}") == (200, card)
     expected = greedy(offline, [PROMPTS[3]], 8)[0]
     status, body = tiny_server.post("/v1/completions", {"model": tiny_server.model, "prompt": PROMPTS[3],
                                                         "max_tokens": 8, "temperature": 0})
