@@ -1,4 +1,7 @@
-"""``llmc generate ENGINE_DIR PROMPT``: stream one answer from a build folder, then print its latency."""
+"""``llmc generate ENGINE_DIR PROMPT``: stream one answer from a build folder, then print its latency.
+
+PROMPT ``-`` reads the prompt from standard input (a long prompt, or one in a file: ``llmc generate DIR - < f``).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ def _overrides(**given) -> dict:
 @click.argument("engine_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("prompt")
 @click.option("--chat", is_flag=True, help="Send PROMPT as a user message through the model's chat template.")
+@click.option("--system", default=None,
+              help="With --chat: a system message before PROMPT (the template's own default system text otherwise).")
 @click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate at most [recipe default].")
 @click.option("--temperature", type=float, default=None, help="0 = greedy [recipe default].")
 @click.option("--top-p", type=float, default=None, help="Nucleus sampling mass in (0, 1] [recipe default].")
@@ -46,24 +51,24 @@ def _overrides(**given) -> dict:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--metrics-log", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Append per-step and per-request metrics as JSON lines to FILE.")
-def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int | None, temperature: float | None,
-                 top_p: float | None, top_k: int | None, seed: int | None, stop: tuple[str, ...],
-                 logprobs: int | None, prompt_logprobs: int | None, json_schema: str | None, json_object: bool,
-                 regex: str | None, choice: tuple[str, ...], grammar: Path | None, speculative_tokens: int | None,
-                 device: str, metrics_log: Path | None) -> None:
-    """Stream the model's answer to PROMPT from ENGINE_DIR (a build folder), then print TTFT, mean ITL and
-    tokens/s to stderr (and, with --logprobs / --prompt-logprobs, each token's log-probability). Sampling
-    defaults come from the recipe's runtime.sampling. --json-schema, --json-object, --regex, --choice and --grammar
-    (one of them) constrain the answer to that format."""
+def generate_cmd(engine_dir: Path, prompt: str, chat: bool, system: str | None, max_new_tokens: int | None,
+                 temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+                 stop: tuple[str, ...], logprobs: int | None, prompt_logprobs: int | None, json_schema: str | None,
+                 json_object: bool, regex: str | None, choice: tuple[str, ...], grammar: Path | None,
+                 speculative_tokens: int | None, device: str, metrics_log: Path | None) -> None:
+    """Stream the model's answer to PROMPT (``-``: read it from stdin, as is) from ENGINE_DIR (a build folder),
+    then print TTFT, mean ITL and tokens/s to stderr (and, with --logprobs / --prompt-logprobs, each token's
+    log-probability). Sampling defaults come from the recipe's runtime.sampling. --json-schema, --json-object,
+    --regex, --choice and --grammar (one of them) constrain the answer to that format."""
     from llmc.runtime.api import Engine
 
     structured = output_format(json_schema, json_object, regex, choice, grammar)
+    request = prompt_request(prompt, chat, system)
     engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log, speculative_tokens=speculative_tokens)
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             stop=tuple(stop), logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured))
-        request = [{"role": "user", "content": prompt}] if chat else prompt
         last, token_logprobs, scored = None, [], []
         for event in engine.stream(request, params):
             click.echo(event.text, nl=False)
@@ -88,6 +93,27 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, max_new_tokens: int 
             stats = engine.stats()
             summary += f" | drafts: {stats['accepted_draft_tokens']} of {stats['draft_tokens']} accepted"
         click.echo(summary, err=True)
+
+
+def prompt_request(prompt: str, chat: bool, system: str | None) -> str | list[dict[str, str]]:
+    """The prompt, or chat messages, generate sends; ``-`` reads the prompt from stdin. UsageError for an empty one
+    and for --system without --chat."""
+    if system is not None and not chat:
+        raise click.UsageError("--system is a chat message; add --chat (or put the text in PROMPT)")
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            prompt = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.UsageError(f"standard input is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                                   f"{exc.start}); convert the prompt to UTF-8") from None
+        if not prompt.strip():
+            raise click.UsageError("PROMPT is '-' but standard input was empty; pipe the prompt in, e.g. "
+                                   "`llmc generate DIR - < prompt.txt`")
+    if not chat:
+        return prompt
+    user = [{"role": "user", "content": prompt}]
+    return user if system is None else [{"role": "system", "content": system}, *user]
 
 
 def output_format(json_schema: str | None, json_object: bool, regex: str | None, choice: tuple[str, ...],

@@ -134,3 +134,33 @@ def test_generate_speculative_tokens_keeps_the_text_and_counts_the_drafts(tiny_b
     assert drafts >= accepted > 0  # the tiny model's greedy outputs loop
     bad = CliRunner().invoke(cli, args + ["--speculative-tokens", "17"])
     assert bad.exit_code == 2 and "--speculative-tokens" in bad.output and "0<=x<=16" in bad.output
+
+
+def test_generate_reads_a_dash_prompt_from_stdin_as_is(tiny_build_dir):
+    args = ["generate", str(tiny_build_dir), "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu"]
+    piped = CliRunner().invoke(cli, args[:2] + ["-"] + args[2:], input="Hello there\n")
+    assert piped.exit_code == 0, piped.output
+    (expected,) = make_engine(tiny_build_dir).generate(
+        ["Hello there\n"], SamplingParams(max_new_tokens=6, temperature=0.0))  # the newline is part of the prompt
+    assert piped.stdout == expected.text + "\n"
+    empty = CliRunner().invoke(cli, args[:2] + ["-"] + args[2:], input=" \n")
+    assert empty.exit_code == 2 and "standard input was empty" in empty.output
+    latin1 = CliRunner().invoke(cli, args[:2] + ["-"] + args[2:], input="caf\xe9".encode("latin-1"))
+    assert latin1.exit_code == 2 and "not UTF-8 text (byte 0xe9 at offset 3)" in latin1.output
+
+
+def test_generate_system_adds_a_system_message_before_the_chat_prompt(tiny_build_dir):
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, prompt_logprobs=0)
+    engine = make_engine(tiny_build_dir)
+    (expected,) = engine.generate([messages], params)
+    rendered = engine.tokenizer.decode([lp.token_id for lp in expected.prompt_logprobs])
+    assert "Answer in one word." in rendered  # the system text reaches the template
+    result = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--chat", "--system",
+                                      "Answer in one word.", "--max-new-tokens", "5", "--temperature", "0",
+                                      "--prompt-logprobs", "0", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == expected.text + "\n"
+    assert f"prompt: {len(expected.prompt_logprobs)} tokens after the first" in result.stderr
+    alone = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--system", "x", "--device", "cpu"])
+    assert alone.exit_code == 2 and "--system is a chat message; add --chat" in alone.output
