@@ -118,7 +118,7 @@ def open_generator(source: Any, recipe: Any, folder: Path, device: torch.device)
     mf.write_manifest(folder, make_manifest(gen, "self-generation", source, {}))
     block = gen.kv_cache.tokens_per_block
     num_blocks = gen.engine.max_batch_size * math.ceil(gen.engine.max_seq_len / block)
-    return Engine.from_dir(folder, device=device.type, num_blocks=num_blocks)
+    return Engine.from_dir(folder, device=device.type, num_blocks=num_blocks, prepare_formats=False)  # free text
 
 
 def generate_conversations(engine: Any, tokens: int, spec: Any, seed: int, chat: bool = True,

@@ -64,7 +64,8 @@ def generate_cmd(engine_dir: Path, prompt: str, chat: bool, system: str | None, 
 
     structured = output_format(json_schema, json_object, regex, choice, grammar)
     request = prompt_request(prompt, chat, system)
-    engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log, speculative_tokens=speculative_tokens)
+    engine = Engine.from_dir(engine_dir, device=device, metrics_log=metrics_log, speculative_tokens=speculative_tokens,
+                             prepare_formats=structured is not None)  # one request: no index it would not use
     try:
         params: SamplingParams = engine.default_params.replace(**_overrides(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -164,3 +164,23 @@ def test_generate_system_adds_a_system_message_before_the_chat_prompt(tiny_build
     assert f"prompt: {len(expected.prompt_logprobs)} tokens after the first" in result.stderr
     alone = CliRunner().invoke(cli, ["generate", str(tiny_build_dir), "Hi", "--system", "x", "--device", "cpu"])
     assert alone.exit_code == 2 and "--system is a chat message; add --chat" in alone.output
+
+
+def test_generate_builds_the_format_index_only_for_a_format_flag(tiny_build_dir, monkeypatch):
+    """One request: the tokenizer index (llguidance, ~0.5 s, holding the GIL) is built only when a format flag
+    will use it."""
+    from llmc.runtime.api import Engine
+
+    loaded = []
+    real = Engine.from_dir.__func__
+
+    def spy(cls, *args, **kwargs):
+        loaded.append(real(cls, *args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(Engine, "from_dir", classmethod(spy))
+    base = ["generate", str(tiny_build_dir), "Pick:", "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu"]
+    for flags, built in (([], False), (["--choice", "yes", "--choice", "no"], True)):
+        result = CliRunner().invoke(cli, base + flags)
+        assert result.exit_code == 0, result.output
+        assert (loaded[-1].grammars._index is not None) is built

@@ -160,15 +160,19 @@ def test_the_format_stages_are_measured(tiny_build_dir, tmp_path):
 
 
 def test_a_loaded_engine_builds_the_tokenizer_index_before_the_first_structured_request(tiny_build_dir):
-    """Engine.from_dir (with its warm-up) builds llguidance's tokenizer index in the background, so the first
-    request with a format compiles its format only; without the warm-up the first such request builds it."""
+    """Engine.from_dir (with its warm-up) has built llguidance's tokenizer index when it returns (not on a thread
+    beside the first requests: the build holds the GIL), so the first request with a format compiles its format
+    only; without the warm-up, or with ``prepare_formats=False``, the first such request builds it."""
     from llmc.runtime.api import Engine
 
     warm = Engine.from_dir(tiny_build_dir, device="cpu")
     cold = Engine.from_dir(tiny_build_dir, device="cpu", warmup=False)
+    plain = Engine.from_dir(tiny_build_dir, device="cpu", prepare_formats=False)
+    plain.shutdown()
     try:
-        assert warm.grammars.ready.wait(60) and warm.grammars._index is not None
-        assert not cold.grammars.ready.is_set() and cold.grammars._index is None
+        assert warm.grammars.ready.is_set() and warm.grammars._index is not None  # at once: no waiting for it
+        for engine in (cold, plain):
+            assert not engine.grammars.ready.is_set() and engine.grammars._index is None
         params = SamplingParams(max_new_tokens=3, temperature=0.0, structured={"type": "regex", "pattern": "[ab]+"})
         done = [engine.generate(["x"], params)[0] for engine in (warm, cold)]
         assert cold.grammars._index is not None and all(re.fullmatch("[ab]+", c.text) for c in done)
