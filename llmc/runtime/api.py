@@ -115,10 +115,8 @@ class Engine:
 
         ``num_blocks`` overrides the KV-cache size planned from the recipe. ``warmup`` runs the runner's
         warm-up (when it has one) before any request, so the first request is not the slow one, and with
-        ``prepare_formats`` builds the structured outputs' tokenizer index before returning (0.4-0.8 s for SmolLM2's
-        49,152 tokens on 2 cores; llguidance holds the GIL while it builds, so built beside the first requests it
-        stalled the engine thread: TTFT 1.1-1.3 s instead of 0.08 s). Without it, the first request with a format
-        builds the index.
+        ``prepare_formats`` builds the structured outputs' tokenizer index before returning
+        (:meth:`~llmc.request.structured.Grammars.prepare`); without it, the first request with a format builds it.
         ``prefix_caching``, ``mixed_step_tokens`` and ``speculative_tokens`` override the recipe's
         ``serving.enable_kv_cache_reuse``, ``serving.mixed_step_tokens`` and ``serving.speculative_tokens`` (torch
         backend only)."""

@@ -167,7 +167,7 @@ def test_generate_system_adds_a_system_message_before_the_chat_prompt(tiny_build
 
 
 def test_generate_builds_the_format_index_only_for_a_format_flag(tiny_build_dir, monkeypatch):
-    """One request: the tokenizer index (llguidance, ~0.5 s, holding the GIL) is built only when a format flag
+    """One request: the tokenizer index (llguidance, 0.7-1.1 s, holding the GIL) is built only when a format flag
     will use it."""
     from llmc.runtime.api import Engine
 
