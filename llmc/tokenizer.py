@@ -12,8 +12,10 @@ from typing import Any
 
 from llmc.errors import SourceError
 
-# The tokenizer class transformers 5 writes into tokenizer_config.json (transformers 4 raises on it).
+# The tokenizer class transformers 5 writes into tokenizer_config.json (transformers 4 raises on it), and the class
+# both versions load a tokenizer.json as (transformers 5 maps it to the same TokenizersBackend).
 _NEWER_TOKENIZER_CLASS = "TokenizersBackend"
+_PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 
 
 def load_tokenizer(hf_dir: Path) -> Any:
@@ -28,15 +30,45 @@ def load_tokenizer(hf_dir: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
-        return AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False)
+        return _no_bpe_clean_up(AutoTokenizer.from_pretrained(str(hf_dir), trust_remote_code=False))
     except ValueError as exc:
         if _NEWER_TOKENIZER_CLASS in str(exc) and (Path(hf_dir) / "tokenizer.json").is_file():
-            return PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+            return _no_bpe_clean_up(PreTrainedTokenizerFast.from_pretrained(str(hf_dir)))
         raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
                           f"and tokenizer_config.json") from exc
     except OSError as exc:
         raise SourceError(f"cannot load the tokenizer in {hf_dir}: {exc}. Fix: the folder needs tokenizer.json "
                           f"and tokenizer_config.json") from exc
+
+
+def _no_bpe_clean_up(tokenizer: Any) -> Any:
+    """``tokenizer`` with ``clean_up_tokenization_spaces`` off where its model is a BPE, as transformers 5 decodes
+    (it ignores the flag there): transformers 4 would otherwise drop the space of " ." or " 's" in every ``decode``
+    that does not pass the flag (a logprob's token text, an echoed prompt), with a folder built before the build
+    wrote the flag off (:func:`portable_tokenizer_config`)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
+def portable_tokenizer_config(config: dict[str, Any], tokenizer_json: str) -> dict[str, Any]:
+    """A build's ``tokenizer_config.json`` (``config``) that transformers 4 and 5 read alike, so TensorRT-LLM's
+    tools (transformers 4.57.3 with 1.2) load the build's tokenizer and decode the text llmc streams.
+
+    - ``tokenizer_class`` ``TokenizersBackend`` (transformers 5's generic class, a GGUF conversion's) becomes
+      ``PreTrainedTokenizerFast``: transformers 4's ``AutoTokenizer`` raises on the former, and TensorRT-LLM loads
+      tokenizers through ``AutoTokenizer`` (docs/TENSORRT_LLM.md, U17). A model's own class is kept.
+    - ``clean_up_tokenization_spaces`` is false where ``tokenizer_json``'s model is a BPE: transformers 5 ignores
+      true there, and transformers 4 and TensorRT-LLM's incremental detokenizer (U17) would strip the space
+      before punctuation the model wrote ("x , y" -> "x, y").
+    """
+    config = dict(config)
+    if config.get("tokenizer_class") == _NEWER_TOKENIZER_CLASS:
+        config["tokenizer_class"] = _PORTABLE_TOKENIZER_CLASS
+    if (json.loads(tokenizer_json).get("model") or {}).get("type") == "BPE":
+        config["clean_up_tokenization_spaces"] = False
+    return config
 
 
 def byte_level_decoder(tokenizer_json: str) -> str:

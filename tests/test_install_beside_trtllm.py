@@ -7,7 +7,8 @@ runtime, serving, the TensorRT-LLM backend) takes transformers 4.53 - 5.17 and o
 (llm-compressor) needs transformers 5.15+. This test proves it in a separate venv that has llmc's core with those
 two pins and no llm-compressor: pip resolves it, the TensorRT-LLM contract tests and the runtime tests pass
 there, ``llmc generate --chat`` on a torch build made by this (transformers 5) environment prints the same text, and
-the build's tokenizer gives the same ids, chat text and decoded text under both transformers versions.
+the build's tokenizer gives the same ids, chat text and decoded text under both transformers versions, loaded
+by llmc or as TensorRT-LLM's tools load it.
 
 The venv is built once per pyproject.toml / pin / Python version and kept under ``$LLMC_CACHE_DIR``
 (``compat-venvs/``): measured 158 s (45 s of CPU) on the shared 2-core machine at load average 9-11, torch
@@ -58,8 +59,18 @@ def tokenizer_probe(tokenizer_dir: str) -> dict:
     for ids in encoded + [chat_ids]:
         detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
         decoded.append("".join(detok.add(i) for i in ids) + detok.flush())
+    # TensorRT-LLM's own tools load the folder with AutoTokenizer and these keywords (docs/TENSORRT_LLM.md, U17)
+    # and decode without passing clean_up_tokenization_spaces, as llmc's logprobs and echo do.
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left", truncation_side="left",
+                                           trust_remote_code=True, use_fast=True)
+    plain = [theirs.decode(ids, skip_special_tokens=True) for ids in encoded]
+    pieces = [[tok.decode([i]) for i in ids] + [theirs.decode([i]) for i in ids] for ids in encoded]
     return {"encoded": encoded, "chat_ids": chat_ids, "decoded": decoded, "vocab": len(tok),
-            "special_ids": sorted(tok.all_special_ids), "eos": tok.eos_token_id, "bos": tok.bos_token_id}
+            "special_ids": sorted(tok.all_special_ids), "eos": tok.eos_token_id, "bos": tok.bos_token_id,
+            "theirs": [theirs.encode(t, add_special_tokens=True) for t in PROBE_TEXTS], "plain": plain,
+            "pieces": pieces}
 
 
 def _run(argv: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -144,4 +155,5 @@ def test_build_tokenizer_agrees_across_transformers_versions(compat_python, tiny
                               "tokenizer probe").strip().splitlines()[-1])
     here = tokenizer_probe(tokenizer_dir)
     assert there == json.loads(json.dumps(here))
-    assert here["decoded"][:3] == list(PROBE_TEXTS[:3])  # and it round-trips
+    assert here["decoded"][:3] == here["plain"][:3] == list(PROBE_TEXTS[:3])  # and it round-trips
+    assert here["theirs"] == here["encoded"]

@@ -14,7 +14,7 @@ from llmc import manifest as mf
 from llmc.errors import BuildError
 from llmc.recipe import Recipe, recipe_to_dict
 from llmc.source import load
-from llmc.tokenizer import byte_level_decoder
+from llmc.tokenizer import byte_level_decoder, portable_tokenizer_config
 
 # Files of an HF folder that make up its tokenizer (copied when ``save_pretrained`` is not enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -28,7 +28,8 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     build's template, and ``generation_config.json`` records the whole reconciled list, so every consumer
     stops on the same ids. A byte-level BPE whose decoder is a chain of byte-fallback and ByteLevel steps (a
     GGUF conversion's) gets its ByteLevel decoder alone, where every token decodes as before: guided decoding
-    over the build's tokenizer.json (llguidance's, TensorRT-LLM's) then reads spaces as spaces.
+    over the build's tokenizer.json (llguidance's, TensorRT-LLM's) then reads spaces as spaces. The config is
+    written so that transformers 4 and 5 load and decode it alike (:func:`portable_tokenizer_config`).
     """
     out.mkdir(parents=True)
     for name in TOKENIZER_FILES:
@@ -44,6 +45,8 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     if source.eos_token_ids:
         _set_eos_token(config, _token_string(out / "tokenizer.json", source.eos_token_ids[0]),
                        source.eos_token_ids[0])
+    if (out / "tokenizer.json").exists():
+        config = portable_tokenizer_config(config, (out / "tokenizer.json").read_text(encoding="utf-8"))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     gen_path = source.hf_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}

@@ -79,6 +79,18 @@ def test_tokenizer_folder_stops_on_the_reconciled_eos(built):
     assert (result.build_dir / "recipe.yaml").read_text() == Path(built[0].path).read_text()
 
 
+def test_the_builds_tokenizer_config_names_a_class_transformers_4_knows_and_keeps_bpe_spaces(built, tiny_hf_dir):
+    """The source (SmolLM2's tokenizer as transformers 5 converts the GGUF) names TokenizersBackend and cleans up
+    spaces; the build's config names PreTrainedTokenizerFast and does not, and keeps every other key."""
+    source = json.loads((tiny_hf_dir / "tokenizer_config.json").read_text())
+    ours = json.loads((built[1].build_dir / "tokenizer" / "tokenizer_config.json").read_text())
+    assert (source["tokenizer_class"], source["clean_up_tokenization_spaces"]) == ("TokenizersBackend", True)
+    assert (ours["tokenizer_class"], ours["clean_up_tokenization_spaces"]) == ("PreTrainedTokenizerFast", False)
+    changed = {"tokenizer_class", "clean_up_tokenization_spaces", "eos_token", "eos_token_id", "chat_template"}
+    assert {k: v for k, v in ours.items() if k not in changed} == \
+        {k: v for k, v in source.items() if k not in changed}
+
+
 def test_the_builds_tokenizer_json_has_the_byte_level_decoder_alone_and_decodes_as_the_sources(built, tiny_hf_dir):
     """The tiny model carries SmolLM2's GGUF-converted tokenizer (its decoder a byte-fallback + ByteLevel chain,
     which guided decoding misreads): the build's copy decodes through ByteLevel alone, every id to the same text."""
