@@ -6,6 +6,7 @@ safetensors headers (never the tensors) and computes the KV-cache plan.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
         _fail(exc)
     out = table_console()
     if result.up_to_date:
-        out.print(f"[green]up to date[/]: {result.build_dir} (recipe and source unchanged; use --force to rebuild)")
+        out.print(f"[green]up to date[/]: {result.build_dir} (recipe and source unchanged; use --force to rebuild)",
+                  soft_wrap=True)
         return
     table = Table(title=f"built {result.manifest.name}", show_header=True)
     table.add_column("step")
@@ -80,8 +82,8 @@ def build_cmd(recipe: Path, output: Path | None, force: bool, from_ir: Path | No
     warned = len(result.manifest.eos_warnings)
     note = f" ({warned} eos warning(s), recorded in manifest.json)" if warned else ""
     out.print(f"checkpoint: {human_bytes(result.checkpoint_bytes)}   engine: {human_bytes(result.engine_bytes)}   "
-              f"eos ids: {list(result.manifest.eos_token_ids)}{note}")
-    out.print(f"output: [bold]{result.build_dir}[/]")
+              f"eos ids: {list(result.manifest.eos_token_ids)}{note}", soft_wrap=True)
+    out.print(f"output: [bold]{result.build_dir}[/]", soft_wrap=True)  # a path stays one line in a log
 
 
 def device_weight_bytes(checkpoint_dir: Path, tied: bool) -> dict[str, int]:
@@ -206,21 +208,22 @@ def _host_part(held: dict[str, int]) -> str:
 
 
 def _print_inspection(info: dict[str, Any], console: Console) -> None:
-    console.print(f"[bold]{info['name']}[/]  {info['build_dir']}")
-    console.print(f"backend {info['backend']}, dtype {info['dtype']}, format v{info['format_version']}, "
-                  f"built {info['created_at']}")
+    line = functools.partial(console.print, soft_wrap=True)  # paths and long lines stay whole in a log
+    line(f"[bold]{info['name']}[/]  {info['build_dir']}")
+    line(f"backend {info['backend']}, dtype {info['dtype']}, format v{info['format_version']}, "
+         f"built {info['created_at']}")
     src = info["source"]
-    console.print(f"source: {src.get('kind')} {src.get('origin')} (sha256 {str(src.get('sha256'))[:16]}…)")
-    console.print(f"model: {info['architecture']}, " + ", ".join(f"{k} {v}" for k, v in info["model"].items()))
+    line(f"source: {src.get('kind')} {src.get('origin')} (sha256 {str(src.get('sha256'))[:16]}…)")
+    line(f"model: {info['architecture']}, " + ", ".join(f"{k} {v}" for k, v in info["model"].items()))
     weights = info["weights"]
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(weights["bytes_by_dtype"].items()))
-    console.print(f"weights: {human_bytes(weights['total_bytes'])} ({parts}); held on a CUDA GPU by the torch "
-                  f"engine: {human_bytes(weights['on_device_bytes']['cuda'])}{_host_part(weights['on_device_bytes'])}")
+    line(f"weights: {human_bytes(weights['total_bytes'])} ({parts}); held on a CUDA GPU by the torch "
+         f"engine: {human_bytes(weights['on_device_bytes']['cuda'])}{_host_part(weights['on_device_bytes'])}")
     q = info["quantization"]["recipe"]
     qtext = "none" if q.get("method") == "none" else f"{q.get('method')} int{q.get('bits')} group {q.get('group_size')}"
-    console.print(f"quantization: {qtext}")
-    console.print(f"eos ids: {info['eos_token_ids']}   special ids: {len(info['special_token_ids'])}")
-    console.print("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in info["timings"].items()))
+    line(f"quantization: {qtext}")
+    line(f"eos ids: {info['eos_token_ids']}   special ids: {len(info['special_token_ids'])}")
+    line("timings: " + ", ".join(f"{k} {v:.1f}s" for k, v in info["timings"].items()))
     kv = info["kv_cache"]
     full = kv["max_batch_x_max_seq_len"]
     table = Table(title=f"KV-cache plan ({kv['dtype']}, {kv['dtype_bytes']} B/elem)", show_header=False)
@@ -236,7 +239,7 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
         kl = fp8["heldout_mean_kl"]
         console.print(f"fp8 KV cache: {fp8['layers']} layer scales {fp8['min']:.4g}-{fp8['max']:.4g}"
                       + (f", held-out mean KL {kl:.4f} against a 16-bit cache" if kl is not None else "")
-                      + "; fp8 on CUDA GPUs of compute capability 8.9+, 16-bit elsewhere", highlight=False)
+                      + "; fp8 on CUDA GPUs of compute capability 8.9+, 16-bit elsewhere", highlight=False, soft_wrap=True)
 
 
 @click.command("inspect")
@@ -253,4 +256,4 @@ def inspect_cmd(build_dir: Path, kv_gib: float, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    _print_inspection(info, Console())
+    _print_inspection(info, table_console())

@@ -20,7 +20,7 @@ def built_dir(tmp_path_factory, tiny_hf_dir):
     out = root / "out" / "tiny"
     result = CliRunner().invoke(build_cmd, [str(recipe), "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "output:" in result.stdout and str(out) in result.stdout.replace("\n", "")
+    assert f"output: {out}" in result.stdout.splitlines()  # one line, however long the path (a log is 180 wide)
     assert "compile engine" in result.stdout
     return recipe, out
 
@@ -63,6 +63,11 @@ def test_inspect_human_output(built_dir):
     for text in ("tiny", "model: LlamaForCausalLM, layers 2", "kv_heads 2", "bytes per token", "512", "eos ids: [2]",
                  "quantization: none"):
         assert text in result.stdout, text
+    lines = result.stdout.splitlines()
+    assert f"tiny  {out}" in lines  # a long path is not broken across lines where the output is not a terminal
+    weights = [line for line in lines if line.startswith("weights: ")]
+    assert len(weights) == 1 and "held on a CUDA GPU by the torch engine: " in weights[0], lines
+    assert any(line.startswith("timings: ") and "total" in line for line in lines), lines
 
 
 @pytest.mark.parametrize("setup,match", [("absent", "does not exist"), ("empty", "has no manifest.json"),
