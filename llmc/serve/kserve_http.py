@@ -17,8 +17,8 @@ from llmc.errors import LlmcError
 from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.ensemble_logprobs import EnsembleLogprobs
-from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict,
-                                 parse_generate_fields)
+from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, flatten_generate_parameters,
+                                 model_metadata_dict, parse_generate_fields)
 from llmc.serve.state import STATE_KEY, ServerState, prepare, read_body, read_json, send_sse, served_model, start_sse
 from llmc.serve.tensors import parse_infer_body, tensors_to_fields
 
@@ -81,10 +81,10 @@ async def _whole_text(request: web.Request,
     return "".join(parts), event, prepared, logprobs
 
 
-def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt,
-                   logprobs: EnsembleLogprobs) -> dict[str, Any]:
-    body: dict[str, Any] = {"model_name": name, "model_version": "1", "text_output": text,
-                            **logprobs.json_fields()}
+def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedPrompt, logprobs: EnsembleLogprobs,
+                   request_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": request_id} if request_id else {}  # the generate extension returns a given id
+    body.update(model_name=name, model_version="1", text_output=text, **logprobs.json_fields())
     if event.finished:
         m = event.metrics
         body.update(finish_reason=event.finish_reason, stop_reason=event.stop_reason,
@@ -97,8 +97,9 @@ def _generate_body(name: str, text: str, event: StreamEvent, prepared: PreparedP
 async def generate(request: web.Request) -> web.Response:
     """``POST /v2/models/<m>/generate``: one JSON response with the whole text."""
     name, state = served_model(request), request.app[STATE_KEY]
-    text, event, prepared, logprobs = await _whole_text(request, _parse(state, await read_json(request)))
-    return web.json_response(_generate_body(name, text, event, prepared, logprobs))
+    req = _parse(state, flatten_generate_parameters(await read_json(request)))
+    text, event, prepared, logprobs = await _whole_text(request, req)
+    return web.json_response(_generate_body(name, text, event, prepared, logprobs, req.request_id))
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
@@ -108,7 +109,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
     ``return_log_probs`` every event carries the log-probabilities of all tokens so far (tensorrtllm_backend's
     streaming semantics, :mod:`llmc.serve.ensemble_logprobs`)."""
     name, state = served_model(request), request.app[STATE_KEY]
-    req = _parse(state, await read_json(request))
+    req = _parse(state, flatten_generate_parameters(await read_json(request)))
     prepared, events = await _open(request, req)
     async with aclosing(events):
         first = await _first(events)
@@ -117,7 +118,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
         logprobs = EnsembleLogprobs(req.return_log_probs)
         try:
             async for text, event in _chunks(first, events, req.stream, prefix, logprobs):
-                await send_sse(response, _generate_body(name, text, event, prepared, logprobs))
+                await send_sse(response, _generate_body(name, text, event, prepared, logprobs, req.request_id))
         except LlmcError as exc:
             await send_sse(response, {"error": str(exc)})
     await response.write_eof()

@@ -260,6 +260,33 @@ def _parse_generate_fields(values: dict[str, Any], defaults: SamplingParams, voc
                            bool(decoded.get("return_log_probs", False)))
 
 
+def flatten_generate_parameters(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A generate-extension request with its optional ``parameters`` object merged into the top level.
+
+    Triton's generate extension defines ``{"id", "text_input", "parameters": {name: value}}`` and turns each
+    parameter that names a model input into that input (triton-inference-server/server ``src/http_server.h``,
+    ``ConfigureGenerateMappingSchema``, commit 4294e6ff631f368f123986fef902f004553db7d5), so
+    ``{"text_input": "Hi", "parameters": {"max_tokens": 16, "temperature": 0}}`` is the same request as the flat
+    form. A ``parameters`` that is not an object, a name given at both levels and a name that is no input or
+    extra are RequestErrors naming ``parameters.<name>``.
+    """
+    fields = dict(body)
+    parameters = fields.pop("parameters", None)
+    if parameters is None:
+        return fields
+    if not isinstance(parameters, dict):
+        raise RequestError("parameters", f"must be an object of name: value pairs, got {type(parameters).__name__} "
+                                         f"(e.g. {{\"max_tokens\": 64, \"temperature\": 0.7}})")
+    known = [*SPECS, *EXTRA_PARAMS, "strict_max_tokens"]
+    for name, value in parameters.items():
+        if name in fields:
+            raise RequestError(f"parameters.{name}", "is also given at the top level; send it once")
+        if name not in known:
+            raise RequestError(f"parameters.{name}", f"unknown parameter; the accepted ones are: {', '.join(known)}")
+        fields[name] = value
+    return fields
+
+
 def guided_format(guide_type: str | None, guide: str | None) -> dict[str, Any] | None:
     """``SamplingParams.structured`` from tensorrtllm_backend's guided-decoding inputs (:data:`GUIDE_TYPES`); an
     unknown type is an error here (the C++ backend would silently decode without a guide)."""

@@ -12,7 +12,8 @@ from tritonclient.grpc import service_pb2 as pb
 from llmc.request.params import SamplingParams
 from llmc.serve.grpc_server import request_fields
 from llmc.serve.openai_protocol import IGNORED, PARAM_MAP, UNSUPPORTED, parse_openai_request
-from llmc.serve.protocol import EXTRA_PARAMS, SPECS, GenerateRequest, loads_json_object, parse_generate_fields
+from llmc.serve.protocol import (EXTRA_PARAMS, SPECS, GenerateRequest, flatten_generate_parameters, loads_json_object,
+                                 parse_generate_fields)
 from llmc.serve.tensors import (NUMPY_DTYPES, decode_json_data, decode_raw, deserialize_bytes, parse_infer_body,
                                 tensors_to_fields)
 from tests.fuzzing import JSON, fuzz_tests
@@ -48,14 +49,17 @@ GENERATE_FIELDS = st.dictionaries(st.sampled_from([*SPECS, *EXTRA_PARAMS, "id", 
 
 
 def check_generate(fields: dict) -> None:
-    for extras in (True, False):
-        req = parse_generate_fields(fields, DEFAULTS, VOCAB, allow_extras=extras)
+    for extras in (True, False):  # HTTP generate (the extension's "parameters" merged first), gRPC / infer
+        req = parse_generate_fields(flatten_generate_parameters(fields) if extras else fields, DEFAULTS, VOCAB,
+                                    allow_extras=extras)
         assert isinstance(req, GenerateRequest) and isinstance(req.prompt, str) and req.prompt
         assert req.params.validate(VOCAB) is req.params
 
 
 test_generate_fields, test_generate_fields_slow = fuzz_tests(
-    st.one_of(GENERATE_FIELDS, GENERATE_FIELDS.map(lambda f: {"text_input": "hi", "max_tokens": 3, **f})),
+    st.one_of(GENERATE_FIELDS, GENERATE_FIELDS.map(lambda f: {"text_input": "hi", "max_tokens": 3, **f}),
+              GENERATE_FIELDS.map(lambda f: {"text_input": "hi", "parameters": {"max_tokens": 3, **f}}),
+              JSON.map(lambda v: {"text_input": "hi", "max_tokens": 3, "parameters": v})),
     check_generate)
 
 

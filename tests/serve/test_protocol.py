@@ -6,7 +6,7 @@ import pytest
 
 from llmc.errors import RequestError
 from llmc.request.params import SamplingParams
-from llmc.serve.protocol import parse_generate_fields
+from llmc.serve.protocol import flatten_generate_parameters, parse_generate_fields
 from llmc.serve.tensors import decode_raw, deserialize_bytes, serialize_bytes, tensors_to_fields
 
 DEFAULTS = SamplingParams(max_new_tokens=16, temperature=0.0, stop_token_ids=(2,))
@@ -21,6 +21,33 @@ def test_fields_map_onto_sampling_params():
     assert (p.max_new_tokens, p.stop, p.temperature, p.top_k, p.min_tokens, p.seed, p.min_p) == \
         (5, ("\n",), 0.7, 3, 2, 9, 0.1)
     assert set(p.stop_token_ids) == {2, 7}
+
+
+def test_the_generate_extensions_parameters_object_reads_as_the_flat_request():
+    """Triton's generate extension nests settings in "parameters"; each one that names an input is that input."""
+    nested = flatten_generate_parameters({"id": "7", "text_input": "hi", "parameters": {
+        "max_tokens": 5, "temperature": 0.5, "stream": False, "stop_words": "\n", "min_p": 0.2}})
+    assert nested == {"id": "7", "text_input": "hi", "max_tokens": 5, "temperature": 0.5, "stream": False,
+                      "stop_words": "\n", "min_p": 0.2}
+    req = parse_generate_fields(nested, DEFAULTS, vocab_size=100)
+    p = req.params
+    assert (req.request_id, p.max_new_tokens, p.temperature, p.stop, p.min_p) == ("7", 5, 0.5, ("\n",), 0.2)
+    assert flatten_generate_parameters({"text_input": "hi", "max_tokens": 1}) == {"text_input": "hi", "max_tokens": 1}
+    assert flatten_generate_parameters({"text_input": "hi", "max_tokens": 1, "parameters": {}}) == \
+        {"text_input": "hi", "max_tokens": 1}
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"text_input": "x", "parameters": [1]}, "parameters", "must be an object"),
+    ({"text_input": "x", "parameters": "max_tokens=3"}, "parameters", "must be an object"),
+    ({"text_input": "x", "max_tokens": 3, "parameters": {"max_tokens": 4}}, "parameters.max_tokens", "top level"),
+    ({"text_input": "x", "parameters": {"max_tokens": 3, "temprature": 0}}, "parameters.temprature", "temperature"),
+    ({"text_input": "x", "parameters": {"max_tokens": 3, "id": "a"}}, "parameters.id", "unknown parameter"),
+])
+def test_a_bad_parameters_object_names_the_parameter(body, field, words):
+    with pytest.raises(RequestError) as info:
+        flatten_generate_parameters(body)
+    assert str(info.value).startswith(field + ":") and words in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("fields, field", [

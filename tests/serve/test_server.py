@@ -101,6 +101,25 @@ def test_generate_and_sse_match_offline(tiny_server, offline):
     assert all("finish_reason" not in e for e in events[:-1])
 
 
+def test_generate_takes_the_extensions_parameters_object_and_returns_the_id(tiny_server, offline):
+    """Triton's generate extension: settings may come in "parameters", and a request's "id" comes back in every
+    response (the whole one and each streamed event)."""
+    expected = greedy(offline, [PROMPTS[1]], 6)[0]
+    nested = {"id": "req-7", "text_input": PROMPTS[1], "parameters": {"max_tokens": 6, "temperature": 0.0}}
+    status, body = tiny_server.post(f"/v2/models/{tiny_server.model}/generate", nested)
+    assert status == 200 and body["id"] == "req-7" and body["text_output"] == expected, body
+    events = sse(tiny_server, "/v2/models/ensemble/generate_stream",
+                 {**nested, "parameters": {**nested["parameters"], "stream": True}})
+    assert "".join(e["text_output"] for e in events) == expected and len(events) > 1
+    assert all(e["id"] == "req-7" for e in events), events
+    status, body = tiny_server.post(f"/v2/models/{tiny_server.model}/generate",
+                                    {"text_input": PROMPTS[1], "max_tokens": 2, "parameters": {"max_tokens": 3}})
+    assert status == 400 and body["error"].startswith("parameters.max_tokens:"), body
+    status, body = tiny_server.post(f"/v2/models/{tiny_server.model}/generate", {"text_input": PROMPTS[1],
+                                                                                 "max_tokens": 2})
+    assert status == 200 and "id" not in body  # none asked for, none sent
+
+
 def test_grpc_streaming_with_tritonclient_matches_offline(tiny_server, offline):
     import io
 
