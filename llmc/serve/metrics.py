@@ -12,11 +12,11 @@ time: requests waiting and running, KV blocks, and its totals of preemptions and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from llmc.request.metrics import TTFT_BUCKETS, ttft_bucket
@@ -97,8 +97,11 @@ class ServerMetrics:
               registry=reg).set_function(lambda: len(in_flight))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every series (the ``/metrics`` body)."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every series (the ``/metrics`` body), without the ``<name>_created``
+        series prometheus_client adds to each counter and histogram: gauges of a Unix time, and
+        ``llmc_requests_created`` reads as a count of requests. Dropped here, not by prometheus_client's
+        process-wide switch."""
+        return generate_latest(_WithoutCreated(self.registry))
 
     def record(self, event: StreamEvent, reason: str | None = None) -> None:
         """Count a finished request (``reason`` overrides the event's finish reason, e.g. "timeout")."""
@@ -123,6 +126,19 @@ class ServerMetrics:
             self.itl.observe(gap)
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
+
+
+class _WithoutCreated:
+    """A view of a registry whose families carry no ``_created`` samples (what ``generate_latest`` reads)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.type in ("counter", "histogram"):
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
 
 def _reader(engine: Any, key: str) -> Callable[[], float]:

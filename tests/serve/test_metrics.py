@@ -64,6 +64,20 @@ def test_counters_histograms_and_callback_gauges():
     assert got[("llmc_num_requests_running", ())] == 2 and got[("llmc_requests_in_flight", ())] == 3
 
 
+def test_no_created_series_only_what_the_counters_and_histograms_count():
+    """prometheus_client adds a <name>_created gauge (a Unix time) to every counter and histogram;
+    "llmc_requests_created" would read as a request count on a dashboard."""
+    metrics = ServerMetrics(FakeEngine(), set())
+    metrics.requests.labels("stop").inc()
+    metrics.itl.observe(0.01)
+    text = metrics.render().decode()
+    assert "_created" not in text, [line for line in text.splitlines() if "_created" in line][:4]
+    got = samples(metrics)
+    assert got[("llmc_requests_total", (("finish_reason", "stop"),))] == 1
+    assert got[("llmc_inter_token_latency_seconds_count", ())] == 1
+    assert metrics.render() == metrics.render()  # a scrape changes nothing for the next one
+
+
 def test_each_server_has_its_own_registry():
     a, b = ServerMetrics(FakeEngine(), set()), ServerMetrics(FakeEngine(), set())
     a.requests.labels("stop").inc()
