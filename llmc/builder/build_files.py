@@ -45,9 +45,8 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     if source.eos_token_ids:
         _set_eos_token(config, _token_string(out / "tokenizer.json", source.eos_token_ids[0]),
                        source.eos_token_ids[0])
-    if (out / "tokenizer.json").exists():
-        config = portable_tokenizer_config(config, (out / "tokenizer.json").read_text(encoding="utf-8"))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    make_tokenizer_portable(out)
     gen_path = source.hf_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     gen["eos_token_id"] = list(source.eos_token_ids)
@@ -56,6 +55,18 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     if source.pad_token_id is not None:
         gen["pad_token_id"] = source.pad_token_id
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def make_tokenizer_portable(folder: Path) -> None:
+    """Rewrite ``folder``'s tokenizer_config.json with :func:`portable_tokenizer_config` where that changes it
+    (a build folder's tokenizer, or one copied from an older build by ``--from-ir``)."""
+    config_path, tokenizer_json = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_json.is_file()):
+        return
+    config = json.loads(config_path.read_text())
+    portable = portable_tokenizer_config(config, tokenizer_json.read_text(encoding="utf-8"))
+    if portable != config:
+        config_path.write_text(json.dumps(portable, indent=2, sort_keys=True) + "\n")
 
 
 def _plain_byte_level_decoder(tokenizer_json: Path) -> None:

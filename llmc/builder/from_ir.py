@@ -4,9 +4,10 @@ The second half of the two-machine flow (README, "Two machines"): a machine with
 (``backend: torch``: its ``checkpoint/`` is the backend-independent IR), the build folder is copied to a GPU
 box, and there this step compiles the ``tensorrt_llm`` engines from that IR without the source model,
 the calibration data or llm-compressor. The new build folder gets the IR and tokenizer copied from the
-given build, the engine, the Triton repository and a manifest whose source, eos ids and model shape are the
-given build's (the weights are its weights) and whose recipe, tools and timings are this build's. Like
-``llmc build``, it is written into a temp folder and swapped in; a failure leaves nothing behind.
+given build (the tokenizer's config as transformers 4 reads it, :func:`make_tokenizer_portable`), the engine,
+the Triton repository and a manifest whose source, eos ids and model shape are the given build's (the weights
+are its weights) and whose recipe, tools and timings are this build's. Like ``llmc build``, it is written into
+a temp folder and swapped in; a failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from llmc import manifest as mf
+from llmc.builder.build_files import make_tokenizer_portable
 from llmc.builder.output_dir import building_into, check_output_location
 from llmc.builder.pipeline import BuildResult, default_build_dir, folder_bytes, write_model_repo, write_recipe_copy
 from llmc.builder.progress import BuildProgress
@@ -63,6 +65,7 @@ def build_from_ir(recipe: Recipe, ir_build: Path, out_dir: Path | None = None, c
             with progress.step("copy IR and tokenizer"):
                 shutil.copytree(ir_build / "checkpoint", tmp / "checkpoint")
                 shutil.copytree(ir_build / "tokenizer", tmp / "tokenizer")
+                make_tokenizer_portable(tmp / "tokenizer")  # an IR build made before llmc wrote it so
             reports: dict[str, Any] = {"ir_from": str(ir_build)}
             with progress.step("compile engine") as step:
                 step.note(recipe.backend)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import textwrap
 
@@ -117,6 +118,30 @@ def test_from_ir_compiles_the_engine_on_the_gpu_box(fp16_torch_build, tmp_path, 
         [[5, 6, 7]], max_seq_len=TINY_LIMITS["max_seq_len"]), found_versions=versions)
     (done,) = engine.generate([[1, 9, 10]], SamplingParams(max_new_tokens=3))
     assert list(done.token_ids) == [5, 6, 7]
+
+
+def test_from_ir_writes_the_tokenizer_config_transformers_4_reads_from_an_older_build(fp16_torch_build, tmp_path,
+                                                                                        monkeypatch):
+    """An IR build made before the build wrote a portable tokenizer config (TokenizersBackend, BPE clean-up on):
+    the TensorRT-LLM box's copy names PreTrainedTokenizerFast and keeps spaces; the IR build is not touched."""
+    old = tmp_path / "old-ir"
+    shutil.copytree(fp16_torch_build, old)
+    config_path = old / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(tokenizer_class="TokenizersBackend", clean_up_tokenization_spaces=True)
+    config_path.write_text(json.dumps(config))
+    before = config_path.read_text()
+    monkeypatch.setattr(llmc.builder.from_ir, "compile_engine", lambda recipe, ckpt, engine: {})
+    monkeypatch.setattr(llmc.builder.from_ir, "write_model_repo", lambda *args: {})
+    out = tmp_path / "gpu" / "tiny-trt"
+    result = CliRunner().invoke(build_cmd, [str(_write_recipe(tmp_path / "trt.yaml", "/models/elsewhere")),
+                                            "--from-ir", str(old), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    copied = json.loads((out / "tokenizer" / "tokenizer_config.json").read_text())
+    assert (copied["tokenizer_class"], copied["clean_up_tokenization_spaces"]) == ("PreTrainedTokenizerFast", False)
+    assert {k: v for k, v in copied.items() if k not in ("tokenizer_class", "clean_up_tokenization_spaces")} == \
+        {k: v for k, v in config.items() if k not in ("tokenizer_class", "clean_up_tokenization_spaces")}
+    assert config_path.read_text() == before
 
 
 def test_from_ir_refuses_a_recipe_asking_for_other_weights(fp16_torch_build, tmp_path):
