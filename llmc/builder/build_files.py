@@ -45,8 +45,9 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
     if source.eos_token_ids:
         _set_eos_token(config, _token_string(out / "tokenizer.json", source.eos_token_ids[0]),
                        source.eos_token_ids[0])
+    if (out / "tokenizer.json").exists():
+        config = portable_tokenizer_config(config, (out / "tokenizer.json").read_text(encoding="utf-8"))
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    make_tokenizer_portable(out)
     gen_path = source.hf_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
     gen["eos_token_id"] = list(source.eos_token_ids)
@@ -59,7 +60,7 @@ def export_tokenizer(source: load.SourceModel, out: Path) -> None:
 
 def make_tokenizer_portable(folder: Path) -> None:
     """Rewrite ``folder``'s tokenizer_config.json with :func:`portable_tokenizer_config` where that changes it
-    (a build folder's tokenizer, or one copied from an older build by ``--from-ir``)."""
+    (a tokenizer ``--from-ir`` copied from a build made before :func:`export_tokenizer` wrote it so)."""
     config_path, tokenizer_json = folder / "tokenizer_config.json", folder / "tokenizer.json"
     if not (config_path.is_file() and tokenizer_json.is_file()):
         return

@@ -237,9 +237,9 @@ def _print_inspection(info: dict[str, Any], console: Console) -> None:
     fp8 = kv.get("fp8_scales")
     if fp8:
         kl = fp8["heldout_mean_kl"]
-        console.print(f"fp8 KV cache: {fp8['layers']} layer scales {fp8['min']:.4g}-{fp8['max']:.4g}"
-                      + (f", held-out mean KL {kl:.4f} against a 16-bit cache" if kl is not None else "")
-                      + "; fp8 on CUDA GPUs of compute capability 8.9+, 16-bit elsewhere", highlight=False, soft_wrap=True)
+        line(f"fp8 KV cache: {fp8['layers']} layer scales {fp8['min']:.4g}-{fp8['max']:.4g}"
+             + (f", held-out mean KL {kl:.4f} against a 16-bit cache" if kl is not None else "")
+             + "; fp8 on CUDA GPUs of compute capability 8.9+, 16-bit elsewhere", highlight=False)
 
 
 @click.command("inspect")
