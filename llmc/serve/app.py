@@ -1,4 +1,5 @@
-"""The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes and ``/metrics`` over one state."""
+"""The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes (chat, completions, responses) and
+``/metrics`` over one state."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from aiohttp import web
 from llmc.serve.metrics import CONTENT_TYPE
 from llmc.serve.kserve_http import add_kserve_routes
 from llmc.serve.openai_api import add_openai_routes
+from llmc.serve.openai_responses_api import add_responses_routes
 from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
 
 
@@ -22,5 +24,6 @@ def create_app(state: ServerState) -> web.Application:
     app[STATE_KEY] = state
     add_kserve_routes(app)
     add_openai_routes(app)
+    add_responses_routes(app)
     app.router.add_get("/metrics", metrics)
     return app

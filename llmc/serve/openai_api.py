@@ -66,9 +66,9 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     prepared = [await prepare(request, p, req.params, req.strict_max_tokens, req.names) for p in req.prompts]
     tokenizer = state.client.engine.tokenizer
     split = chat and state.reasoning is not None and req.params.structured is None  # thinking has room
-    choices = [_Choice(k * req.n + i, state.client.stream(one, choice_params(req.params, i)), tokenizer, chat, req,
+    choices = [Choice(k * req.n + i, state.client.stream(one, choice_params(req.params, i)), tokenizer, chat, req,
                        _echo_text(tokenizer, prompt, one) if req.echo else None,
-                       _reasoning(tokenizer, one) if split else None)
+                       reasoning_stream(tokenizer, one) if split else None)
                for k, (prompt, one) in enumerate(zip(req.prompts, prepared)) for i in range(req.n)]
     async with AsyncExitStack() as stack:
         for c in choices:
@@ -92,7 +92,7 @@ def _echo_text(tokenizer: Any, prompt: Any, prepared: PreparedPrompt) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(list(prepared.token_ids))
 
 
-def _reasoning(tokenizer: Any, prepared: PreparedPrompt) -> ReasoningStream:
+def reasoning_stream(tokenizer: Any, prepared: PreparedPrompt) -> ReasoningStream:
     """The split of an answer into thinking and content; it starts inside ``<think>`` when the prompt opened it."""
     return ReasoningStream(prompt_opens_thinking(tokenizer.decode(list(prepared.token_ids[-8:]))))
 
@@ -101,7 +101,7 @@ def _warnings(prepared: Sequence[PreparedPrompt]) -> list[str]:
     return [w for one in prepared for w in one.warnings()]
 
 
-class _Choice:
+class Choice:
     """One of a request's completions: its engine stream, its text so far and the log-probabilities not yet sent
     (``asked``: ``SamplingParams.logprobs``; None: none were asked for). ``echo``: the prompt's text, which goes
     first (with its tokens' log-probabilities, when asked for); ``score_only``: the generated token is left out.
@@ -235,7 +235,7 @@ def _first(errors: BaseExceptionGroup) -> BaseException:
     return errors.exceptions[0]
 
 
-def _usage(choices: Sequence[_Choice], finals: Sequence[StreamEvent], prepared: Sequence[PreparedPrompt],
+def _usage(choices: Sequence[Choice], finals: Sequence[StreamEvent], prepared: Sequence[PreparedPrompt],
            req: OpenAIRequest) -> dict[str, Any]:
     """Each prompt's tokens once, every choice's generated tokens (none returned with ``max_tokens: 0``), and in
     ``prompt_tokens_details.cached_tokens`` each prompt's tokens served from the prefix cache (its choice that found
@@ -247,7 +247,7 @@ def _usage(choices: Sequence[_Choice], finals: Sequence[StreamEvent], prepared: 
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequence[StreamEvent],
+async def _stream(request: web.Request, choices: Sequence[Choice], firsts: Sequence[StreamEvent],
                   meta: dict[str, Any], chat: bool, req: OpenAIRequest, prepared: Sequence[PreparedPrompt]
                   ) -> web.StreamResponse:
     """SSE chunks (``chat.completion.chunk`` / ``text_completion``) of one choice each, in the order the choices'
@@ -258,7 +258,7 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
     response = await start_sse(request)
     warnings = _warnings(prepared)
 
-    def chunk(c: _Choice, event: StreamEvent | None, text: str | None = None) -> dict[str, Any]:
+    def chunk(c: Choice, event: StreamEvent | None, text: str | None = None) -> dict[str, Any]:
         """``event``'s chunk with its ``text`` (None: the chat's opening chunk, the role, or an echoed prompt). A
         function-calling choice sends its answer with the last event: the calls at once, or a cut-short answer's
         text."""
@@ -282,7 +282,7 @@ async def _stream(request: web.Request, choices: Sequence[_Choice], firsts: Sequ
             out["warnings"] = warnings
         return out
 
-    queue: asyncio.Queue[tuple[_Choice, StreamEvent]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[Choice, StreamEvent]] = asyncio.Queue()
     finals: list[StreamEvent] = []
 
     async def send() -> None:

@@ -187,7 +187,9 @@ async def start_sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def send_sse(response: web.StreamResponse, payload: dict[str, Any] | str) -> None:
-    """One ``data: ...`` event (a dict is sent as JSON, a string as is, e.g. ``[DONE]``)."""
+async def send_sse(response: web.StreamResponse, payload: dict[str, Any] | str, event: str | None = None) -> None:
+    """One ``data: ...`` event (a dict is sent as JSON, a string as is, e.g. ``[DONE]``), after an ``event:``
+    line when ``event`` names its type (the Responses API's events)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    await response.write(f"data: {data}\n\n".encode())
+    head = "" if event is None else f"event: {event}\n"
+    await response.write(f"{head}data: {data}\n\n".encode())

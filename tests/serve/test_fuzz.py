@@ -12,6 +12,9 @@ from tritonclient.grpc import service_pb2 as pb
 from llmc.request.params import SamplingParams
 from llmc.serve.grpc_server import request_fields
 from llmc.serve.openai_protocol import IGNORED, PARAM_MAP, UNSUPPORTED, parse_openai_request
+from llmc.serve.openai_responses import EXTRAS, OWN_FIELDS, parse_responses_request
+from llmc.serve.openai_responses import IGNORED as RESPONSES_IGNORED
+from llmc.serve.openai_responses import UNSUPPORTED as RESPONSES_UNSUPPORTED
 from llmc.serve.protocol import (EXTRA_PARAMS, SPECS, GenerateRequest, flatten_generate_parameters, loads_json_object,
                                  parse_generate_fields)
 from llmc.serve.tensors import (NUMPY_DTYPES, decode_json_data, decode_raw, deserialize_bytes, parse_infer_body,
@@ -85,6 +88,31 @@ def check_openai(body: dict) -> None:
 
 
 test_openai_body, test_openai_body_slow = fuzz_tests(OPENAI_BODIES, check_openai)
+
+
+# --------------------------------------------------------------------------------- /v1/responses bodies
+ITEM = st.one_of(MESSAGE, st.fixed_dictionaries(
+    {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "item_reference"])
+     | JSON}, optional={"role": st.sampled_from(["user", "assistant", "developer"]) | JSON, "content": JSON,
+                        "call_id": st.text(max_size=5) | JSON, "name": JSON, "arguments": JSON, "output": JSON}))
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]) | JSON},
+                             optional={"name": st.sampled_from(["f", "g", "a b"]) | JSON, "parameters": JSON})
+RESPONSES_KEYS = [*OWN_FIELDS, *EXTRAS, *RESPONSES_IGNORED, *RESPONSES_UNSUPPORTED, "messages", "colour"]
+RESPONSES_BODIES = st.dictionaries(st.sampled_from(RESPONSES_KEYS), JSON, max_size=8) | st.fixed_dictionaries(
+    {"input": st.text(max_size=10) | st.lists(ITEM, max_size=4)},
+    optional={"instructions": st.text(max_size=5) | JSON, "tools": st.lists(TOOL, max_size=2) | JSON,
+              "tool_choice": JSON, "text": JSON, "include": JSON, "top_logprobs": JSON, "max_output_tokens": JSON})
+
+
+def check_responses(body: dict) -> None:
+    req = parse_responses_request(body, ("m", "ensemble"), DEFAULTS, VOCAB, "json")
+    assert req.chat.params.validate(VOCAB) is req.chat.params
+    messages = req.chat.prompt if isinstance(req.chat.prompt, list) else req.chat.prompt.messages
+    assert all(m["role"] in ("system", "user", "assistant", "tool") and isinstance(m["content"], str)
+               for m in messages)
+
+
+test_responses_body, test_responses_body_slow = fuzz_tests(RESPONSES_BODIES, check_responses)
 
 
 # ------------------------------------------------------------------------------------- /infer bodies

@@ -1,0 +1,242 @@
+"""OpenAI's Responses API request (``POST /v1/responses``) -> the chat request llmc runs (pure functions, no HTTP).
+
+A Responses body is translated into a ``/v1/chat/completions`` body and parsed by
+:func:`~llmc.serve.openai_protocol.parse_openai_request`, so both endpoints share sampling, structured outputs,
+function calling, the chat template and every limit:
+
+- ``input``: a string (one user message) or a list of items: messages (``role`` user, system, developer or
+  assistant; ``content`` a string or ``input_text`` / ``output_text`` parts), ``function_call`` items (joined to the
+  assistant message before them, as that message's ``tool_calls``) and ``function_call_output`` items (``tool``
+  messages); ``reasoning`` items are left out, as chat templates drop earlier thinking. ``instructions`` is a
+  system message before them.
+- ``max_output_tokens`` -> ``max_tokens``; ``text.format`` (``text``, ``json_object``, ``json_schema`` with
+  ``name`` and ``schema``) -> ``response_format``; ``tools`` (function tools, ``{"type": "function", "name",
+  "parameters"}``) and ``tool_choice`` (``{"type": "function", "name"}`` names one) -> chat's; ``top_logprobs``
+  or ``include: ["message.output_text.logprobs"]`` -> ``logprobs``.
+- llmc's sampling extras (``seed``, ``stop``, ``top_k``, ...) pass through as on chat.
+
+llmc keeps no responses: ``previous_response_id``, ``conversation`` and ``background`` are refused with the fix
+(send the whole conversation in ``input``), and a response says ``"store": false``. Hosted tools (web search, file
+search, ...), non-text input and ``reasoning`` settings are refused too; every error names the Responses field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmc.errors import RequestError, short_repr
+from llmc.request.params import SamplingParams
+from llmc.serve.openai_protocol import PARAM_MAP, OpenAIRequest, parse_openai_request
+from llmc.serve.protocol import with_client_names
+from llmc.serve.tool_syntax import ToolSyntax
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# llmc's sampling fields a Responses body may carry too (OpenAI's own take no other names here)
+EXTRAS = tuple(k for k in PARAM_MAP if k not in ("max_tokens", "max_completion_tokens", "temperature", "top_p")) + (
+    "strict_max_tokens", "chat_template_kwargs", "structured", "logit_bias")
+OWN_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text",
+              "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "include")
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options")
+# Features llmc cannot honour -> the values besides null that ask for none of it.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "previous_response_id": (), "conversation": (), "background": (False,), "prompt": (), "reasoning": ({},),
+    "truncation": ("disabled",), "max_tool_calls": ()}
+STATELESS = "llmc keeps no responses; send the whole conversation in input (earlier output items included)"
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+# Chat's field names in errors raised by the chat parser -> this API's
+CLIENT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                "logprobs": "top_logprobs"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A parsed Responses request: the chat request llmc runs, and what the response object repeats back."""
+
+    chat: OpenAIRequest
+    instructions: str | None
+    max_output_tokens: int | None
+    text: dict[str, Any]
+    tools: list[Any]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    top_logprobs: int | None
+    metadata: Any = None
+    user: Any = None
+
+
+def parse_responses_request(body: Mapping[str, Any], served: tuple[str, ...], defaults: SamplingParams,
+                            vocab_size: int | None = None, tool_syntax: ToolSyntax | None = None) -> ResponsesRequest:
+    """Check and translate a Responses body; RequestError names the Responses field for every problem."""
+    _check_fields(body)
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError("instructions", f"must be a string (the system message), got {short_repr(instructions)}")
+    messages = input_messages(body.get("input"))
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
+            "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), **{k: body[k] for k in EXTRAS if k in body}}
+    text = _text_config(body.get("text"))
+    if text["format"] != {"type": "text"}:
+        chat["response_format"] = _response_format(text["format"])
+    tools = body.get("tools") or []
+    if tools:
+        chat["tools"] = _chat_tools(tools)
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    top = _top_logprobs(body)
+    if top is not None:
+        chat.update(logprobs=True, top_logprobs=top)
+    try:
+        req = parse_openai_request({k: v for k, v in chat.items() if v is not None}, True, served, defaults,
+                                   vocab_size, tool_syntax)
+    except RequestError as exc:  # in this API's names; chat's tools[i].function.name is tools[i].name here
+        renamed = with_client_names(exc, CLIENT_NAMES)
+        where = renamed.field.replace(".function.", ".", 1) if renamed.field.startswith("tools[") else renamed.field
+        raise type(exc)(where, renamed.message) from None
+    names = {internal: CLIENT_NAMES.get(name, name) for internal, name in req.names.items()}
+    return ResponsesRequest(replace(req, names=names), instructions, body.get("max_output_tokens"), text, tools,
+                            body.get("tool_choice") or ("auto" if tools else "none"),
+                            body.get("parallel_tool_calls", True) is not False, top, body.get("metadata"),
+                            body.get("user"))
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    known = (*OWN_FIELDS, *EXTRAS, *IGNORED, *UNSUPPORTED)
+    for key in body:
+        if key not in known:
+            hint = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens":
+                    "max_output_tokens", "response_format": "text.format", "logprobs": "top_logprobs", "n": None}
+            if key in hint:
+                fix = f"use {hint[key]!r}" if hint[key] else "the Responses API returns one answer; send n requests"
+                raise RequestError(key, f"is a chat-completions field; {fix}")
+            raise RequestError(key, f"unknown field; the accepted fields are: {', '.join(sorted(known))}")
+    for key, neutral in UNSUPPORTED.items():
+        value = body.get(key)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            fix = STATELESS if key in ("previous_response_id", "conversation", "background", "prompt") else "remove it"
+            raise RequestError(key, f"is not supported by llmc (got {short_repr(value)}); {fix}")
+
+
+def input_messages(items: Any) -> list[dict[str, Any]]:
+    """``input`` -> chat messages (see the module docstring); RequestError naming ``input[i]...``."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("input", "must be a string or a non-empty list of input items (messages, function_call "
+                                    "and function_call_output items)")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item, dict) and "role" in item:
+            role = item["role"]
+            if role not in MESSAGE_ROLES:
+                raise RequestError(f"{where}.role", f"must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
+            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                             "content": _text(item.get("output"), f"{where}.output")})
+        elif kind != "reasoning":
+            got = short_repr(kind) if isinstance(item, dict) else type(item).__name__
+            fix = f"; {STATELESS}" if kind == "item_reference" else ""
+            raise RequestError(where, f"must be a message ({{\"role\", \"content\"}}), function_call, "
+                                      f"function_call_output or reasoning item, got {got}{fix}")
+    return messages
+
+
+def _string(item: Mapping[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"{where}.{key}", f"must be a string, got {short_repr(value)}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts (``input_text``, ``output_text``) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(where, f"must be a string or a list of input_text parts, got {short_repr(content)}")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}[{j}]", f'must be an {{"type": "input_text", "text": ...}} part, got '
+                                                f'{short_repr(kind)}; llmc serves text only')
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _text_config(text: Any) -> dict[str, Any]:
+    """``text`` with its ``format`` filled in (``{"type": "text"}`` when absent)."""
+    if text is None:
+        return {"format": {"type": "text"}}
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise RequestError("text", f'must be {{"format": {{...}}}}, got {short_repr(text)}')
+    fmt = text.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError("text.format", f'must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                                          f'"json_schema", "name": ..., "schema": {{...}}}}, got {short_repr(fmt)}')
+    return {**text, "format": fmt}
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(fmt.get("schema"), (dict, bool)):
+        raise RequestError("text.format.schema", f"must be a JSON schema (an object), got "
+                                                 f"{short_repr(fmt.get('schema'))}")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt["schema"]}}
+
+
+def _chat_tools(tools: Any) -> list[dict[str, Any]]:
+    """Responses' flat function tools -> chat's ``{"type": "function", "function": {...}}``."""
+    if not isinstance(tools, list):
+        raise RequestError("tools", f"must be a list of function tools, got {short_repr(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise RequestError(f"tools[{i}]", f'must be {{"type": "function", "name": ..., "parameters": {{...}}}}, '
+                                              f'got {short_repr(kind)}; llmc runs no hosted tools')
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                      if tool.get(k) is not None}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice in ("auto", "none", "required"):
+        return choice
+    raise RequestError("tool_choice", f'must be "auto", "none", "required" or {{"type": "function", "name": ...}}, '
+                                      f'got {short_repr(choice)}')
+
+
+def _top_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The alternatives per token when log-probabilities are asked for (``include`` names them, or
+    ``top_logprobs`` is set); None when they are not."""
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(name != LOGPROBS_INCLUDE for name in include):
+        raise RequestError("include", f'may only name "{LOGPROBS_INCLUDE}" here (llmc keeps no encrypted reasoning '
+                                      f'or hosted-tool results), got {short_repr(include)}')
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if include else None
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+        raise RequestError("top_logprobs", f"must be an integer in [0, 20], got {short_repr(top)}")
+    return top
