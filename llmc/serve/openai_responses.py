@@ -12,7 +12,8 @@ function calling, the chat template and every limit:
 - ``max_output_tokens`` -> ``max_tokens``; ``text.format`` (``text``, ``json_object``, ``json_schema`` with
   ``name`` and ``schema``) -> ``response_format``; ``tools`` (function tools, ``{"type": "function", "name",
   "parameters"}``) and ``tool_choice`` (``{"type": "function", "name"}`` names one) -> chat's; ``top_logprobs``
-  or ``include: ["message.output_text.logprobs"]`` -> ``logprobs``.
+  or ``include: ["message.output_text.logprobs"]`` -> ``logprobs`` (``include``'s other names ask for hosted-tool
+  results, images or encrypted reasoning, which llmc never makes: accepted, nothing added).
 - llmc's sampling extras (``seed``, ``stop``, ``top_k``, ...) pass through as on chat.
 
 llmc keeps no responses: ``previous_response_id``, ``conversation`` and ``background`` are refused with the fix
@@ -33,16 +34,22 @@ from llmc.serve.protocol import with_client_names
 from llmc.serve.tool_syntax import ToolSyntax
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include's other values ask for data of hosted tools, images or encrypted reasoning, which llmc never makes:
+# accepted (Codex and the Agents SDK send "reasoning.encrypted_content" with every stateless request), none added
+INCLUDE_NOTHING = ("reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                   "web_search_call.action.sources", "message.input_image.image_url",
+                   "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 # llmc's sampling fields a Responses body may carry too (OpenAI's own take no other names here)
 EXTRAS = tuple(k for k in PARAM_MAP if k not in ("max_tokens", "max_completion_tokens", "temperature", "top_p")) + (
     "strict_max_tokens", "chat_template_kwargs", "structured", "logit_bias")
 OWN_FIELDS = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text",
               "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "include")
-IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options")
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+           "prompt_cache_options", "safety_identifier", "stream_options")
 # Features llmc cannot honour -> the values besides null that ask for none of it.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "previous_response_id": (), "conversation": (), "background": (False,), "prompt": (), "reasoning": ({},),
-    "truncation": ("disabled",), "max_tool_calls": ()}
+    "truncation": ("disabled",), "max_tool_calls": (), "context_management": ([],), "moderation": ()}
 STATELESS = "llmc keeps no responses; send the whole conversation in input (earlier output items included)"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -231,12 +238,12 @@ def _top_logprobs(body: Mapping[str, Any]) -> int | None:
     """The alternatives per token when log-probabilities are asked for (``include`` names them, or
     ``top_logprobs`` is set); None when they are not."""
     include = body.get("include") or []
-    if not isinstance(include, list) or any(name != LOGPROBS_INCLUDE for name in include):
-        raise RequestError("include", f'may only name "{LOGPROBS_INCLUDE}" here (llmc keeps no encrypted reasoning '
-                                      f'or hosted-tool results), got {short_repr(include)}')
+    if not isinstance(include, list) or any(name not in (LOGPROBS_INCLUDE, *INCLUDE_NOTHING) for name in include):
+        raise RequestError("include", f'must be a list of OpenAI\'s includable names ("{LOGPROBS_INCLUDE}", '
+                                      f'"reasoning.encrypted_content", ...), got {short_repr(include)}')
     top = body.get("top_logprobs")
     if top is None:
-        return 0 if include else None
+        return 0 if LOGPROBS_INCLUDE in include else None
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
         raise RequestError("top_logprobs", f"must be an integer in [0, 20], got {short_repr(top)}")
     return top

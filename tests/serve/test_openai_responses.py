@@ -81,6 +81,8 @@ def test_text_format_tools_and_logprobs():
     assert parse({"input": "Hi", "top_logprobs": 3}).chat.params.logprobs == 3
     assert parse({"input": "Hi", "include": ["message.output_text.logprobs"]}).chat.params.logprobs == 0
     assert parse({"input": "Hi", "include": []}).chat.params.logprobs is None
+    stateless = parse({"input": "Hi", "include": ["reasoning.encrypted_content"], "store": False})  # Codex sends it
+    assert stateless.chat.params.logprobs is None
 
 
 @pytest.mark.parametrize("body, field, words", [
@@ -112,7 +114,8 @@ def test_text_format_tools_and_logprobs():
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice", '"required"'),
     ({"input": "Hi", "tools": [WEATHER]}, "tool_choice", "--tool-call-syntax"),
     ({"input": "Hi", "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-    ({"input": "Hi", "include": ["reasoning.encrypted_content"]}, "include", "message.output_text.logprobs"),
+    ({"input": "Hi", "include": ["message.logprobs"]}, "include", "message.output_text.logprobs"),
+    ({"input": "Hi", "context_management": [{"type": "compaction"}]}, "context_management", "not supported"),
 ])
 def test_errors_name_the_responses_field(body, field, words):
     with pytest.raises(RequestError) as info:
