@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from llmc.serve.cors import cors_middleware, response_marker
 from llmc.serve.metrics import CONTENT_TYPE
 from llmc.serve.kserve_http import add_kserve_routes
 from llmc.serve.openai_api import add_openai_routes
@@ -19,8 +20,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    """The aiohttp application with the KServe v2, OpenAI and metrics routes."""
-    app = web.Application(middlewares=[auth_and_errors], client_max_size=state.max_body_bytes)
+    """The aiohttp application with the KServe v2, OpenAI and metrics routes (and CORS, :mod:`llmc.serve.cors`)."""
+    app = web.Application(middlewares=[cors_middleware(state.allowed_origins), auth_and_errors],
+                          client_max_size=state.max_body_bytes)
+    if state.allowed_origins:
+        app.on_response_prepare.append(response_marker(state.allowed_origins))
     app[STATE_KEY] = state
     add_kserve_routes(app)
     add_openai_routes(app)

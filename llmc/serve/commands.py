@@ -43,13 +43,23 @@ from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
 @click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
               help="Draft tokens each step of a request verifies (prompt lookup), instead of the recipe's "
                    "serving.speculative_tokens; 0 = off (torch builds).")
+@click.option("--allowed-origins", default=None, envvar="LLMC_ALLOWED_ORIGINS",
+              help="Browser origins whose pages may call the HTTP routes (CORS), comma-separated, e.g. "
+                   "http://localhost:3000; * for any (env LLMC_ALLOWED_ORIGINS). Default: none. The API key "
+                   "still applies.")
 def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: int | None, api_key: str | None,
               device: str, max_queue_size: int | None, request_timeout: float | None, grace: float,
               keepalive_timeout: float, body_timeout: float, metrics_log: Path | None,
-              tool_call_syntax: str | None, reasoning_syntax: str | None, speculative_tokens: int | None) -> None:
+              tool_call_syntax: str | None, reasoning_syntax: str | None, speculative_tokens: int | None,
+              allowed_origins: str | None) -> None:
     """Serve ENGINE_DIR (a build folder): KServe v2 HTTP generate + gRPC, OpenAI /v1, /metrics."""
+    from llmc.serve.cors import parse_origins
     from llmc.serve.run import ServeOptions, answer_syntaxes, load_engine, serve
 
+    try:
+        origins = parse_origins(allowed_origins)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--allowed-origins") from None
     engine = load_engine(engine_dir, device, max_queue_size, metrics_log, speculative_tokens)
     serving = engine.recipe.serving
     grpc = serving.grpc_port if grpc_port is None else grpc_port
@@ -64,6 +74,7 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         body_timeout_s=body_timeout,
         tool_call_syntax=tool_call_syntax,
         reasoning_syntax=reasoning_syntax,
+        allowed_origins=origins,
     )
     name = engine.recipe.served_model_name
 
@@ -78,6 +89,8 @@ def serve_cmd(engine_dir: Path, host: str | None, port: int | None, grpc_port: i
         speculator = engine.scheduler.speculator
         if speculator is not None:
             click.echo(f"llmc serve: up to {speculator.num_draft} draft tokens a step (prompt lookup)", err=True)
+        if origins:
+            click.echo(f"llmc serve: cross-origin requests from {', '.join(origins)}", err=True)
 
     serve(engine, options, on_ready=announce)
     click.echo("llmc serve: stopped", err=True)

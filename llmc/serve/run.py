@@ -48,6 +48,7 @@ class ServeOptions:
     body_timeout_s: float = 60.0
     tool_call_syntax: str | None = None  # None: the recipe's serving.tool_call_syntax
     reasoning_syntax: str | None = None  # None: the recipe's serving.reasoning_syntax
+    allowed_origins: tuple[str, ...] = ()  # browser origins that may call the HTTP routes (CORS; "*": any)
 
 
 def load_engine(build_dir: str | Path, device: str = "auto", max_queue_size: int | None = None,
@@ -103,7 +104,8 @@ def make_state(engine: Engine, options: ServeOptions) -> ServerState:
     tool_syntax, reasoning = answer_syntaxes(engine, options)
     return ServerState(client, engine.recipe.served_model_name, engine.default_params, engine.runner.vocab_size,
                        options.api_key, body_timeout_s=options.body_timeout_s, tool_syntax=tool_syntax,
-                       reasoning=reasoning, max_model_len=engine.recipe.engine.max_seq_len)
+                       reasoning=reasoning, max_model_len=engine.recipe.engine.max_seq_len,
+                       allowed_origins=options.allowed_origins)
 
 
 async def serve_async(engine: Engine, options: ServeOptions, stop: asyncio.Event,

@@ -50,6 +50,7 @@ class ServerState:
     tool_syntax: ToolSyntax | None = None  # the model's tool-call syntax (None: tool_choice "auto" is refused)
     reasoning: ReasoningSyntax | None = None  # chat answers' thinking goes out as reasoning_content
     max_model_len: int | None = None  # prompt + answer tokens a request may hold (the recipe's max_seq_len)
+    allowed_origins: tuple[str, ...] = ()  # browser origins that may read answers (CORS; "*": any)
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created": when serving began
 
     def knows(self, model: str) -> bool:

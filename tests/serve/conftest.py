@@ -93,11 +93,12 @@ def error_text(path: str, reply: dict) -> str:
 def start_server(build_dir: Path, max_queue_size: int | None = None, request_timeout_s: float = 60.0,
                  api_key: str | None = None, grace_s: float = 5.0, keepalive_timeout_s: float = 30.0,
                  body_timeout_s: float = 60.0, tool_call_syntax: str | None = None,
-                 reasoning_syntax: str | None = None) -> RunningServer:
+                 reasoning_syntax: str | None = None, allowed_origins: tuple[str, ...] = ()) -> RunningServer:
     engine = load_engine(build_dir, "cpu", max_queue_size)
     for _ in range(3):  # a port picked free can be taken by another process before the server binds it
         options = ServeOptions("127.0.0.1", *free_ports(2), api_key, request_timeout_s, grace_s,
-                               keepalive_timeout_s, body_timeout_s, tool_call_syntax, reasoning_syntax)
+                               keepalive_timeout_s, body_timeout_s, tool_call_syntax, reasoning_syntax,
+                               allowed_origins)
         loop = asyncio.new_event_loop()
         ready = threading.Event()
         holder: dict[str, Any] = {}
