@@ -1,6 +1,6 @@
 """gRPC ``inference.GRPCInferenceService`` (Triton's own protos from tritonclient) over the engine.
 
-Implements ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelInfer (one response
+Implements ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata, ModelConfig, ModelInfer (one response
 with the whole text) and ModelStreamInfer (decoupled streaming: one response per text delta, then a final
 response carrying the ``triton_final_response`` parameter; an empty one when the request enabled
 ``triton_enable_empty_final_response``, as tritonclient's ``enable_empty_final_response=True`` does).
@@ -18,6 +18,8 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
@@ -25,8 +27,8 @@ from llmc import __version__
 from llmc.errors import LlmcError, QueueFullError, RequestError, ServeError
 from llmc.serve.engine_client import PreparedPrompt, RequestTimeoutError, ServerDrainingError
 from llmc.serve.ensemble_logprobs import EnsembleLogprobs
-from llmc.serve.protocol import ENSEMBLE_NAMES, GenerateRequest, client_names, model_metadata_dict, \
-    parse_generate_fields
+from llmc.serve.protocol import (ENSEMBLE_NAMES, EXTENSIONS, GenerateRequest, client_names, model_config_dict,
+                                 model_metadata_dict, parse_generate_fields)
 from llmc.serve.state import ServerState
 from llmc.serve.tensors import decode_raw, serialize_bytes, tensors_to_fields
 
@@ -93,7 +95,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
         await self._auth(context)
-        return pb.ServerMetadataResponse(name="llmc", version=__version__, extensions=["generate"])
+        return pb.ServerMetadataResponse(name="llmc", version=__version__, extensions=list(EXTENSIONS))
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         await self._model(request.name, context)
@@ -107,6 +109,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["inputs"]],
             outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]])
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        await self._model(request.name, context)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(model_config_dict(request.name),
+                                                                   model_config_pb2.ModelConfig()))
 
     def _parse(self, request: pb.ModelInferRequest) -> GenerateRequest:
         return parse_generate_fields(request_fields(request), self.state.defaults, self.state.vocab_size,

@@ -17,8 +17,8 @@ from llmc.errors import LlmcError
 from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.ensemble_logprobs import EnsembleLogprobs
-from llmc.serve.protocol import (ENSEMBLE_NAMES, GenerateRequest, client_names, flatten_generate_parameters,
-                                 model_metadata_dict, parse_generate_fields)
+from llmc.serve.protocol import (ENSEMBLE_NAMES, EXTENSIONS, GenerateRequest, client_names, flatten_generate_parameters,
+                                 model_config_dict, model_metadata_dict, parse_generate_fields)
 from llmc.serve.state import STATE_KEY, ServerState, prepare, read_body, read_json, send_sse, served_model, start_sse
 from llmc.serve.tensors import parse_infer_body, tensors_to_fields
 
@@ -34,11 +34,15 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def server_metadata(request: web.Request) -> web.Response:
-    return web.json_response({"name": "llmc", "version": __version__, "extensions": ["generate"]})
+    return web.json_response({"name": "llmc", "version": __version__, "extensions": list(EXTENSIONS)})
 
 
 async def model_metadata(request: web.Request) -> web.Response:
     return web.json_response(model_metadata_dict(served_model(request)))
+
+
+async def model_config(request: web.Request) -> web.Response:
+    return web.json_response(model_config_dict(served_model(request)))
 
 
 async def model_ready(request: web.Request) -> web.Response:
@@ -166,6 +170,7 @@ def add_kserve_routes(app: web.Application) -> None:
     for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         r.add_get(prefix, model_metadata)
         r.add_get(prefix + "/ready", model_ready)
+        r.add_get(prefix + "/config", model_config)
         r.add_post(prefix + "/generate", generate)
         r.add_post(prefix + "/generate_stream", generate_stream)
         r.add_post(prefix + "/infer", infer)

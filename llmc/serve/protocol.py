@@ -186,6 +186,27 @@ def model_metadata_dict(name: str) -> dict[str, Any]:
             "inputs": tensors(ENSEMBLE_INPUTS), "outputs": tensors(ENSEMBLE_OUTPUTS)}
 
 
+# The KServe / Triton protocol extensions the server metadata lists. Not "statistics": perf_analyzer then asks for
+# no server-side statistics, which llmc does not keep in Triton's shape.
+EXTENSIONS = ("generate", "model_configuration")
+
+
+def model_config_dict(name: str) -> dict[str, Any]:
+    """The served model's Triton ModelConfig (JSON field names as Triton's ``/config`` writes them), which Triton's
+    tools read before any request (perf_analyzer and genai-perf stop without it): one prompt per request
+    (``max_batch_size`` 1: the engine batches requests itself), the ensemble's inputs with ``optional`` on all but
+    ``text_input`` and ``max_tokens``, and ``decoupled`` (a streamed request gets a response per text delta;
+    ModelInfer still answers with one)."""
+    def tensor(spec: FieldSpec, inputs: bool) -> dict[str, Any]:
+        out = {"name": spec.name, "data_type": "TYPE_" + ("STRING" if spec.datatype == "BYTES" else spec.datatype),
+               "dims": list(spec.dims)}
+        return {**out, "optional": not spec.required} if inputs else out
+
+    return {"name": name, "platform": "", "backend": "llmc", "max_batch_size": 1,
+            "input": [tensor(s, True) for s in ENSEMBLE_INPUTS], "output": [tensor(s, False) for s in ENSEMBLE_OUTPUTS],
+            "model_transaction_policy": {"decoupled": True}}
+
+
 def check_wire_datatype(name: str, datatype: str) -> None:
     """RequestError unless ``datatype`` can carry ensemble input ``name`` (unknown names are refused too)."""
     spec = SPECS.get(name)
