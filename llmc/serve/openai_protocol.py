@@ -299,7 +299,8 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
                                                 f"{m.get('role')!r}")
         calls = m.get("tool_calls") if role == "assistant" else None
         content = m.get("content")
-        message = {"role": role, "content": "" if content is None and calls else _content(content, f"{where}.content")}
+        text = "" if content is None and calls else text_content(content, f"{where}.content")
+        message = {"role": role, "content": text}
         if calls:
             message["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
         if role == "tool" and isinstance(m.get("tool_call_id"), str):
@@ -322,16 +323,18 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _content(content: Any, where: str) -> str:
+def text_content(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or a list of text parts (``{"type": <one of kinds>, "text": str}``) joined;
+    RequestError naming the part at fault (llmc serves text only)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise RequestError(where, f"must be a string or a list of text parts, got {type(content).__name__}")
+        raise RequestError(where, f"must be a string or a list of {kinds[0]} parts, got {type(content).__name__}")
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "text":
+        if not isinstance(part, dict) or part.get("type") not in kinds:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise RequestError(f"{where}[{j}]", f"must be a {{\"type\": \"text\", \"text\": ...}} part, got "
+            raise RequestError(f"{where}[{j}]", f"must be a {{\"type\": \"{kinds[0]}\", \"text\": ...}} part, got "
                                                 f"{kind!r}; llmc serves text only")
         if not isinstance(part.get("text"), str):
             raise RequestError(f"{where}[{j}].text", f"must be a string, got {type(part.get('text')).__name__}")

@@ -29,7 +29,7 @@ from typing import Any
 
 from llmc.errors import RequestError, short_repr
 from llmc.request.params import SamplingParams
-from llmc.serve.openai_protocol import PARAM_MAP, OpenAIRequest, parse_openai_request
+from llmc.serve.openai_protocol import PARAM_MAP, OpenAIRequest, parse_openai_request, text_content
 from llmc.serve.protocol import with_client_names
 from llmc.serve.tool_syntax import ToolSyntax
 
@@ -146,7 +146,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             role = item["role"]
             if role not in MESSAGE_ROLES:
                 raise RequestError(f"{where}.role", f"must be one of {', '.join(MESSAGE_ROLES)}, got {role!r}")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            text = text_content(item.get("content"), f"{where}.content", TEXT_PARTS)
+            messages.append({"role": role, "content": text})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -156,7 +157,7 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                             "content": _text(item.get("output"), f"{where}.output")})
+                             "content": text_content(item.get("output"), f"{where}.output", TEXT_PARTS)})
         elif kind != "reasoning":
             got = short_repr(kind) if isinstance(item, dict) else type(item).__name__
             fix = f"; {STATELESS}" if kind == "item_reference" else ""
@@ -170,22 +171,6 @@ def _string(item: Mapping[str, Any], key: str, where: str) -> str:
     if not isinstance(value, str):
         raise RequestError(f"{where}.{key}", f"must be a string, got {short_repr(value)}")
     return value
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts (``input_text``, ``output_text``) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, f"must be a string or a list of input_text parts, got {short_repr(content)}")
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}]", f'must be an {{"type": "input_text", "text": ...}} part, got '
-                                                f'{short_repr(kind)}; llmc serves text only')
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 def _text_config(text: Any) -> dict[str, Any]:
