@@ -207,19 +207,19 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         with client_names(req.names):  # admission errors surface here, before any byte
             first = await anext(choice.events)
         choice.start(first, prepared.token_ids)
-        answer = _answer(choice, first, out, prepared)
-        if not req.stream:
-            async for _ in answer:
-                pass
-            return web.json_response(out.snapshot())
-        response = await start_sse(request)
-        try:
-            async for events in answer:
-                for e in events:
+        async with aclosing(_answer(choice, first, out, prepared)) as answer:
+            if not req.stream:
+                async for _ in answer:
+                    pass
+                return web.json_response(out.snapshot())
+            response = await start_sse(request)
+            try:
+                async for events in answer:
+                    for e in events:
+                        await send_sse(response, e, event=e["type"])
+            except LlmcError as exc:
+                for e in out.fail(exc):
                     await send_sse(response, e, event=e["type"])
-        except LlmcError as exc:
-            for e in out.fail(exc):
-                await send_sse(response, e, event=e["type"])
     await response.write_eof()
     return response
 

@@ -184,3 +184,15 @@ def test_events_are_framed_with_their_type(tiny_server):
         head, data = frame.split("\n")
         assert head == "event: " + json.loads(data.removeprefix("data: "))["type"]
     assert "[DONE]" not in frames[-1] and json.loads(frames[-1].split("data: ")[1])["type"] == "response.incomplete"
+
+
+def test_a_client_leaving_a_stream_aborts_it_and_frees_its_blocks(tiny_server):
+    from tests.serve.test_server import metric, sse, wait_idle
+
+    aborted = metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}')
+    events = sse(tiny_server, "/v1/responses", {"input": "Tell me about rivers", "max_output_tokens": 400,
+                                                "min_tokens": 400, "stream": True}, stop_after=6)
+    assert [e["type"] for e in events][-1] == "response.output_text.delta"
+    stats = wait_idle(tiny_server.engine)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert metric(tiny_server, 'llmc_requests_total{finish_reason="abort"}') == aborted + 1
