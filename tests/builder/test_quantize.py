@@ -238,8 +238,11 @@ def _pipeline_modules():
 
 
 def test_explicit_cpu_keeps_the_pipelines_on_the_cpu_on_a_gpu_machine(monkeypatch):
+    import llmcompressor.modifiers.transform.awq.base  # noqa: F401 - its import asks for the device (QuIP's dtype)
     import llmcompressor.pipelines.cache as cache_mod
 
+    # the fake GPU only after every library import: a first import under it (this test alone, or first in its
+    # worker) asked torch for an accelerator this machine does not have
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # what get_main_device asks
     original_pin = cache_mod.IntermediatesCache.pin_memory
     with llmcompressor_driver.library_context(device=torch.device("cpu")):
