@@ -238,8 +238,11 @@ def _pipeline_modules():
 
 
 def test_explicit_cpu_keeps_the_pipelines_on_the_cpu_on_a_gpu_machine(monkeypatch):
-    import llmcompressor.modifiers.transform.awq.base  # noqa: F401 - its import asks for the device (QuIP's dtype)
+    import importlib
+
     import llmcompressor.pipelines.cache as cache_mod
+
+    importlib.import_module("llmcompressor.modifiers.transform.awq.base")  # its import asks for the device (QuIP)
 
     # the fake GPU only after every library import: a first import under it (this test alone, or first in its
     # worker) asked torch for an accelerator this machine does not have
