@@ -67,8 +67,8 @@ async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     tokenizer = state.client.engine.tokenizer
     split = chat and state.reasoning is not None and req.params.structured is None  # thinking has room
     choices = [Choice(k * req.n + i, state.client.stream(one, choice_params(req.params, i)), tokenizer, chat, req,
-                       _echo_text(tokenizer, prompt, one) if req.echo else None,
-                       reasoning_stream(tokenizer, one) if split else None)
+                      _echo_text(tokenizer, prompt, one) if req.echo else None,
+                      reasoning_stream(tokenizer, one) if split else None)
                for k, (prompt, one) in enumerate(zip(req.prompts, prepared)) for i in range(req.n)]
     async with AsyncExitStack() as stack:
         for c in choices:
