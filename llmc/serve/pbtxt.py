@@ -13,10 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmc.errors import BuildError
-from llmc.serve.protocol import FieldSpec
-
-_TRITON_TYPES = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
-                 "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32", "FP16": "TYPE_FP16"}
+from llmc.serve.protocol import FieldSpec, config_tensor
 
 
 def fill_template(text: str, values: Mapping[str, Any], source: str = "template") -> str:
@@ -41,10 +38,10 @@ def render_inputs(specs: Iterable[FieldSpec], outputs: bool = False) -> str:
     ``outputs``, ``output [...]`` entries (Triton outputs have no ``optional``: a model may leave one out of a
     response, as the log-probability outputs are unless the request asked for them)."""
     lines = []
-    for spec in specs:
-        dims = ", ".join(str(d) for d in spec.dims)
-        optional = "" if spec.required or outputs else " optional: true"
-        lines.append(f'  {{ name: "{spec.name}" data_type: {_TRITON_TYPES[spec.datatype]} dims: [ {dims} ]'
+    for tensor in (config_tensor(spec, outputs) for spec in specs):
+        dims = ", ".join(str(d) for d in tensor["dims"])
+        optional = " optional: true" if tensor.get("optional") else ""
+        lines.append(f'  {{ name: "{tensor["name"]}" data_type: {tensor["data_type"]} dims: [ {dims} ]'
                      f'{optional} }}')
     return ",\n".join(lines)
 

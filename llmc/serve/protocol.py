@@ -191,19 +191,27 @@ def model_metadata_dict(name: str) -> dict[str, Any]:
 EXTENSIONS = ("generate", "model_configuration")
 
 
+# KServe wire datatype -> Triton ModelConfig data_type
+TRITON_DATA_TYPES = {"BYTES": "TYPE_STRING", "BOOL": "TYPE_BOOL", "INT32": "TYPE_INT32", "INT64": "TYPE_INT64",
+                     "UINT64": "TYPE_UINT64", "FP32": "TYPE_FP32", "FP16": "TYPE_FP16"}
+
+
+def config_tensor(spec: FieldSpec, output: bool = False) -> dict[str, Any]:
+    """``spec`` as a ModelConfig ``input`` (with ``optional``) or ``output`` entry (the batch dim implied by
+    ``max_batch_size``; Triton outputs have no ``optional``)."""
+    tensor = {"name": spec.name, "data_type": TRITON_DATA_TYPES[spec.datatype], "dims": list(spec.dims)}
+    return tensor if output else {**tensor, "optional": not spec.required}
+
+
 def model_config_dict(name: str) -> dict[str, Any]:
     """The served model's Triton ModelConfig (JSON field names as Triton's ``/config`` writes them), which Triton's
     tools read before any request (perf_analyzer and genai-perf stop without it): one prompt per request
     (``max_batch_size`` 1: the engine batches requests itself), the ensemble's inputs with ``optional`` on all but
     ``text_input`` and ``max_tokens``, and ``decoupled`` (a streamed request gets a response per text delta;
     ModelInfer still answers with one)."""
-    def tensor(spec: FieldSpec, inputs: bool) -> dict[str, Any]:
-        out = {"name": spec.name, "data_type": "TYPE_" + ("STRING" if spec.datatype == "BYTES" else spec.datatype),
-               "dims": list(spec.dims)}
-        return {**out, "optional": not spec.required} if inputs else out
-
     return {"name": name, "platform": "", "backend": "llmc", "max_batch_size": 1,
-            "input": [tensor(s, True) for s in ENSEMBLE_INPUTS], "output": [tensor(s, False) for s in ENSEMBLE_OUTPUTS],
+            "input": [config_tensor(s) for s in ENSEMBLE_INPUTS],
+            "output": [config_tensor(s, output=True) for s in ENSEMBLE_OUTPUTS],
             "model_transaction_policy": {"decoupled": True}}
 
 
