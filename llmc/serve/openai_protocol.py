@@ -219,10 +219,7 @@ def check_fields(body: Mapping[str, Any], chat: bool) -> None:
 
 def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_size: int | None) -> SamplingParams:
     """SamplingParams from an OpenAI body (``defaults`` for absent fields); RequestError names the field."""
-    for key, neutral in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and not any(_same(value, v) for v in neutral):
-            raise RequestError(key, f"is not supported by llmc (got {short_repr(value)}); remove it")
+    check_unsupported(body, UNSUPPORTED)
     changes = {target: body[key] for key, target in PARAM_MAP.items() if body.get(key) is not None}
     return check_param_limits(defaults.replace(**changes).validate(vocab_size))
 
@@ -258,6 +255,17 @@ def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 20):
         raise RequestError("top_logprobs" if chat else "logprobs", f"must be an integer in [0, 20], got {count!r}")
     return count
+
+
+def check_unsupported(body: Mapping[str, Any], unsupported: Mapping[str, tuple[Any, ...]],
+                      fixes: Mapping[str, str] | None = None) -> None:
+    """RequestError for a field of ``unsupported`` (field -> the values besides null that ask for none of the
+    feature) that asks for the feature; ``fixes``: what to do instead, per field (default: remove it)."""
+    for key, neutral in unsupported.items():
+        value = body.get(key)
+        if value is not None and not any(_same(value, v) for v in neutral):
+            fix = (fixes or {}).get(key, "remove it")
+            raise RequestError(key, f"is not supported by llmc (got {short_repr(value)}); {fix}")
 
 
 def _same(value: Any, neutral: Any) -> bool:

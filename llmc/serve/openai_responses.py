@@ -29,7 +29,8 @@ from typing import Any
 
 from llmc.errors import RequestError, short_repr
 from llmc.request.params import SamplingParams
-from llmc.serve.openai_protocol import PARAM_MAP, OpenAIRequest, parse_openai_request, text_content
+from llmc.serve.openai_protocol import (PARAM_MAP, OpenAIRequest, check_unsupported, parse_openai_request,
+                                        text_content)
 from llmc.serve.protocol import with_client_names
 from llmc.serve.tool_syntax import ToolSyntax
 
@@ -124,11 +125,8 @@ def _check_fields(body: Mapping[str, Any]) -> None:
                 fix = f"use {hint[key]!r}" if hint[key] else "the Responses API returns one answer; send n requests"
                 raise RequestError(key, f"is a chat-completions field; {fix}")
             raise RequestError(key, f"unknown field; the accepted fields are: {', '.join(sorted(known))}")
-    for key, neutral in UNSUPPORTED.items():
-        value = body.get(key)
-        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
-            fix = STATELESS if key in ("previous_response_id", "conversation", "background", "prompt") else "remove it"
-            raise RequestError(key, f"is not supported by llmc (got {short_repr(value)}); {fix}")
+    check_unsupported(body, UNSUPPORTED, {key: STATELESS for key in ("previous_response_id", "conversation",
+                                                                    "background", "prompt")})
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
