@@ -66,7 +66,9 @@ class ResponseBuilder:
         return body
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        out = {"type": kind, "sequence_number": self.seq, **copy.deepcopy(fields)}
+        """An event; ``fields`` are sent as they are when the event goes out, so an item or part that changes
+        later is passed as a copy (an added one); a done one no longer changes."""
+        out = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return out
 
@@ -76,7 +78,7 @@ class ResponseBuilder:
 
     def _add(self, item: dict[str, Any]) -> dict[str, Any]:
         self.items.append(item)
-        return self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
+        return self.event("response.output_item.added", output_index=len(self.items) - 1, item=copy.deepcopy(item))
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1}
@@ -98,7 +100,8 @@ class ResponseBuilder:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events.append(self._add(self.open))
             self.open["content"].append(part)
-            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+            events.append(self.event("response.content_part.added", **self._where(), content_index=0,
+                                     part=dict(part, logprobs=[])))
         part = self.open["content"][0]
         part["text"] += delta
         part["logprobs"] += logprobs
