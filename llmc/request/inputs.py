@@ -25,11 +25,14 @@ class ChatPrompt:
     "function": {"name", "description", "parameters"}}``), rendered by the model's chat template with ``tools=``.
     A template that does not use tools gets them as a system message instead (:func:`tools_instruction`), and one
     that does not render an assistant's ``tool_calls`` gets those calls as the message's text.
-    ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
+    ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``).
+    ``generation_prompt``: the template's opening of the assistant's turn goes after the messages (as every request
+    has it; off only where a client counts a conversation's tokens, vLLM's ``/tokenize``)."""
 
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    generation_prompt: bool = True
 
 
 Prompt = Union[str, bytes, Sequence[int], Sequence[dict], ChatPrompt]
@@ -69,7 +72,7 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
         extra_chars = len(json.dumps(prompt.tools)) + len(json.dumps(prompt.template_kwargs))
         check_prompt_size(_num_chars(prompt.messages) + extra_chars, max_chars)
         return tuple(int(t) for t in chat_to_token_ids(tokenizer, prompt.messages, timings, prompt.tools,
-                                                       prompt.template_kwargs))
+                                                       prompt.template_kwargs, prompt.generation_prompt))
     if isinstance(prompt, (bytes, bytearray)):
         try:
             prompt = bytes(prompt).decode("utf-8")
@@ -113,8 +116,10 @@ def _num_chars(prompt: Sequence[Any]) -> int:
 
 
 def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None,
-                      tools: Sequence[dict] = (), template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-    """Render chat messages with the model's own chat template (generation prompt appended) and tokenize.
+                      tools: Sequence[dict] = (), template_kwargs: Mapping[str, Any] | None = None,
+                      generation_prompt: bool = True) -> list[int]:
+    """Render chat messages with the model's own chat template (generation prompt appended unless
+    ``generation_prompt`` is False) and tokenize.
 
     The template already contains every special token it needs, so none are added on top. ``timings``: as in
     :func:`prompt_to_token_ids`. ``tools``, ``template_kwargs``: see :class:`ChatPrompt`."""
@@ -131,7 +136,8 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     extra = dict(template_kwargs or {})
     if tools and template_takes_tools(template):
         extra["tools"] = list(tools)
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True, **extra)
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
+                                         **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if timings is not None:

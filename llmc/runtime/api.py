@@ -189,14 +189,19 @@ class Engine:
         self._loop.wake()
         return request_id
 
-    def tokenize(self, prompt: Prompt, timings: dict[str, float] | None = None) -> tuple[int, ...]:
+    def tokenize(self, prompt: Prompt, timings: dict[str, float] | None = None, add_special_tokens: bool | None = None,
+                 check_length: bool = True) -> tuple[int, ...]:
         """The prompt's token ids, as :meth:`add_request` computes them (any thread). RequestError for a
         prompt longer than ``max_input_len`` (refused by size before tokenizing when it is far too long).
         ``timings`` (optional) gets the seconds of the chat template and of tokenizing (``"template"``,
-        ``"tokenize"``)."""
-        ids = prompt_to_token_ids(self.tokenizer, prompt, self.recipe.model.add_special_tokens,
-                                  self.runner.vocab_size, self.max_prompt_chars, timings)
-        check_prompt_length(len(ids), self.recipe.engine.max_input_len)
+        ``"tokenize"``). For counting tokens (a server's ``/tokenize``): ``add_special_tokens`` overrides the
+        recipe's ``model.add_special_tokens`` for text, and ``check_length=False`` returns the ids of a prompt
+        over ``max_input_len`` too (the size limit still holds)."""
+        special = self.recipe.model.add_special_tokens if add_special_tokens is None else add_special_tokens
+        ids = prompt_to_token_ids(self.tokenizer, prompt, special, self.runner.vocab_size, self.max_prompt_chars,
+                                  timings)
+        if check_length:
+            check_prompt_length(len(ids), self.recipe.engine.max_input_len)
         return ids
 
     def abort(self, request_id: str) -> bool:

@@ -1,5 +1,5 @@
-"""The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes (chat, completions, responses) and
-``/metrics`` over one state."""
+"""The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes (chat, completions, responses), vLLM's
+utility routes (health, version, tokenize) and ``/metrics`` over one state."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from llmc.serve.kserve_http import add_kserve_routes
 from llmc.serve.openai_api import add_openai_routes
 from llmc.serve.openai_responses_api import add_responses_routes
 from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
+from llmc.serve.vllm_api import add_vllm_routes
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -20,7 +21,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    """The aiohttp application with the KServe v2, OpenAI and metrics routes (and CORS, :mod:`llmc.serve.cors`)."""
+    """The aiohttp application with the KServe v2, OpenAI, vLLM utility and metrics routes (and CORS,
+    :mod:`llmc.serve.cors`)."""
     app = web.Application(middlewares=[cors_middleware(state.allowed_origins), auth_and_errors],
                           client_max_size=state.max_body_bytes)
     if state.allowed_origins:
@@ -29,5 +31,6 @@ def create_app(state: ServerState) -> web.Application:
     add_kserve_routes(app)
     add_openai_routes(app)
     add_responses_routes(app)
+    add_vllm_routes(app)
     app.router.add_get("/metrics", metrics)
     return app

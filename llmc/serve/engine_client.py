@@ -124,6 +124,11 @@ class EngineClient:
                                                  f"for at most {room} or drop strict_max_tokens to get a cap")
         return PreparedPrompt(ids, params.max_new_tokens, max(room, 0), max_seq_len, timing)
 
+    async def count(self, prompt: Any, add_special_tokens: bool | None = None) -> tuple[int, ...]:
+        """The token ids a request with ``prompt`` would run on (tokenized in a worker thread), also past
+        ``max_input_len``: for clients that count tokens (``/tokenize``). Nothing is submitted."""
+        return await asyncio.to_thread(self.engine.tokenize, prompt, None, add_special_tokens, False)
+
     async def stream(self, prompt: Any, params: SamplingParams) -> AsyncIterator[StreamEvent]:
         """Yield the request's events; the last is finished. Use inside ``contextlib.aclosing``. ``prompt``: a
         :class:`PreparedPrompt` (its metrics then count from when :meth:`prepare` took it in, template and

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 # Names that reach the served model: llmc's own name plus Triton's, so unchanged Triton clients work.
 TRITON_ALIASES = ("ensemble", "tensorrt_llm_bls")
-PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready")
+PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready", "/health")
+# vLLM's utility routes (:mod:`llmc.serve.vllm_api`): OpenAI's error shape, and no request counted in the metrics
+UTILITY_PATHS = ("/health", "/version", "/tokenize", "/detokenize")
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,10 @@ def openai_error(message: str, status: int, param: str | None = None, code: str 
 
 def json_error(path: str, status: int, message: str, headers: Mapping[str, str] | None = None,
                param: str | None = None, code: str | None = None) -> web.Response:
-    """An error response in the shape of the route's API: OpenAI's under ``/v1/``, ``{"error": message}`` else."""
-    body = openai_error(message, status, param, code) if path.startswith("/v1/") else {"error": message}
+    """An error response in the shape of the route's API: OpenAI's under ``/v1/`` and on vLLM's utility routes,
+    ``{"error": message}`` else."""
+    openai = path.startswith("/v1/") or path in UTILITY_PATHS
+    body = openai_error(message, status, param, code) if openai else {"error": message}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -122,11 +126,11 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         return await handler(request)
     except (asyncio.CancelledError, ConnectionResetError):  # the client left before its request was submitted
-        if not _SUBMITTED.get():
+        if not _SUBMITTED.get() and request.path not in UTILITY_PATHS:
             state.client.metrics.requests.labels("abort").inc()
         raise
     except LlmcError as exc:
-        if isinstance(exc, RequestError):
+        if isinstance(exc, RequestError) and request.path not in UTILITY_PATHS:
             state.client.metrics.rejected.labels("invalid").inc()
         return error_response(exc, request.path)
     except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413 ... answer JSON too
