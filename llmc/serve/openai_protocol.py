@@ -16,7 +16,8 @@ calling: chat's ``tools`` with ``tool_choice`` ``"auto"`` (read in the model's o
 or a named function (:mod:`llmc.serve.openai_tools`), and ``tool`` messages and an assistant's ``tool_calls`` in the
 history. Structured outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's
 ``structured`` (the same plus ``regex``, ``choice`` and ``grammar`` formats,
-:class:`~llmc.request.structured.OutputFormat`); ``logit_bias`` adds its biases to the logits; chat's
+:class:`~llmc.request.structured.OutputFormat`), or vLLM's fields for them (:mod:`llmc.serve.vllm_structured`);
+``logit_bias`` adds its biases to the logits; chat's
 ``chat_template_kwargs`` (vLLM's field) passes variables to the chat template (Qwen3's ``enable_thinking``). Any
 other field is a 400 too, as OpenAI's API answers it: a
 misspelt ``max_token`` would otherwise be dropped silently and the request run with the default length. Every
@@ -37,6 +38,7 @@ from llmc.request.params import SamplingParams
 from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.protocol import check_param_limits, client_names
 from llmc.serve.tool_syntax import ToolSyntax
+from llmc.serve.vllm_structured import FIELDS as VLLM_FIELDS, vllm_output_format
 
 PARAM_MAP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
              "top_p": "top_p", "seed": "seed", "stop": "stop", "presence_penalty": "presence_penalty",
@@ -55,7 +57,7 @@ IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "saf
 COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs", "echo",
                  "response_format", "structured", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
                  "chat_template_kwargs",
-                 *PARAM_MAP, *UNSUPPORTED, *IGNORED)
+                 *PARAM_MAP, *UNSUPPORTED, *IGNORED, *VLLM_FIELDS)
 # apply_chat_template's own arguments, which chat_template_kwargs may not set
 TEMPLATE_OWN_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
                                     "add_generation_prompt", "continue_final_message", "tokenize", "padding",
@@ -143,6 +145,12 @@ def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
     with ``json_schema.schema``) or llmc's ``structured`` (any :class:`~llmc.request.structured.OutputFormat`: also
     ``regex``, ``choice``, ``grammar``), and the client's name of that field (for errors)."""
     fmt, extension = body.get("response_format"), body.get("structured")
+    vllm, vllm_field = vllm_output_format(body)
+    if vllm is not None:
+        if extension is not None or fmt not in (None, {"type": "text"}):
+            other = "structured" if extension is not None else "response_format"
+            raise RequestError(vllm_field.split(".")[0], f"and {other} both set an output format; send one of them")
+        return vllm, vllm_field
     if fmt is not None and fmt != {"type": "text"}:
         if extension is not None:
             raise RequestError("structured", "and response_format both set an output format; send one of them")
