@@ -43,7 +43,8 @@ _EXAMPLE = ('{"type": "json_schema", "schema": {...}}, {"type": "json_object"}, 
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request's output must be. ``kind``: one of :data:`KINDS`; ``spec``: the JSON schema as JSON text
-    (``json_schema``), the regular expression (``regex``, Rust ``regex`` syntax, matched against the whole output),
+    (``json_schema``), the regular expression (``regex``, Rust ``regex`` syntax with ASCII ``\\d \\w \\s``, matched
+    against the whole output),
     the choices as a JSON list (``choice``), the grammar (``grammar``: llguidance's Lark syntax; ``ebnf``: the
     ``root ::= ...`` syntax of llama.cpp's GBNF and XGrammar's EBNF, which Triton's ``ebnf_grammar`` guides use), ""
     for ``json_object``."""
@@ -100,12 +101,34 @@ class OutputFormat:
             except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin): no defaults (its own: whitespace allowed)
                 return matcher.grammar_from_json_schema(schema)
         if self.kind == "regex":
-            return matcher.grammar_from_regex(self.spec)
+            return matcher.grammar_from_regex(ascii_classes(self.spec))
         if self.kind == "choice":  # JSON string literals are Lark string literals
             return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.spec)))
         if self.kind == "ebnf":
             return llguidance.grammar_from("ebnf", self.spec)  # converted to Lark; ValueError when it cannot be
         return matcher.grammar_from_lark(self.spec)
+
+
+# \d \w \s and their negations as ASCII classes, as JSON Schema's (ECMAScript) patterns, which llguidance already reads
+# so, and XGrammar's regex converter (TensorRT-LLM's and vLLM's default; mlc-ai/xgrammar@105c915 cpp/regex_converter.cc:
+# \d is [0-9]) read them. Rust's are Unicode: SmolLM2 answered "🯱🯱🯱-🯱🯱🯱-🯱🯱🯱🯱" (U+1FBF1, a segmented
+# digit one) to a phone-number regex of \d. A class nests in a class in Rust's syntax, so each stands inside [...] too.
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]", "s": "[\\t\\n\\v\\f\\r ]",
+                  "S": "[^\\t\\n\\v\\f\\r ]"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s``, ``\\D``, ``\\W``, ``\\S`` spelled as ASCII classes (``\\p{Nd}``
+    asks for every Unicode digit); every other escape, ``\\\\`` included, is kept as written."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            out.append(_ASCII_CLASSES.get(pattern[i + 1], pattern[i:i + 2]))
+            i += 2
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
 
 
 class Constraint:

@@ -246,3 +246,29 @@ def test_json_comes_compact_unless_the_schema_asks_for_whitespace(tokenizer, gra
     flexible = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
     constraint = grammars.compile(OutputFormat.from_dict({"type": "json_schema", "schema": flexible}))
     assert constraint.drafts(pretty, 64) == tuple(pretty)
+
+
+@pytest.mark.parametrize("pattern, spelled", [
+    (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+    (r"[\d,]+\s\w", r"[[0-9],]+[\t\n\v\f\r ][0-9A-Za-z_]"),
+    (r"\D\W\S", r"[^0-9][^0-9A-Za-z_][^\t\n\v\f\r ]"),
+    (r"\\d\.\p{Nd}\x{41}\n", r"\\d\.\p{Nd}\x{41}\n"),  # an escaped backslash, other escapes: as written
+    ("trailing\\", "trailing\\"),
+])
+def test_regex_classes_are_spelled_in_ascii(pattern, spelled):
+    assert structured.ascii_classes(pattern) == spelled
+
+
+def test_a_regex_digit_is_an_ascii_digit_unless_asked_otherwise(tokenizer, grammars):
+    """Rust's Unicode ``\\d`` let SmolLM2 answer a phone-number regex with U+1FBF1 digits; ``\\d``, ``\\w`` and ``\\s``
+    are ASCII now, as in JSON Schema patterns and XGrammar, and ``\\p{Nd}`` still asks for any Unicode digit."""
+    def prefix(fmt: dict, text: str) -> str:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.decode(list(grammars.compile(OutputFormat.from_dict(fmt)).drafts(ids, 64)))
+
+    for pattern in (r"\d{3}", r"[\d]{3}"):
+        assert prefix({"type": "regex", "pattern": pattern}, "123") == "123"
+        assert prefix({"type": "regex", "pattern": pattern}, "\U0001fbf1\U0001fbf1\U0001fbf1") == ""
+        assert prefix({"type": "regex", "pattern": pattern}, "\u0661\u0662\u0663") == ""  # Arabic-Indic digits
+    assert prefix({"type": "regex", "pattern": r"\p{Nd}{3}"}, "\u0661\u0662\u0663") == "\u0661\u0662\u0663"
+    assert prefix({"type": "regex", "pattern": r"\w+\s\w+"}, "ab_9 c\u00e9") == "ab_9 c"
