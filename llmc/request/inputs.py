@@ -94,9 +94,7 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     elif isinstance(prompt, Sequence) and all(isinstance(m, dict) for m in prompt):
         ids = chat_to_token_ids(tokenizer, prompt, timings)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError("prompt", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        check_token_ids(prompt, vocab_size)
         ids = list(prompt)
     else:
         raise RequestError(
@@ -106,6 +104,13 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
     if not ids:
         raise RequestError("prompt", "tokenizes to no tokens; send non-empty text")
     return tuple(int(t) for t in ids)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt") -> None:
+    """RequestError naming ``field`` when an id is outside ``[0, vocab_size)``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(field, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
 
 
 def _num_chars(prompt: Sequence[Any]) -> int:

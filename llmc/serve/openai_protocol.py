@@ -106,9 +106,7 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     check_fields(body, chat)
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     names = {"max_new_tokens": tokens_field, "prompt": "messages" if chat else "prompt"}
-    model = body.get("model") or served[0]
-    if not isinstance(model, str) or model not in served:
-        raise UnknownModelError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
+    model = check_model(body, served)
     prompts = (parse_messages(body.get("messages")),) if chat else parse_prompts(body.get("prompt"))
     n, echo = _choices(body), _echo(body, chat)
     if len(prompts) * n > MAX_COMPLETIONS:
@@ -136,8 +134,16 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
     with client_names(names):
         params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None, structured=structured,
                                 logit_bias=_logit_bias(body)).validate(vocab_size)
-    return OpenAIRequest(model, prompts, params, _flag(body, "stream"), _include_usage(body),
-                         _flag(body, "strict_max_tokens"), names, n, echo, score_only, tools)
+    return OpenAIRequest(model, prompts, params, flag(body, "stream"), _include_usage(body),
+                         flag(body, "strict_max_tokens"), names, n, echo, score_only, tools)
+
+
+def check_model(body: Mapping[str, Any], served: tuple[str, ...]) -> str:
+    """The body's ``model`` (default: the first of ``served``); UnknownModelError for a name not in ``served``."""
+    model = body.get("model") or served[0]
+    if not isinstance(model, str) or model not in served:
+        raise UnknownModelError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
+    return model
 
 
 def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
@@ -203,7 +209,7 @@ def _is_zero(value: Any) -> bool:
 
 
 def _echo(body: Mapping[str, Any], chat: bool) -> bool:
-    echo = _flag(body, "echo")
+    echo = flag(body, "echo")
     if echo and chat:
         raise RequestError("echo", "is not supported by /v1/chat/completions; /v1/completions echoes a prompt")
     return echo
@@ -358,12 +364,13 @@ def text_content(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -
     return "".join(parts)
 
 
-def _flag(body: Mapping[str, Any], key: str) -> bool:
-    value = body.get(key, False)
+def flag(body: Mapping[str, Any], key: str, default: bool | None = False) -> bool | None:
+    """The body's boolean ``key`` (``default`` when absent or null); RequestError naming it for anything else."""
+    value = body.get(key)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
-        raise RequestError(key, f"must be true or false, got {value!r}")
+        raise RequestError(key, f"must be true or false, got {short_repr(value)}")
     return value
 
 

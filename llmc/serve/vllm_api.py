@@ -23,11 +23,11 @@ from typing import Any
 from aiohttp import web
 
 from llmc import __version__
-from llmc.errors import RequestError, UnknownModelError, short_repr
-from llmc.request.inputs import ChatPrompt
+from llmc.errors import RequestError, short_repr
+from llmc.request.inputs import ChatPrompt, check_token_ids
 from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import ServerDrainingError
-from llmc.serve.openai_protocol import parse_openai_request
+from llmc.serve.openai_protocol import check_model, flag, parse_openai_request
 from llmc.serve.state import STATE_KEY, TRITON_ALIASES, read_json
 
 TEXT_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
@@ -60,16 +60,16 @@ def parse_tokenize(body: Mapping[str, Any], served: tuple[str, ...], defaults: S
             hint = f"goes with {'prompt' if chat else 'messages'}" if with_other else "unknown field"
             raise RequestError(key, f"{hint}; /tokenize with {'messages' if chat else 'prompt'} takes "
                                     f"{', '.join(accepted)}")
-    special, strs = _flag(body, "add_special_tokens", None), _flag(body, "return_token_strs", False)
+    special, strs = flag(body, "add_special_tokens", None), flag(body, "return_token_strs")
     if not chat:
-        _served_model(body, served)
+        check_model(body, served)
         if not isinstance(body["prompt"], str) or not body["prompt"]:
             raise RequestError("prompt", f"must be a non-empty string, got {short_repr(body['prompt'])}")
         return TokenizeRequest(body["prompt"], special, strs)
     if special:
         raise RequestError("add_special_tokens", "is for prompt; a chat template writes its own special tokens, so "
                                                  "none are added to messages (send false or leave it out)")
-    if _flag(body, "continue_final_message", False):
+    if flag(body, "continue_final_message"):
         raise RequestError("continue_final_message", "is not supported by llmc (a chat request always opens a new "
                                                      "assistant turn); leave it out")
     fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
@@ -79,7 +79,7 @@ def parse_tokenize(body: Mapping[str, Any], served: tuple[str, ...], defaults: S
     if not isinstance(prompt, ChatPrompt):
         prompt = ChatPrompt(tuple(prompt))
     return TokenizeRequest(ChatPrompt(prompt.messages, prompt.tools, prompt.template_kwargs,
-                                      _flag(body, "add_generation_prompt", True)), None, strs)
+                                      flag(body, "add_generation_prompt", True)), None, strs)
 
 
 def parse_detokenize(body: Mapping[str, Any], served: tuple[str, ...], vocab_size: int) -> list[int]:
@@ -87,29 +87,12 @@ def parse_detokenize(body: Mapping[str, Any], served: tuple[str, ...], vocab_siz
     for key in body:
         if key not in ("model", "tokens"):
             raise RequestError(key, "unknown field; /detokenize takes model, tokens")
-    _served_model(body, served)
+    check_model(body, served)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise RequestError("tokens", f"must be a list of token ids, got {short_repr(tokens)}")
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError("tokens", f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    check_token_ids(tokens, vocab_size, "tokens")
     return tokens
-
-
-def _served_model(body: Mapping[str, Any], served: tuple[str, ...]) -> None:
-    model = body.get("model")
-    if model is not None and model not in served:
-        raise UnknownModelError("model", f"unknown model {model!r}; this server serves {served[0]!r}")
-
-
-def _flag(body: Mapping[str, Any], key: str, default: bool | None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(key, f"must be true or false, got {short_repr(value)}")
-    return value
 
 
 # ------------------------------------------------------------------------------------------------ routes
