@@ -1,5 +1,6 @@
 """The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes (chat, completions, responses), vLLM's
-utility routes (health, version, tokenize) and ``/metrics`` over one state."""
+utility routes (health, version, tokenize), TGI's routes (generate, generate_stream, info) and ``/metrics`` over one
+state."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from llmc.serve.kserve_http import add_kserve_routes
 from llmc.serve.openai_api import add_openai_routes
 from llmc.serve.openai_responses_api import add_responses_routes
 from llmc.serve.state import STATE_KEY, ServerState, auth_and_errors
+from llmc.serve.tgi_api import add_tgi_routes
 from llmc.serve.vllm_api import add_vllm_routes
 
 
@@ -21,7 +23,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(state: ServerState) -> web.Application:
-    """The aiohttp application with the KServe v2, OpenAI, vLLM utility and metrics routes (and CORS,
+    """The aiohttp application with the KServe v2, OpenAI, vLLM utility, TGI and metrics routes (and CORS,
     :mod:`llmc.serve.cors`)."""
     app = web.Application(middlewares=[cors_middleware(state.allowed_origins), auth_and_errors],
                           client_max_size=state.max_body_bytes)
@@ -32,5 +34,6 @@ def create_app(state: ServerState) -> web.Application:
     add_openai_routes(app)
     add_responses_routes(app)
     add_vllm_routes(app)
+    add_tgi_routes(app)
     app.router.add_get("/metrics", metrics)
     return app

@@ -27,6 +27,7 @@ from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError, before
 from llmc.serve.protocol import client_names, loads_json_object
 from llmc.serve.reasoning import ReasoningSyntax
+from llmc.serve.tgi_protocol import TGI_PATHS, tgi_error
 from llmc.serve.tool_syntax import ToolSyntax
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ TRITON_ALIASES = ("ensemble", "tensorrt_llm_bls")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready", "/health")
 # vLLM's utility routes (:mod:`llmc.serve.vllm_api`): OpenAI's error shape, and no request counted in the metrics
 UTILITY_PATHS = ("/health", "/version", "/tokenize", "/detokenize")
+UNCOUNTED_PATHS = (*UTILITY_PATHS, "/info")  # no request of theirs counts in the metrics
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,10 @@ def openai_error(message: str, status: int, param: str | None = None, code: str 
 def json_error(path: str, status: int, message: str, headers: Mapping[str, str] | None = None,
                param: str | None = None, code: str | None = None) -> web.Response:
     """An error response in the shape of the route's API: OpenAI's under ``/v1/`` and on vLLM's utility routes,
-    ``{"error": message}`` else."""
+    TGI's (``{"error", "error_type"}``, TGI's statuses) on its routes, ``{"error": message}`` else."""
+    if path in TGI_PATHS:
+        status, tgi_body = tgi_error(status, message, code)
+        return web.json_response(tgi_body, status=status, headers=headers)
     openai = path.startswith("/v1/") or path in UTILITY_PATHS
     body = openai_error(message, status, param, code) if openai else {"error": message}
     return web.json_response(body, status=status, headers=headers)
@@ -126,11 +131,11 @@ async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         return await handler(request)
     except (asyncio.CancelledError, ConnectionResetError):  # the client left before its request was submitted
-        if not _SUBMITTED.get() and request.path not in UTILITY_PATHS:
+        if not _SUBMITTED.get() and request.path not in UNCOUNTED_PATHS:
             state.client.metrics.requests.labels("abort").inc()
         raise
     except LlmcError as exc:
-        if isinstance(exc, RequestError) and request.path not in UTILITY_PATHS:
+        if isinstance(exc, RequestError) and request.path not in UNCOUNTED_PATHS:
             state.client.metrics.rejected.labels("invalid").inc()
         return error_response(exc, request.path)
     except web.HTTPException as exc:  # aiohttp's own 404 / 405 / 413 ... answer JSON too
