@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from llmc.errors import RequestError, short_repr
+from llmc.request.json_strict import close_objects
 from llmc.tokenizer import byte_level_decoder
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ _EXAMPLE = ('{"type": "json_schema", "schema": {...}}, {"type": "json_object"}, 
 @dataclass(frozen=True)
 class OutputFormat:
     """What a request's output must be. ``kind``: one of :data:`KINDS`; ``spec``: the JSON schema as JSON text
-    (``json_schema``), the regular expression (``regex``, Rust ``regex`` syntax with ASCII ``\\d \\w \\s``, matched
-    against the whole output),
+    (``json_schema``; an object that lists properties allows no others unless it says so:
+    :mod:`llmc.request.json_strict`), the regular expression (``regex``, Rust ``regex`` syntax with ASCII
+    ``\\d \\w \\s``, matched against the whole output),
     the choices as a JSON list (``choice``), the grammar (``grammar``: llguidance's Lark syntax; ``ebnf``: the
     ``root ::= ...`` syntax of llama.cpp's GBNF and XGrammar's EBNF, which Triton's ``ebnf_grammar`` guides use), ""
     for ``json_object``."""
@@ -95,7 +97,9 @@ class OutputFormat:
         """llguidance's grammar text for this format."""
         matcher = llguidance.LLMatcher
         if self.kind in ("json_object", "json_schema"):
-            schema = self.spec if self.kind == "json_schema" else {"type": "object"}
+            schema: Any = {"type": "object"}
+            if self.kind == "json_schema":
+                schema = json.dumps(close_objects(json.loads(self.spec)))
             try:
                 return matcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
             except TypeError:  # llguidance 0.7 (TensorRT-LLM 1.2's pin): no defaults (its own: whitespace allowed)

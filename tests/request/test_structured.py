@@ -272,3 +272,41 @@ def test_a_regex_digit_is_an_ascii_digit_unless_asked_otherwise(tokenizer, gramm
         assert prefix({"type": "regex", "pattern": pattern}, "\u0661\u0662\u0663") == ""  # Arabic-Indic digits
     assert prefix({"type": "regex", "pattern": r"\p{Nd}{3}"}, "\u0661\u0662\u0663") == "\u0661\u0662\u0663"
     assert prefix({"type": "regex", "pattern": r"\w+\s\w+"}, "ab_9 c\u00e9") == "ab_9 c"
+
+
+def test_an_object_that_lists_properties_allows_no_others_unless_it_says_so(tokenizer, grammars):
+    """XGrammar's strict mode (vLLM's and TensorRT-LLM's default): SmolLM2 answered a tool whose parameters name
+    ``city`` with ``{"city": "Paris", "weather": {...`` up to its length limit before."""
+    def allows(schema: dict, text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        compiled = grammars.compile(OutputFormat.from_dict({"type": "json_schema", "schema": schema}))
+        return compiled.drafts(ids, 64) == tuple(ids)
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    extra, nested_extra = '{"city":"Paris","weather":"sunny"}', '{"where":{"city":"Paris","x":1}}'
+    assert allows(city, '{"city":"Paris"}') and not allows(city, extra)
+    assert allows({**city, "additionalProperties": True}, extra)
+    assert allows({**city, "additionalProperties": {"type": "string"}}, extra)
+    assert allows({"type": "object"}, extra)  # no properties named: any object, as XGrammar reads it
+    nested = {"type": "object", "properties": {"where": {"$ref": "#/$defs/place"}}, "$defs": {"place": city}}
+    assert allows(nested, '{"where":{"city":"Paris"}}') and not allows(nested, nested_extra)
+    both = {"allOf": [city, {"type": "object", "properties": {"weather": {"type": "string"}}}]}
+    assert allows(both, extra)  # an intersection stays as written: closing each part would forbid the other's
+
+
+def test_closing_objects_copies_and_leaves_data_alone():
+    from llmc.request.json_strict import close_objects
+
+    data = {"properties": {"x": {}}}
+    schema = {"type": "object", "properties": {"a": {"const": data, "default": data}},
+              "anyOf": [{"properties": {"b": {}}}, {"type": "string"}], "items": [{"properties": {}}],
+              "patternProperties": {"^p": {"properties": {"c": {}}}}}
+    before = json.dumps(schema)
+    closed = close_objects(schema)
+    assert json.dumps(schema) == before  # not changed in place
+    assert "additionalProperties" not in closed  # patternProperties says what else may come
+    assert closed["properties"]["a"] == {"const": data, "default": data}  # values, not schemas
+    assert closed["anyOf"][0]["additionalProperties"] is False and closed["anyOf"][1] == {"type": "string"}
+    assert closed["items"][0]["additionalProperties"] is False
+    assert closed["patternProperties"]["^p"]["additionalProperties"] is False
+    assert close_objects(True) is True and close_objects({"type": "object"}) == {"type": "object"}
