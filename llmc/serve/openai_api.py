@@ -25,8 +25,8 @@ from llmc.serve.openai_protocol import OpenAIRequest, parse_openai_request
 from llmc.serve.openai_tools import openai_calls
 from llmc.serve.protocol import client_names
 from llmc.serve.reasoning import ReasoningStream, prompt_opens_thinking
-from llmc.serve.state import (STATE_KEY, TRITON_ALIASES, ServerState, error_status, openai_error, prepare, read_json,
-                              send_sse, start_sse)
+from llmc.serve.state import (STATE_KEY, ServerState, error_status, openai_error, prepare, read_json, send_sse,
+                              start_sse)
 from llmc.serve.tool_syntax import CallStream, ParsedCalls
 
 
@@ -59,7 +59,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _complete(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    req = parse_openai_request(await read_json(request), chat, (state.model_name, *TRITON_ALIASES), state.defaults,
+    req = parse_openai_request(await read_json(request), chat, state.request_names(), state.defaults,
                                state.vocab_size, state.tool_syntax)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": req.model, "object": "chat.completion" if chat else "text_completion"}

@@ -14,7 +14,8 @@ score a continuation; ``max_tokens: 0`` with ``echo`` returns the prompt alone. 
 chat's ``echo``, the legacy ``functions``) are a 400 unless they ask for nothing (``best_of: 1``, null). Function
 calling: chat's ``tools`` with ``tool_choice`` ``"auto"`` (read in the model's own tool-call syntax), ``"required"``
 or a named function (:mod:`llmc.serve.openai_tools`), and ``tool`` messages and an assistant's ``tool_calls`` in the
-history. Structured outputs: ``response_format`` (``json_object``, ``json_schema``) on both endpoints, and llmc's
+history. Structured outputs: ``response_format`` (``json_object``, ``json_schema``; also TGI's ``{"type", "value"}``
+shape, :mod:`llmc.serve.tgi_grammar`) on both endpoints, and llmc's
 ``structured`` (the same plus ``regex``, ``choice`` and ``grammar`` formats,
 :class:`~llmc.request.structured.OutputFormat`), or vLLM's fields for them (:mod:`llmc.serve.vllm_structured`);
 ``logit_bias`` adds its biases to the logits; chat's
@@ -37,6 +38,7 @@ from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.protocol import check_param_limits, client_names
+from llmc.serve.tgi_grammar import tgi_output_format
 from llmc.serve.tool_syntax import ToolSyntax
 from llmc.serve.vllm_structured import FIELDS as VLLM_FIELDS, vllm_output_format
 
@@ -160,6 +162,8 @@ def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
     if fmt is not None and fmt != {"type": "text"}:
         if extension is not None:
             raise RequestError("structured", "and response_format both set an output format; send one of them")
+        if isinstance(fmt, dict) and "value" in fmt:  # TGI's shape, which huggingface_hub's chat client sends
+            return tgi_output_format(fmt, "response_format"), "response_format"
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise RequestError("response_format", f'must be {{"type": "text"}}, {{"type": "json_object"}} or '
                                                   f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": '

@@ -35,7 +35,7 @@ from llmc.serve.engine_client import PreparedPrompt
 from llmc.serve.openai_api import Choice, reasoning_stream
 from llmc.serve.openai_responses import STATELESS, ResponsesRequest, parse_responses_request
 from llmc.serve.protocol import client_names
-from llmc.serve.state import STATE_KEY, TRITON_ALIASES, error_status, prepare, read_json, send_sse, start_sse
+from llmc.serve.state import STATE_KEY, error_status, prepare, read_json, send_sse, start_sse
 
 
 class ResponseBuilder:
@@ -197,7 +197,7 @@ async def _answer(choice: Choice, first: StreamEvent, out: ResponseBuilder,
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
-    parsed = parse_responses_request(await read_json(request), (state.model_name, *TRITON_ALIASES), state.defaults,
+    parsed = parse_responses_request(await read_json(request), state.request_names(), state.defaults,
                                      state.vocab_size, state.tool_syntax)
     req = parsed.chat
     prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)

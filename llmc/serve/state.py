@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # Names that reach the served model: llmc's own name plus Triton's, so unchanged Triton clients work.
 TRITON_ALIASES = ("ensemble", "tensorrt_llm_bls")
+# TGI ignores a request's model, and its clients send placeholders: "tgi" (TGI's docs, LiteLLM's huggingface
+# provider), "dummy" (huggingface_hub's InferenceClient given a URL). Requests accept them for the served model.
+TGI_PLACEHOLDERS = ("tgi", "dummy")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready", "/health")
 # vLLM's utility routes (:mod:`llmc.serve.vllm_api`): OpenAI's error shape, and no request counted in the metrics
 UTILITY_PATHS = ("/health", "/version", "/tokenize", "/detokenize")
@@ -60,6 +63,11 @@ class ServerState:
     def knows(self, model: str) -> bool:
         """True for the served model's name and the Triton aliases."""
         return model == self.model_name or model in TRITON_ALIASES
+
+    def request_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may give: the served model's first (the default), the Triton aliases and
+        TGI's placeholders."""
+        return (self.model_name, *TRITON_ALIASES, *TGI_PLACEHOLDERS)
 
     def key_matches(self, presented: str | None) -> bool:
         """Constant-time check of an ``Authorization`` value against ``Bearer <api_key>`` (True without a key)."""

@@ -23,7 +23,6 @@ Errors are ``{"error": message, "error_type": kind}`` (huggingface_hub raises it
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from llmc.request.outputs import StreamEvent, TokenLogprob
 from llmc.request.params import MAX_LOGPROBS, SamplingParams
 from llmc.serve.openai_protocol import check_unsupported, flag
 from llmc.serve.protocol import check_param_limits, client_names
+from llmc.serve.tgi_grammar import tgi_output_format
 
 TGI_PATHS = ("/", "/generate", "/generate_stream", "/info")
 FIELDS = ("inputs", "parameters", "stream", "add_special_tokens")
@@ -46,7 +46,6 @@ PARAMETERS = (*PARAM_MAP, *OPTIONS, *UNSUPPORTED)
 # llmc's names -> the client's, for errors raised below the parser
 NAMES = {"prompt": "inputs", "structured": "parameters.grammar", "logprobs": "parameters.top_n_tokens",
          **{target: f"parameters.{key}" for key, target in PARAM_MAP.items()}}
-GRAMMARS = ("json", "json_object", "json_schema", "regex")
 # TGI's status and error_type per llmc status
 ERROR_KINDS = {400: (422, "validation"), 401: (401, "authentication"), 404: (404, "not_found"),
                503: (503, "unhealthy"), 504: (504, "generation"), 500: (424, "generation")}
@@ -96,10 +95,11 @@ def parse_tgi_request(body: Mapping[str, Any], defaults: SamplingParams, max_seq
         changes["temperature"] = 1.0
     changes.setdefault("max_new_tokens", max_seq_len)
     details, prefill = _flag(p, "details"), _flag(p, "decoder_input_details")
+    structured = tgi_output_format(p.get("grammar"), "parameters.grammar")
     with client_names(NAMES):
         params = check_param_limits(defaults.replace(
             **changes, include_stop_str_in_output=True, logprobs=_count(p, "top_n_tokens", MAX_LOGPROBS) or 0,
-            prompt_logprobs=0 if prefill else None, structured=_grammar(p.get("grammar"))).validate(vocab_size))
+            prompt_logprobs=0 if prefill else None, structured=structured).validate(vocab_size))
     special = flag(body, "add_special_tokens", None)
     return TgiRequest(inputs, params, flag(body, "stream", None), details or prefill, prefill,
                       _flag(p, "return_full_text", None), _count(p, "truncate", max_input_len, 1), special,
@@ -127,33 +127,6 @@ def _count(p: Mapping[str, Any], key: str, most: int, least: int = 0) -> int | N
     if type(value) is not int or not least <= value <= most:
         raise RequestError(f"parameters.{key}", f"must be an integer in [{least}, {most}], got {short_repr(value)}")
     return value
-
-
-def _grammar(grammar: Any) -> dict[str, Any] | None:
-    """llmc's ``structured`` format from TGI's ``{"type": "json" | "json_schema" | "regex", "value": ...}``."""
-    if grammar is None:
-        return None
-    where = "parameters.grammar"
-    if not isinstance(grammar, Mapping) or grammar.get("type") not in GRAMMARS or set(grammar) != {"type", "value"}:
-        raise RequestError(where, f'must be {{"type": "json" | "json_schema" | "regex", "value": ...}}, got '
-                                  f'{short_repr(grammar)}')
-    kind, value = grammar["type"], grammar["value"]
-    if kind == "regex":
-        if not isinstance(value, str) or not value:
-            raise RequestError(f"{where}.value", f"must be a regular expression, got {short_repr(value)}")
-        return {"type": "regex", "pattern": value}
-    if kind == "json_schema":
-        if not isinstance(value, Mapping) or "schema" not in value or not set(value) <= {"name", "schema"}:
-            raise RequestError(f"{where}.value", f'must be {{"name": ..., "schema": {{...}}}}, got {short_repr(value)}')
-        value = value["schema"]
-    elif isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"{where}.value", f"is not valid JSON ({exc.msg} at character {exc.pos})") from None
-    if not isinstance(value, (Mapping, bool)):
-        raise RequestError(f"{where}.value", f"must be a JSON schema (an object), got {short_repr(value)}")
-    return {"type": "json_schema", "schema": value}
 
 
 def tgi_error(status: int, message: str, code: str | None = None) -> tuple[int, dict[str, str]]:

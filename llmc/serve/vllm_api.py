@@ -28,7 +28,7 @@ from llmc.request.inputs import ChatPrompt, check_token_ids
 from llmc.request.params import SamplingParams
 from llmc.serve.engine_client import ServerDrainingError
 from llmc.serve.openai_protocol import check_model, flag, parse_openai_request
-from llmc.serve.state import STATE_KEY, TRITON_ALIASES, read_json
+from llmc.serve.state import STATE_KEY, read_json
 
 TEXT_FIELDS = ("model", "prompt", "add_special_tokens", "return_token_strs")
 CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
@@ -108,7 +108,7 @@ async def version(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    req = parse_tokenize(await read_json(request), (state.model_name, *TRITON_ALIASES), state.defaults,
+    req = parse_tokenize(await read_json(request), state.request_names(), state.defaults,
                          state.vocab_size)
     ids = list(await state.client.count(req.prompt, req.add_special_tokens))
     strs = state.client.engine.tokenizer.convert_ids_to_tokens(ids) if req.token_strs else None
@@ -118,7 +118,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    ids = parse_detokenize(await read_json(request), (state.model_name, *TRITON_ALIASES), state.vocab_size)
+    ids = parse_detokenize(await read_json(request), state.request_names(), state.vocab_size)
     text = await asyncio.to_thread(state.client.engine.tokenizer.decode, ids)
     return web.json_response({"prompt": text})
 

@@ -39,7 +39,7 @@ def vllm_output_format(body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, 
     if len(given) > 1:
         raise RequestError(given[1], f"and {given[0]} both set the output format; send one of them")
     if given[0] in LEGACY:
-        return _format(LEGACY[given[0]], body[given[0]], given[0]), given[0]
+        return read_format(LEGACY[given[0]], body[given[0]], given[0]), given[0]
     spec = body["structured_outputs"]
     if not isinstance(spec, Mapping):
         raise RequestError("structured_outputs", f'must be an object such as {{"regex": "..."}}, got '
@@ -54,10 +54,11 @@ def vllm_output_format(body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, 
         raise RequestError("structured_outputs", f"must set exactly one of {', '.join(FORMATS)}, got "
                                                  f"{short_repr(dict(spec))}")
     where = f"structured_outputs.{kinds[0]}"
-    return _format(kinds[0], spec[kinds[0]], where), where
+    return read_format(kinds[0], spec[kinds[0]], where), where
 
 
-def _format(kind: str, value: Any, where: str) -> dict[str, Any]:
+def read_format(kind: str, value: Any, where: str) -> dict[str, Any]:
+    """llmc's format from one of :data:`FORMATS` and its value (``where``: the client's name of the value)."""
     if kind == "json_object":
         if value is not True:
             raise RequestError(where, f"must be true, got {short_repr(value)}")

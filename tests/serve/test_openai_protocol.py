@@ -143,3 +143,20 @@ def test_response_format_and_logit_bias_map_onto_the_sampling_params():
     regex = parse({"structured": {"type": "regex", "pattern": "a|b"}})
     assert regex.params.structured == OutputFormat("regex", "a|b") and regex.names["structured"] == "structured"
     assert parse({"response_format": {"type": "text"}}).params.structured is None
+
+
+@pytest.mark.parametrize("fmt, expected", [
+    ({"type": "json_object", "value": {"type": "object", "properties": {"a": {}}}},  # huggingface_hub's rewrite
+     {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {}}}}),
+    ({"type": "json", "value": '{"type": "string"}'}, {"type": "json_schema", "schema": {"type": "string"}}),
+    ({"type": "json_schema", "value": {"name": "n", "schema": {"type": "integer"}}},
+     {"type": "json_schema", "schema": {"type": "integer"}}),
+    ({"type": "regex", "value": "[0-9]+"}, {"type": "regex", "pattern": "[0-9]+"}),
+])
+def test_tgi_s_response_format_is_read_with_its_schema(fmt, expected):
+    """TGI's ``{"type", "value"}`` shape, which huggingface_hub's chat client sends for an OpenAI ``json_schema``
+    format: read as that schema, not as "any JSON object" (the schema was dropped before)."""
+    req = parse({"response_format": fmt})
+    assert req.params.structured == OutputFormat.from_dict(expected) and req.names["structured"] == "response_format"
+    with pytest.raises(RequestError, match=r"^response_format.value: must be a JSON schema"):
+        parse({"response_format": {"type": "json_object", "value": 5}})

@@ -241,3 +241,28 @@ def test_huggingface_hub_inference_client(tiny_server, offline):
     assert "".join(client.text_generation(PROMPT, max_new_tokens=5, stream=True)) == expected
     with pytest.raises(ValidationError, match="parameters.watermark"):
         client.text_generation(PROMPT, max_new_tokens=5, watermark=True)
+
+
+def test_tgi_s_model_placeholders_reach_the_served_model(tiny_server, offline):
+    """TGI ignores a request's model; its clients send "tgi" (LiteLLM's huggingface provider) or "dummy"
+    (huggingface_hub given a URL). Any other name is still a 404, and the placeholders are no model of /v1/models."""
+    expected = greedy(offline, PROMPT, 4).text
+    for name in ("tgi", "dummy"):
+        status, reply = tiny_server.post("/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 4})
+        assert status == 200 and reply["choices"][0]["text"] == expected, reply
+        assert tiny_server.get(f"/v1/models/{name}")[0] == 404
+    assert tiny_server.post("/v1/completions", {"model": "other", "prompt": PROMPT, "max_tokens": 4})[0] == 404
+
+
+def test_huggingface_hub_chat_with_a_schema(tiny_server):
+    """huggingface_hub's chat client against a URL: model "dummy", and an OpenAI json_schema format sent in TGI's
+    shape; the answer follows the schema."""
+    from huggingface_hub import InferenceClient
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"]}
+    out = InferenceClient(tiny_server.http).chat_completion(
+        [{"role": "user", "content": "A digit?"}], max_tokens=16,
+        response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
+    answer = json.loads(out.choices[0].message.content)
+    assert set(answer) == {"n"} and 0 <= answer["n"] <= 9, answer
