@@ -47,6 +47,7 @@ from llmc.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 Sink = Callable[[StreamEvent], None]
+_LAST_EVENT_WAIT_S = 1.0  # a request finished in another thread: how long its last event may take to reach a stream
 
 
 class Engine:
@@ -301,7 +302,11 @@ class Engine:
         """The next event a sink put into ``inbox`` (see :meth:`next_event`), from a coroutine: steps run in a
         worker thread when no background loop runs."""
         while inbox.empty() and not self._loop.running:
-            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
+            if not self.scheduler.has_unfinished():  # finished in another thread (shutdown's aborts): its last
+                try:  # event's put is scheduled on this event loop, which runs it once this coroutine waits
+                    return await asyncio.wait_for(inbox.get(), _LAST_EVENT_WAIT_S)
+                except asyncio.TimeoutError:
+                    raise AssertionError("a stream waits for an event, but no request is unfinished") from None
             await asyncio.to_thread(self.step)
             await asyncio.sleep(0)  # let the sink callbacks scheduled by that step run
         return await inbox.get()
@@ -319,7 +324,11 @@ class Engine:
                     return inbox.get(timeout=0.1)
                 except queue.Empty:
                     continue
-            assert self.scheduler.has_unfinished(), "a stream waits for an event, but no request is unfinished"
+            if not self.scheduler.has_unfinished():  # finished in another thread since the check above: its last
+                try:  # event went in first (emitted before the request was retired)
+                    return inbox.get(timeout=_LAST_EVENT_WAIT_S)
+                except queue.Empty:
+                    raise AssertionError("a stream waits for an event, but no request is unfinished") from None
             self.step()
 
     # ------------------------------------------------------------------------------------- lifecycle

@@ -4,7 +4,9 @@ client) against the server."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import urllib.parse
 
 import pytest
 
@@ -13,6 +15,7 @@ from llmc.request.outputs import StreamEvent, TokenLogprob
 from llmc.request.params import SamplingParams
 from llmc.serve.state import json_error
 from llmc.serve.tgi_protocol import TokenEntries, finish_reason, parse_tgi_request, tgi_error
+from tests.serve.conftest import start_server
 from tests.serve.test_server import metric, sse
 
 PROMPT = "Request 3: tell me about rivers"
@@ -266,3 +269,27 @@ def test_huggingface_hub_chat_with_a_schema(tiny_server):
         response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
     answer = json.loads(out.choices[0].message.content)
     assert set(answer) == {"n"} and 0 <= answer["n"] <= 9, answer
+
+
+def test_an_aborted_request_ends_with_tgi_s_incomplete_generation(serve_tiny_build, offline):
+    """The server stopping under a stream (its engine aborts every request): the stream's last event is TGI's
+    ``incomplete_generation`` error, not a token."""
+    assert greedy(offline, PROMPT, 480).finish_reason == "length"  # the request would not end on its own first
+    server = start_server(serve_tiny_build)
+    try:
+        url = urllib.parse.urlparse(server.http)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        conn.request("POST", "/generate_stream", json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 480}}),
+                     {"Content-Type": "application/json"})
+        events = []
+        for raw in conn.getresponse():
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+                if len(events) == 1:
+                    server.engine.shutdown()
+        conn.close()
+    finally:
+        server.close()
+    assert "token" in events[0] and 1 < len(events) < 481
+    assert events[-1]["error_type"] == "incomplete_generation" and "aborted" in events[-1]["error"], events[-1]
