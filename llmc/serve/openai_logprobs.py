@@ -17,20 +17,27 @@ from typing import Any
 from llmc.request.outputs import TokenLogprob
 
 
+class TokenTexts:
+    """Each token's text decoded alone (special tokens as written), once per token id of a request."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
 class LogprobFormatter:
     """Turns the log-probabilities of a request's events into OpenAI's shape, chunk by chunk (``offset``: the
     completion's characters so far, for ``text_offset``)."""
 
     def __init__(self, tokenizer: Any, chat: bool):
-        self.tokenizer, self.chat = tokenizer, chat
+        self.token_text, self.chat = TokenTexts(tokenizer), chat
         self.offset = 0
-        self._text: dict[int, str] = {}
-
-    def token_text(self, token_id: int) -> str:
-        text = self._text.get(token_id)
-        if text is None:
-            text = self._text[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     def format(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         """OpenAI's ``logprobs`` object for these tokens (the next ones of the completion)."""

@@ -29,7 +29,7 @@ RequestError names the client's field (``max_tokens``, ``messages[0].content``),
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,10 +229,18 @@ def check_fields(body: Mapping[str, Any], chat: bool) -> None:
         if key == other:
             route = "/v1/completions" if chat else "/v1/chat/completions"
             raise RequestError(key, f"is a field of {route}; this endpoint takes {own!r}")
-        near = [OTHER_NAMES[key]] if key in OTHER_NAMES else difflib.get_close_matches(key, (own, *COMMON_FIELDS), n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise RequestError(key, f"unknown field; {hint}the accepted fields are: "
-                                     f"{', '.join(sorted((own, *COMMON_FIELDS)))}")
+        raise unknown_field(key, (own, *COMMON_FIELDS), other_names=OTHER_NAMES)
+
+
+def unknown_field(key: str, accepted: Sequence[str], prefix: str = "",
+                  other_names: Mapping[str, str] | None = None) -> RequestError:
+    """The error for a field not in ``accepted``: its nearest accepted name (``other_names``: other APIs' names
+    for accepted fields) and the accepted ones. ``prefix``: where the field sits (``parameters.``)."""
+    names = other_names or {}
+    near = [names[key]] if key in names else difflib.get_close_matches(key, accepted, n=1)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    listed = ", ".join(sorted(accepted))
+    return RequestError(f"{prefix}{key}", f"unknown field; {hint}the accepted fields are: {listed}")
 
 
 def sampling_params(body: Mapping[str, Any], defaults: SamplingParams, vocab_size: int | None) -> SamplingParams:

@@ -22,7 +22,6 @@ Errors are ``{"error": message, "error_type": kind}`` (huggingface_hub raises it
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,8 @@ from typing import Any
 from llmc.errors import RequestError, short_repr
 from llmc.request.outputs import StreamEvent, TokenLogprob
 from llmc.request.params import MAX_LOGPROBS, SamplingParams
-from llmc.serve.openai_protocol import check_unsupported, flag
+from llmc.serve.openai_logprobs import TokenTexts
+from llmc.serve.openai_protocol import check_unsupported, flag, unknown_field
 from llmc.serve.protocol import check_param_limits, client_names
 from llmc.serve.tgi_grammar import tgi_output_format
 
@@ -114,10 +114,7 @@ def _flag(p: Mapping[str, Any], key: str, default: bool | None = False) -> bool 
 def _check_names(body: Mapping[str, Any], accepted: Sequence[str], prefix: str) -> None:
     for key in body:
         if key not in accepted:
-            near = difflib.get_close_matches(str(key), accepted, n=1)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise RequestError(f"{prefix}{key}", f"unknown field; {hint}the accepted fields are: "
-                                                 f"{', '.join(sorted(accepted))}")
+            raise unknown_field(str(key), accepted, prefix)
 
 
 def _count(p: Mapping[str, Any], key: str, most: int, least: int = 0) -> int | None:
@@ -152,14 +149,7 @@ class TokenEntries:
     ``generated_text``; a prompt token's or an alternative's is that token decoded alone."""
 
     def __init__(self, tokenizer: Any, special_ids: frozenset[int]):
-        self.tokenizer, self.special_ids = tokenizer, special_ids
-        self._text: dict[int, str] = {}
-
-    def decoded(self, token_id: int) -> str:
-        text = self._text.get(token_id)
-        if text is None:
-            text = self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        self.decoded, self.special_ids = TokenTexts(tokenizer), special_ids
 
     def entry(self, token_id: int, logprob: float, text: str | None = None) -> dict[str, Any]:
         return {"id": token_id, "text": self.decoded(token_id) if text is None else text, "logprob": logprob,
