@@ -27,12 +27,15 @@ class ChatPrompt:
     that does not render an assistant's ``tool_calls`` gets those calls as the message's text.
     ``template_kwargs``: more variables for the template (e.g. Qwen3's ``enable_thinking``).
     ``generation_prompt``: the template's opening of the assistant's turn goes after the messages (as every request
-    has it; off only where a client counts a conversation's tokens, vLLM's ``/tokenize``)."""
+    has it; off only where a client counts a conversation's tokens, vLLM's ``/tokenize``).
+    ``continue_final``: the last message (the assistant's) is left open and the answer continues it (a prefill:
+    Anthropic's Messages API, vLLM's ``continue_final_message``); no generation prompt then."""
 
     messages: tuple[dict, ...]
     tools: tuple[dict, ...] = ()
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     generation_prompt: bool = True
+    continue_final: bool = False
 
 
 Prompt = Union[str, bytes, Sequence[int], Sequence[dict], ChatPrompt]
@@ -72,7 +75,8 @@ def prompt_to_token_ids(tokenizer: Any, prompt: Prompt, add_special_tokens: bool
         extra_chars = len(json.dumps(prompt.tools)) + len(json.dumps(prompt.template_kwargs))
         check_prompt_size(_num_chars(prompt.messages) + extra_chars, max_chars)
         return tuple(int(t) for t in chat_to_token_ids(tokenizer, prompt.messages, timings, prompt.tools,
-                                                       prompt.template_kwargs, prompt.generation_prompt))
+                                                       prompt.template_kwargs, prompt.generation_prompt,
+                                                       prompt.continue_final))
     if isinstance(prompt, (bytes, bytearray)):
         try:
             prompt = bytes(prompt).decode("utf-8")
@@ -122,9 +126,10 @@ def _num_chars(prompt: Sequence[Any]) -> int:
 
 def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[str, float] | None = None,
                       tools: Sequence[dict] = (), template_kwargs: Mapping[str, Any] | None = None,
-                      generation_prompt: bool = True) -> list[int]:
+                      generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
     """Render chat messages with the model's own chat template (generation prompt appended unless
-    ``generation_prompt`` is False) and tokenize.
+    ``generation_prompt`` is False; with ``continue_final`` the last message is left open for the answer to continue
+    instead) and tokenize.
 
     The template already contains every special token it needs, so none are added on top. ``timings``: as in
     :func:`prompt_to_token_ids`. ``tools``, ``template_kwargs``: see :class:`ChatPrompt`."""
@@ -141,8 +146,12 @@ def chat_to_token_ids(tokenizer: Any, messages: Sequence[dict], timings: dict[st
     extra = dict(template_kwargs or {})
     if tools and template_takes_tools(template):
         extra["tools"] = list(tools)
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
-                                         **extra)
+    if continue_final:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise RequestError("prompt", "only a final assistant message can be continued")
+        extra["continue_final_message"] = True
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=generation_prompt and not continue_final, **extra)
     rendered = time.perf_counter()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if timings is not None:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from llmc.errors import EngineError, LlmcError, QueueFullError, RequestError, UnknownModelError
 from llmc.request.params import SamplingParams
+from llmc.serve.anthropic_protocol import ANTHROPIC_PATHS, anthropic_error
 from llmc.serve.engine_client import EngineClient, PreparedPrompt, RequestTimeoutError, ServerDrainingError, before
 from llmc.serve.protocol import client_names, loads_json_object
 from llmc.serve.reasoning import ReasoningSyntax
@@ -40,7 +41,7 @@ TGI_PLACEHOLDERS = ("tgi", "dummy")
 PUBLIC_PATHS = ("/v2/health/live", "/v2/health/ready", "/health")
 # vLLM's utility routes (:mod:`llmc.serve.vllm_api`): OpenAI's error shape, and no request counted in the metrics
 UTILITY_PATHS = ("/health", "/version", "/tokenize", "/detokenize")
-UNCOUNTED_PATHS = (*UTILITY_PATHS, "/info")  # no request of theirs counts in the metrics
+UNCOUNTED_PATHS = (*UTILITY_PATHS, "/info", "/v1/messages/count_tokens")  # no request of theirs counts in the metrics
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,13 @@ class ServerState:
         TGI's placeholders."""
         return (self.model_name, *TRITON_ALIASES, *TGI_PLACEHOLDERS)
 
-    def key_matches(self, presented: str | None) -> bool:
-        """Constant-time check of an ``Authorization`` value against ``Bearer <api_key>`` (True without a key)."""
+    def key_matches(self, presented: str | None, x_api_key: str | None = None) -> bool:
+        """Constant-time check of an ``Authorization`` value against ``Bearer <api_key>``, or of an ``X-Api-Key``
+        value (Anthropic's clients send the key so) against the key (True without a key)."""
         if self.api_key is None:
             return True
+        if presented is None and x_api_key is not None:
+            presented = f"Bearer {x_api_key}"
         expected = f"Bearer {self.api_key}".encode()
         return hmac.compare_digest((presented or "").encode("utf-8", "surrogateescape"), expected)
 
@@ -93,7 +97,10 @@ def openai_error(message: str, status: int, param: str | None = None, code: str 
 def json_error(path: str, status: int, message: str, headers: Mapping[str, str] | None = None,
                param: str | None = None, code: str | None = None) -> web.Response:
     """An error response in the shape of the route's API: OpenAI's under ``/v1/`` and on vLLM's utility routes,
-    TGI's (``{"error", "error_type"}``, TGI's statuses) on its routes, ``{"error": message}`` else."""
+    TGI's (``{"error", "error_type"}``, TGI's statuses) on its routes, Anthropic's (``{"type": "error", "error":
+    {"type", "message"}}``) on the Messages API's, ``{"error": message}`` else."""
+    if path in ANTHROPIC_PATHS:
+        return web.json_response(anthropic_error(status, message), status=status, headers=headers)
     if path in TGI_PATHS:
         status, tgi_body = tgi_error(status, message, code)
         return web.json_response(tgi_body, status=status, headers=headers)
@@ -132,8 +139,10 @@ def error_response(exc: LlmcError, path: str) -> web.Response:
 async def auth_and_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Bearer-token check (all paths except health) and LlmcError -> JSON error response."""
     state = request.app[STATE_KEY]
-    if request.path not in PUBLIC_PATHS and not state.key_matches(request.headers.get("Authorization")):
-        return json_error(request.path, 401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+    key, x_api_key = request.headers.get("Authorization"), request.headers.get("X-Api-Key")
+    if request.path not in PUBLIC_PATHS and not state.key_matches(key, x_api_key):
+        return json_error(request.path, 401, "missing or wrong API key; send 'Authorization: Bearer <key>' (or "
+                                             "'X-Api-Key: <key>')",
                           {"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
     submitted = _SUBMITTED.set(False)
     try:

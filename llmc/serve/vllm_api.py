@@ -6,7 +6,8 @@
 - ``POST /tokenize``: the token ids a request would run on. ``prompt`` (text) as ``/v1/completions`` tokenizes it
   (the recipe's ``add_special_tokens`` unless the body sets it); ``messages`` (with ``tools`` and
   ``chat_template_kwargs``) as ``/v1/chat/completions`` renders them, the assistant's opening included unless
-  ``add_generation_prompt`` is false. A prompt over ``max_input_len`` is counted too: clients trim conversations
+  ``add_generation_prompt`` is false; ``continue_final_message`` leaves the last (assistant) message open, as a
+  prefill is rendered (Anthropic's Messages API). A prompt over ``max_input_len`` is counted too: clients trim conversations
   by this count, against the answer's ``max_model_len``. ``return_token_strs`` adds the tokens' strings.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept).
 
@@ -69,17 +70,22 @@ def parse_tokenize(body: Mapping[str, Any], served: tuple[str, ...], defaults: S
     if special:
         raise RequestError("add_special_tokens", "is for prompt; a chat template writes its own special tokens, so "
                                                  "none are added to messages (send false or leave it out)")
-    if flag(body, "continue_final_message"):
-        raise RequestError("continue_final_message", "is not supported by llmc (a chat request always opens a new "
-                                                     "assistant turn); leave it out")
+    continue_final = flag(body, "continue_final_message")
+    if continue_final and flag(body, "add_generation_prompt"):
+        raise RequestError("continue_final_message", "and add_generation_prompt both set where the answer starts; "
+                                                     "send at most one of them as true")
     fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
     if body.get("tools"):
         fields["tool_choice"] = "required"  # the tools are in the prompt for every tool_choice but "none"
     prompt = parse_openai_request(fields, True, served, defaults, vocab_size).prompt
     if not isinstance(prompt, ChatPrompt):
         prompt = ChatPrompt(tuple(prompt))
+    if continue_final and prompt.messages[-1]["role"] != "assistant":
+        raise RequestError("continue_final_message", "continues the last message, which must be the assistant's; "
+                                                     f"the last is a {prompt.messages[-1]['role']!r} message")
     return TokenizeRequest(ChatPrompt(prompt.messages, prompt.tools, prompt.template_kwargs,
-                                      flag(body, "add_generation_prompt", True)), None, strs)
+                                      flag(body, "add_generation_prompt", not continue_final), continue_final),
+                           None, strs)
 
 
 def parse_detokenize(body: Mapping[str, Any], served: tuple[str, ...], vocab_size: int) -> list[int]:

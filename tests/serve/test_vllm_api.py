@@ -74,7 +74,9 @@ def test_messages_are_parsed_by_the_chat_route_s_own_parser():
     ({"messages": USER, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "unknown field"),
     ({"messages": USER, "prompt_logprobs": 1}, "prompt_logprobs", "unknown field"),
     ({"messages": USER, "add_special_tokens": True}, "add_special_tokens", "writes its own special tokens"),
-    ({"messages": USER, "continue_final_message": True}, "continue_final_message", "not supported"),
+    ({"messages": USER, "continue_final_message": True}, "continue_final_message", "must be the assistant's"),
+    ({"messages": USER, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+     "at most one"),
     ({"messages": [{"role": "pirate", "content": "Arr"}]}, "messages[0].role", ""),
     ({"messages": USER, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", ""),
 ])
@@ -106,7 +108,7 @@ def test_health_needs_no_key_and_version_is_llmc_s(server):
 
 def test_health_is_503_while_draining():
     app = web.Application()
-    app[STATE_KEY] = SimpleNamespace(key_matches=lambda _: True, client=SimpleNamespace(draining=True))
+    app[STATE_KEY] = SimpleNamespace(key_matches=lambda *_: True, client=SimpleNamespace(draining=True))
     reply = asyncio.run(auth_and_errors(make_mocked_request("GET", "/health", app=app), health))
     assert reply.status == 503 and reply.headers["Retry-After"] == "5"
     app[STATE_KEY].client.draining = False
@@ -134,6 +136,15 @@ def test_messages_are_counted_as_chat_runs_them(server):
     assert with_tools["count"] > plain["count"]  # the tools are in the prompt
     no_opening = tokenize(server, {"messages": USER, "add_generation_prompt": False})
     assert plain["tokens"][:no_opening["count"]] == no_opening["tokens"] and no_opening["count"] < plain["count"]
+
+
+def test_a_final_assistant_message_is_continued_open(server):
+    prefill = [*USER, {"role": "assistant", "content": "The weather in Paris is"}]
+    opened = tokenize(server, {"messages": prefill, "continue_final_message": True, "return_token_strs": True})
+    closed = tokenize(server, {"messages": prefill, "add_generation_prompt": False})
+    text = server.engine.tokenizer.decode(opened["tokens"])
+    assert text.endswith("The weather in Paris is") and opened["count"] < closed["count"]
+    assert closed["tokens"][:opened["count"]] == opened["tokens"]  # the same up to the turn's end
 
 
 def test_a_prompt_over_the_input_limit_is_counted_not_refused(server):
