@@ -7,7 +7,7 @@ import time
 import pytest
 
 from llmc.errors import RequestError
-from llmc.request.inputs import max_prompt_chars, prompt_to_token_ids
+from llmc.request.inputs import ChatPrompt, max_prompt_chars, prompt_to_token_ids
 
 
 class CountingTokenizer:
@@ -71,3 +71,22 @@ def test_timings_split_the_chat_template_from_tokenizing():
     timings = {}
     prompt_to_token_ids(SlowTokenizer(), [1, 2], True, 10, timings=timings)
     assert timings == {}  # token ids: nothing to render or tokenize
+
+
+class TemplateArguments(CountingTokenizer):
+    """Records the arguments the chat template was rendered with."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **extra) -> str:
+        self.seen = {"add_generation_prompt": add_generation_prompt, **extra}
+        return "".join(m["content"] for m in messages)
+
+
+def test_a_prefill_leaves_the_last_assistant_message_open():
+    tokenizer = TemplateArguments()
+    prefill = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"})
+    prompt_to_token_ids(tokenizer, ChatPrompt(prefill, continue_final=True), True, 10)
+    assert tokenizer.seen == {"add_generation_prompt": False, "continue_final_message": True}
+    prompt_to_token_ids(tokenizer, ChatPrompt(prefill), True, 10)
+    assert tokenizer.seen == {"add_generation_prompt": True}
+    with pytest.raises(RequestError, match="only a final assistant message can be continued"):
+        prompt_to_token_ids(tokenizer, ChatPrompt(prefill[:1], continue_final=True), True, 10)

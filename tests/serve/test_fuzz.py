@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from llmc.request.params import SamplingParams
+from llmc.serve import anthropic_protocol as anthropic
 from llmc.serve.grpc_server import request_fields
 from llmc.serve.openai_protocol import IGNORED, PARAM_MAP, UNSUPPORTED, parse_openai_request
 from llmc.serve.openai_responses import EXTRAS, OWN_FIELDS, parse_responses_request
@@ -113,6 +114,35 @@ def check_responses(body: dict) -> None:
 
 
 test_responses_body, test_responses_body_slow = fuzz_tests(RESPONSES_BODIES, check_responses)
+
+
+# ---------------------------------------------------------------------------------- /v1/messages bodies
+BLOCK = st.one_of(st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "tool_use", "tool_result", "thinking", "image"]) | JSON},
+    optional={"text": JSON, "id": st.text(max_size=3) | JSON, "name": st.sampled_from(["f", "g"]) | JSON,
+              "input": JSON, "tool_use_id": st.text(max_size=3) | JSON, "content": JSON, "is_error": JSON}), JSON)
+ANTHROPIC_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | JSON,
+                                           "content": st.text(max_size=10) | st.lists(BLOCK, max_size=3) | JSON})
+ANTHROPIC_TOOL = st.fixed_dictionaries({}, optional={"type": st.sampled_from(["custom", "bash_20250124"]) | JSON,
+                                                     "name": st.sampled_from(["f", "g", "a b"]) | JSON,
+                                                     "input_schema": JSON})
+ANTHROPIC_KEYS = [*anthropic.OWN_FIELDS, *anthropic.EXTRAS, *anthropic.IGNORED, *anthropic.UNSUPPORTED, "stop"]
+ANTHROPIC_BODIES = st.dictionaries(st.sampled_from(ANTHROPIC_KEYS), JSON, max_size=8) | st.fixed_dictionaries(
+    {"messages": st.lists(ANTHROPIC_MESSAGE, max_size=4), "max_tokens": st.integers(0, 20) | JSON},
+    optional={"system": st.text(max_size=5) | JSON, "tools": st.lists(ANTHROPIC_TOOL, max_size=2) | JSON,
+              "tool_choice": JSON, "thinking": JSON, "output_config": JSON, "stop_sequences": JSON})
+
+
+def check_anthropic(body: dict) -> None:
+    for count_only in (False, True):
+        req = anthropic.parse_messages_request(body, ("m", "ensemble"), DEFAULTS, VOCAB, "json", count_only).chat
+        assert req.params.validate(VOCAB) is req.params
+        messages = req.prompt if isinstance(req.prompt, list) else req.prompt.messages
+        assert all(m["role"] in ("system", "user", "assistant", "tool") and isinstance(m["content"], str)
+                   for m in messages)
+
+
+test_anthropic_body, test_anthropic_body_slow = fuzz_tests(ANTHROPIC_BODIES, check_anthropic)
 
 
 # ------------------------------------------------------------------------------------- /infer bodies
