@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llmc.errors import RequestError, short_repr
-from llmc.request.inputs import ChatPrompt
 from llmc.request.outputs import StreamEvent
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_protocol import (PARAM_MAP, OpenAIRequest, check_unsupported, parse_openai_request,
@@ -102,6 +101,12 @@ def parse_messages_request(body: Mapping[str, Any], served: tuple[str, ...], def
     if body.get("tools"):
         chat["tools"] = _chat_tools(body["tools"])
     _tool_choice(body.get("tool_choice"), chat, count_only)
+    prefill = messages[-1]["role"] == "assistant"
+    if prefill:
+        if messages[-1].get("tool_calls"):
+            raise RequestError(f"messages[{len(body['messages']) - 1}]", "a final assistant message is a prefill "
+                               "the answer continues: text only, no tool_use blocks")
+        chat["continue_final_message"] = True
     try:
         req = parse_openai_request({k: v for k, v in chat.items() if v is not None}, True, served, defaults,
                                    vocab_size, tool_syntax)
@@ -109,13 +114,6 @@ def parse_messages_request(body: Mapping[str, Any], served: tuple[str, ...], def
         renamed = with_client_names(exc, CLIENT_NAMES)
         where = renamed.field.replace(".function.parameters", ".input_schema").replace(".function.", ".")
         raise type(exc)(where, renamed.message) from None
-    prefill = messages[-1]["role"] == "assistant"
-    if prefill:
-        if messages[-1].get("tool_calls"):
-            raise RequestError(f"messages[{len(body['messages']) - 1}]", "a final assistant message is a prefill "
-                               "the answer continues: text only, no tool_use blocks")
-        prompt = req.prompt if isinstance(req.prompt, ChatPrompt) else ChatPrompt(tuple(req.prompt))
-        req = replace(req, prompts=(replace(prompt, continue_final=True),))
     names = {internal: CLIENT_NAMES.get(name, name) for internal, name in req.names.items()}
     return MessagesRequest(replace(req, names=names), req.model, prefill)
 

@@ -19,7 +19,8 @@ shape, :mod:`llmc.serve.tgi_grammar`) on both endpoints, and llmc's
 ``structured`` (the same plus ``regex``, ``choice`` and ``grammar`` formats,
 :class:`~llmc.request.structured.OutputFormat`), or vLLM's fields for them (:mod:`llmc.serve.vllm_structured`);
 ``logit_bias`` adds its biases to the logits; chat's
-``chat_template_kwargs`` (vLLM's field) passes variables to the chat template (Qwen3's ``enable_thinking``). Any
+``chat_template_kwargs`` (vLLM's field) passes variables to the chat template (Qwen3's ``enable_thinking``), and
+vLLM's ``continue_final_message`` continues a final assistant message (:mod:`llmc.serve.chat_template_args`). Any
 other field is a 400 too, as OpenAI's API answers it: a
 misspelt ``max_token`` would otherwise be dropped silently and the request run with the default length. Every
 RequestError names the client's field (``max_tokens``, ``messages[0].content``), never an internal one. A
@@ -37,6 +38,7 @@ from llmc.errors import RequestError, UnknownModelError, short_repr
 from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_tools import ToolCalls, parse_tools
+from llmc.serve.chat_template_args import FIELDS as TEMPLATE_FIELDS, answer_start, chat_only, template_kwargs
 from llmc.serve.protocol import check_param_limits, client_names
 from llmc.serve.tgi_grammar import tgi_output_format
 from llmc.serve.tool_syntax import ToolSyntax
@@ -58,13 +60,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 COMMON_FIELDS = ("model", "stream", "stream_options", "strict_max_tokens", "n", "logprobs", "top_logprobs", "echo",
                  "response_format", "structured", "logit_bias", "tools", "tool_choice", "parallel_tool_calls",
-                 "chat_template_kwargs",
-                 *PARAM_MAP, *UNSUPPORTED, *IGNORED, *VLLM_FIELDS)
-# apply_chat_template's own arguments, which chat_template_kwargs may not set
-TEMPLATE_OWN_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                    "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                    "truncation", "max_length", "return_tensors", "return_dict",
-                                    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+                 *TEMPLATE_FIELDS, *PARAM_MAP, *UNSUPPORTED, *IGNORED, *VLLM_FIELDS)
 MAX_CHOICES = 16  # n: completions of one request (each is an engine request of its own)
 MAX_COMPLETIONS = 256  # prompts x n in one completions request
 # Other APIs' names for OpenAI fields, for the hint of an unknown field.
@@ -130,9 +126,11 @@ def parse_openai_request(body: Mapping[str, Any], chat: bool, served: tuple[str,
             raise RequestError("tools", f"and {names['structured']} both set the answer's format; a tool call's "
                                         f"format is its function's parameters")
         structured, names["structured"] = tools.output_format, "tools"
-    template_kwargs = _template_kwargs(body, chat)
-    if tools is not None or template_kwargs:
-        prompts = (ChatPrompt(tuple(prompts[0]), tools.tools if tools is not None else (), template_kwargs),)
+    chat_only(body, chat)
+    kwargs, (opening, continued) = template_kwargs(body), answer_start(body, prompts[0]) if chat else (True, False)
+    if tools is not None or kwargs or not opening:
+        functions = tools.tools if tools is not None else ()
+        prompts = (ChatPrompt(tuple(prompts[0]), functions, kwargs, opening, continued),)
     with client_names(names):
         params = params.replace(logprobs=logprobs, prompt_logprobs=logprobs if echo else None, structured=structured,
                                 logit_bias=_logit_bias(body)).validate(vocab_size)
@@ -177,24 +175,6 @@ def _output_format(body: Mapping[str, Any]) -> tuple[Any, str]:
                                                               f'"schema", got {short_repr(spec)}')
         return {"type": "json_schema", "schema": spec["schema"]}, "response_format"
     return extension, "structured"
-
-
-def _template_kwargs(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
-    """Chat's ``chat_template_kwargs`` (vLLM's field): more variables for the chat template, e.g. Qwen3's
-    ``{"enable_thinking": false}``."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not chat:
-        raise RequestError("chat_template_kwargs", "is a field of /v1/chat/completions")
-    if not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs", f'must be an object of template variables, e.g. '
-                                                   f'{{"enable_thinking": false}}, got {short_repr(kwargs)}')
-    taken = sorted(set(kwargs) & TEMPLATE_OWN_ARGUMENTS)
-    if taken:
-        raise RequestError(f"chat_template_kwargs.{taken[0]}", "is set by llmc itself (messages, tools, the "
-                                                               "generation prompt); leave it out")
-    return kwargs
 
 
 def _logit_bias(body: Mapping[str, Any]) -> Any:

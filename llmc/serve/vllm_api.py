@@ -70,22 +70,12 @@ def parse_tokenize(body: Mapping[str, Any], served: tuple[str, ...], defaults: S
     if special:
         raise RequestError("add_special_tokens", "is for prompt; a chat template writes its own special tokens, so "
                                                  "none are added to messages (send false or leave it out)")
-    continue_final = flag(body, "continue_final_message")
-    if continue_final and flag(body, "add_generation_prompt"):
-        raise RequestError("continue_final_message", "and add_generation_prompt both set where the answer starts; "
-                                                     "send at most one of them as true")
-    fields = {k: body[k] for k in ("model", "messages", "tools", "chat_template_kwargs") if k in body}
+    keys = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+    fields = {k: body[k] for k in keys if k in body}
     if body.get("tools"):
         fields["tool_choice"] = "required"  # the tools are in the prompt for every tool_choice but "none"
     prompt = parse_openai_request(fields, True, served, defaults, vocab_size).prompt
-    if not isinstance(prompt, ChatPrompt):
-        prompt = ChatPrompt(tuple(prompt))
-    if continue_final and prompt.messages[-1]["role"] != "assistant":
-        raise RequestError("continue_final_message", "continues the last message, which must be the assistant's; "
-                                                     f"the last is a {prompt.messages[-1]['role']!r} message")
-    return TokenizeRequest(ChatPrompt(prompt.messages, prompt.tools, prompt.template_kwargs,
-                                      flag(body, "add_generation_prompt", not continue_final), continue_final),
-                           None, strs)
+    return TokenizeRequest(prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(tuple(prompt)), None, strs)
 
 
 def parse_detokenize(body: Mapping[str, Any], served: tuple[str, ...], vocab_size: int) -> list[int]:

@@ -130,8 +130,29 @@ def test_chat_template_kwargs_reach_the_template(smollm2_hf_dir):
     ({"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}}, True,
      "chat_template_kwargs.add_generation_prompt"),
     ({"messages": USER, "chat_template_kwargs": {"tools": []}}, True, "chat_template_kwargs.tools"),
+    ({"prompt": "hi", "continue_final_message": True}, False, "continue_final_message"),
+    ({"prompt": "hi", "add_generation_prompt": False}, False, "add_generation_prompt"),
+    ({"messages": USER, "continue_final_message": True}, True, "continue_final_message"),  # the last is the user's
+    ({"messages": [*USER, {"role": "assistant", "content": "It"}], "continue_final_message": True,
+      "add_generation_prompt": True}, True, "continue_final_message"),
+    ({"messages": USER, "add_generation_prompt": "no"}, True, "add_generation_prompt"),
 ])
 def test_bad_chat_template_kwargs_name_the_field(body, chat, field):
     with pytest.raises(RequestError) as info:
         parse_openai_request(body, chat, ("m",), SamplingParams())
     assert info.value.field == field
+
+
+def test_a_final_assistant_message_is_continued(tiny_server, offline):
+    """vLLM's ``continue_final_message``: the answer continues the assistant's text (a prefill), the same tokens as
+    the offline engine's from the open turn, and holds only the continuation."""
+    prefill = [*USER, {"role": "assistant", "content": "The weather in Paris is"}]
+    req = parse_openai_request({"messages": prefill, "continue_final_message": True}, True, ("m",), SamplingParams())
+    assert req.prompts == (ChatPrompt(tuple(prefill), generation_prompt=False, continue_final=True),)
+    reply = _client(tiny_server).chat.completions.create(model=tiny_server.model, messages=prefill, max_tokens=6,
+                                                         extra_body={"continue_final_message": True})
+    want = offline.generate([ChatPrompt(tuple(prefill), generation_prompt=False, continue_final=True)],
+                            SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    assert reply.choices[0].message.content == want.text
+    ids = offline.tokenize(ChatPrompt(tuple(prefill), generation_prompt=False, continue_final=True))
+    assert reply.usage.prompt_tokens == len(ids) and offline.tokenizer.decode(ids).endswith("The weather in Paris is")
