@@ -72,10 +72,12 @@ PART = st.one_of(JSON, st.fixed_dictionaries({"type": st.sampled_from(["text", "
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer", "wizard"]) | JSON,
                                  "content": st.one_of(st.text(max_size=20), st.lists(PART, max_size=3), JSON)})
 OPENAI_KEYS = [*PARAM_MAP, *UNSUPPORTED, *IGNORED, "model", "prompt", "messages", "stream", "stream_options",
-               "logprobs", "top_logprobs", "n", "strict_max_tokens", "colour"]
+               "logprobs", "top_logprobs", "n", "strict_max_tokens", "colour", "chat_template_kwargs",
+               "continue_final_message", "add_generation_prompt"]
 OPENAI_BODIES = st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON, max_size=8) | st.fixed_dictionaries(
     {"messages": st.lists(MESSAGE, max_size=3), "prompt": st.text(max_size=10) | st.lists(st.integers(), max_size=3)},
-    optional={"max_tokens": JSON, "stream_options": JSON, "stop": JSON, "model": JSON, "stream": JSON})
+    optional={"max_tokens": JSON, "stream_options": JSON, "stop": JSON, "model": JSON, "stream": JSON,
+              "continue_final_message": JSON, "add_generation_prompt": JSON})
 
 
 def check_openai(body: dict) -> None:
@@ -84,8 +86,10 @@ def check_openai(body: dict) -> None:
         req = parse_openai_request(own, chat, ("m", "ensemble"), DEFAULTS, VOCAB)
         assert req.params.validate(VOCAB) is req.params
         if chat:
+            messages = req.prompt if isinstance(req.prompt, list) else req.prompt.messages
             assert all(m["role"] in ("system", "user", "assistant") and isinstance(m["content"], str)
-                       for m in req.prompt)
+                       for m in messages)
+            assert not getattr(req.prompt, "continue_final", False) or messages[-1]["role"] == "assistant"
 
 
 test_openai_body, test_openai_body_slow = fuzz_tests(OPENAI_BODIES, check_openai)
