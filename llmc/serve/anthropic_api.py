@@ -23,18 +23,17 @@ import copy
 import json
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
 
 from llmc.errors import LlmcError
 from llmc.request.outputs import StreamEvent
-from llmc.serve.engine_client import PreparedPrompt, ServerDrainingError
-from llmc.serve.openai_api import Choice, reasoning_stream
 from llmc.serve.anthropic_protocol import MessagesRequest, anthropic_error, parse_messages_request, stop_reason
-from llmc.serve.protocol import client_names
-from llmc.serve.state import STATE_KEY, error_status, prepare, read_json, send_sse, start_sse
+from llmc.serve.engine_client import PreparedPrompt, ServerDrainingError
+from llmc.serve.one_chat import chat_steps, serve_one_chat
+from llmc.serve.openai_api import Choice
+from llmc.serve.state import STATE_KEY, error_status, read_json
 
 
 class MessageBuilder:
@@ -96,6 +95,19 @@ class MessageBuilder:
                        {"type": "content_block_stop", "index": len(self.blocks) - 1}]
         return events
 
+    async def answer(self, choice: Choice, first: StreamEvent) -> AsyncIterator[list[dict[str, Any]]]:
+        """The message's events, a list per engine event (the first list opens the message)."""
+        yield self.start()
+        async for event, thinking, text, calls in chat_steps(choice, first):
+            events = self.thinking(thinking) if thinking else []
+            if text:
+                events += self.text(text)
+            yield events + (self.finish(event, choice, calls) if event.finished else [])
+
+    def fail(self, exc: LlmcError) -> list[dict[str, Any]]:
+        """An error after the stream began: Anthropic's ``error`` event."""
+        return [anthropic_error(error_status(exc)[0], str(exc))]
+
     def finish(self, final: StreamEvent, choice: Choice, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         """The last events: the open block closed, the calls, ``message_delta`` and ``message_stop``."""
         if final.finish_reason == "abort":
@@ -113,60 +125,11 @@ class MessageBuilder:
                          {"type": "message_stop"}]
 
 
-def error_event(exc: LlmcError) -> dict[str, Any]:
-    """An error after the stream began: Anthropic's ``error`` event."""
-    return anthropic_error(error_status(exc)[0], str(exc))
-
-
-async def _answer(choice: Choice, first: StreamEvent, out: MessageBuilder) -> AsyncIterator[list[dict[str, Any]]]:
-    """The message's events, a list per engine event (the first list opens the message)."""
-    yield out.start()
-    event = first
-    while True:
-        text, events = choice.take(event), []
-        if choice.thinking:
-            events += out.thinking(choice.thinking)
-            choice.thinking = ""
-        calls = choice.tool_calls() if event.finished else None
-        if event.finished and choice.tools is not None and choice.watch is None and not calls:
-            text = "".join(choice.parts)  # a constrained call cut short: its text, as chat returns it
-        if text:
-            events += out.text(text)
-        if event.finished:
-            yield events + out.finish(event, choice, calls)
-            return
-        yield events
-        event = await anext(choice.events)
-
-
 async def create_message(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     parsed = parse_messages_request(await read_json(request), state.request_names(), state.defaults,
                                     state.vocab_size, state.tool_syntax)
-    req = parsed.chat
-    prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
-    tokenizer = state.client.engine.tokenizer
-    split = state.reasoning is not None and req.params.structured is None
-    choice = Choice(0, state.client.stream(prepared, req.params), tokenizer, True, req, None,
-                    reasoning_stream(tokenizer, prepared) if split else None)
-    out = MessageBuilder(parsed, prepared)
-    async with aclosing(choice.events):
-        with client_names(req.names):  # admission errors surface here, before any byte
-            first = await anext(choice.events)
-        async with aclosing(_answer(choice, first, out)) as answer:
-            if not req.stream:
-                async for _ in answer:
-                    pass
-                return web.json_response(out.snapshot())
-            response = await start_sse(request)
-            try:
-                async for events in answer:
-                    for e in events:
-                        await send_sse(response, e, event=e["type"])
-            except LlmcError as exc:
-                await send_sse(response, error_event(exc), event="error")
-    await response.write_eof()
-    return response
+    return await serve_one_chat(request, parsed.chat, lambda prepared: MessageBuilder(parsed, prepared))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -39,7 +39,7 @@ from llmc.errors import RequestError, short_repr
 from llmc.request.outputs import StreamEvent
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_protocol import (PARAM_MAP, OpenAIRequest, check_unsupported, parse_openai_request,
-                                        unknown_field)
+                                        string_field, text_content, unknown_field)
 from llmc.serve.protocol import with_client_names
 from llmc.serve.tool_syntax import ToolSyntax
 
@@ -86,7 +86,7 @@ def parse_messages_request(body: Mapping[str, Any], served: tuple[str, ...], def
     messages = chat_messages(body.get("messages"))
     system = body.get("system")
     if system is not None:
-        messages.insert(0, {"role": "system", "content": _text(system, "system")})
+        messages.insert(0, {"role": "system", "content": text_content(system, "system")})
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages, "stream": body.get("stream"),
                             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
                             "top_k": body.get("top_k"), "stop": body.get("stop_sequences"),
@@ -178,12 +178,12 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if _block(block, at, ("text", "tool_result")) == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(string_field(block, "text", at))
             continue
-        text = _text(block.get("content", ""), f"{at}.content")
+        text = text_content(block.get("content", ""), f"{at}.content")
         if block.get("is_error"):
             text = "Error: " + text
-        results.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at), "content": text})
+        results.append({"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at), "content": text})
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
@@ -193,35 +193,16 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         at = f"{where}.content[{j}]"
         kind = _block(block, at, ("text", "tool_use", "thinking", "redacted_thinking"))
         if kind == "text":
-            message["content"] += _string(block, "text", at)
+            message["content"] += string_field(block, "text", at)
         elif kind == "tool_use":
             if not isinstance(block.get("input"), dict):
                 raise RequestError(f"{at}.input", f"must be an object (the call's arguments), got "
                                                   f"{short_repr(block.get('input'))}")
             message.setdefault("tool_calls", []).append({
-                "id": _string(block, "id", at), "type": "function", "function": {
-                    "name": _string(block, "name", at), "arguments": json.dumps(block["input"], ensure_ascii=False)}})
+                "id": string_field(block, "id", at), "type": "function",
+                "function": {"name": string_field(block, "name", at),
+                             "arguments": json.dumps(block["input"], ensure_ascii=False)}})
     return message
-
-
-def _string(block: Mapping[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise RequestError(f"{where}.{key}", f"must be a string, got {short_repr(value)}")
-    return value
-
-
-def _text(content: Any, where: str) -> str:
-    """A string, or text blocks joined (``system``, a tool result's ``content``)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(where, f"must be a string or a list of text blocks, got {type(content).__name__}")
-    parts = []
-    for j, block in enumerate(content):
-        _block(block, f"{where}[{j}]", ("text",))
-        parts.append(_string(block, "text", f"{where}[{j}]"))
-    return "".join(parts)
 
 
 def _thinking(thinking: Any, template_kwargs: Any) -> Any:

@@ -356,6 +356,14 @@ def text_content(content: Any, where: str, kinds: tuple[str, ...] = ("text",)) -
     return "".join(parts)
 
 
+def string_field(item: Mapping[str, Any], key: str, where: str) -> str:
+    """``item[key]``, a string; RequestError naming ``where.key`` for anything else."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise RequestError(f"{where}.{key}", f"must be a string, got {short_repr(value)}")
+    return value
+
+
 def flag(body: Mapping[str, Any], key: str, default: bool | None = False) -> bool | None:
     """The body's boolean ``key`` (``default`` when absent or null); RequestError naming it for anything else."""
     value = body.get(key)

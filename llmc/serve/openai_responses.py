@@ -30,7 +30,7 @@ from typing import Any
 from llmc.errors import RequestError, short_repr
 from llmc.request.params import SamplingParams
 from llmc.serve.openai_protocol import (PARAM_MAP, OpenAIRequest, check_unsupported, parse_openai_request,
-                                        text_content)
+                                        string_field, text_content)
 from llmc.serve.protocol import with_client_names
 from llmc.serve.tool_syntax import ToolSyntax
 
@@ -147,14 +147,14 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             text = text_content(item.get("content"), f"{where}.content", TEXT_PARTS)
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            call = {"id": string_field(item, "call_id", where), "type": "function",
+                    "function": {"name": string_field(item, "name", where), "arguments": string_field(item, "arguments", where)}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            messages.append({"role": "tool", "tool_call_id": string_field(item, "call_id", where),
                              "content": text_content(item.get("output"), f"{where}.output", TEXT_PARTS)})
         elif kind != "reasoning":
             got = short_repr(kind) if isinstance(item, dict) else type(item).__name__
@@ -162,13 +162,6 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             raise RequestError(where, f"must be a message ({{\"role\", \"content\"}}), function_call, "
                                       f"function_call_output or reasoning item, got {got}{fix}")
     return messages
-
-
-def _string(item: Mapping[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise RequestError(f"{where}.{key}", f"must be a string, got {short_repr(value)}")
-    return value
 
 
 def _text_config(text: Any) -> dict[str, Any]:

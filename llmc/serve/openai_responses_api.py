@@ -24,7 +24,6 @@ import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
@@ -32,17 +31,17 @@ from aiohttp import web
 from llmc.errors import LlmcError
 from llmc.request.outputs import StreamEvent
 from llmc.serve.engine_client import PreparedPrompt
-from llmc.serve.openai_api import Choice, reasoning_stream
+from llmc.serve.one_chat import chat_steps, serve_one_chat
+from llmc.serve.openai_api import Choice
 from llmc.serve.openai_responses import STATELESS, ResponsesRequest, parse_responses_request
-from llmc.serve.protocol import client_names
-from llmc.serve.state import STATE_KEY, error_status, prepare, read_json, send_sse, start_sse
+from llmc.serve.state import STATE_KEY, error_status, read_json
 
 
 class ResponseBuilder:
     """A response object built from the answer as it streams, and the typed events that say so."""
 
-    def __init__(self, parsed: ResponsesRequest, tokenizer: Any):
-        self.parsed, self.tokenizer = parsed, tokenizer
+    def __init__(self, parsed: ResponsesRequest, tokenizer: Any, prepared: PreparedPrompt):
+        self.parsed, self.tokenizer, self.prepared = parsed, tokenizer, prepared
         self.id, self.created_at = "resp_" + uuid.uuid4().hex, int(time.time())
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
@@ -140,9 +139,19 @@ class ResponseBuilder:
             events.append(self.event("response.output_item.done", output_index=len(self.items) - 1, item=item))
         return events
 
-    def finish(self, final: StreamEvent, choice: Choice, prepared: PreparedPrompt,
-               calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    async def answer(self, choice: Choice, first: StreamEvent) -> AsyncIterator[list[dict[str, Any]]]:
+        """The response's events, a list per engine event (the first list opens the response)."""
+        yield self.start()
+        async for event, thinking, text, calls in chat_steps(choice, first):
+            events = self.reasoning(thinking) if thinking else []
+            logprobs = choice.logprobs()
+            if text:
+                events += self.text(text, logprobs["content"] if logprobs else [])
+            yield events + (self.finish(event, choice, calls) if event.finished else [])
+
+    def finish(self, final: StreamEvent, choice: Choice, calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
         """The last events: open items closed, the calls, and ``response.completed`` / ``response.incomplete``."""
+        prepared = self.prepared
         cut = final.finish_reason == "length"
         if self.open is None and not calls and not any(i["type"] == "message" for i in self.items):
             events = self.text("", [])  # an empty answer is still a message
@@ -172,59 +181,12 @@ class ResponseBuilder:
                 self.event("response.failed", response=self.snapshot())]
 
 
-async def _answer(choice: Choice, first: StreamEvent, out: ResponseBuilder,
-                  prepared: PreparedPrompt) -> AsyncIterator[list[dict[str, Any]]]:
-    """The response's events, a list per engine event (the first list opens the response)."""
-    yield out.start()
-    event = first
-    while True:
-        text, events = choice.take(event), []
-        if choice.thinking:
-            events += out.reasoning(choice.thinking)
-            choice.thinking = ""
-        logprobs = choice.logprobs()
-        calls = choice.tool_calls() if event.finished else None
-        if event.finished and choice.tools is not None and choice.watch is None and not calls:
-            text = "".join(choice.parts)  # a constrained call cut short: its text, as chat returns it
-        if text:
-            events += out.text(text, logprobs["content"] if logprobs else [])
-        if event.finished:
-            yield events + out.finish(event, choice, prepared, calls)
-            return
-        yield events
-        event = await anext(choice.events)
-
-
 async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     parsed = parse_responses_request(await read_json(request), state.request_names(), state.defaults,
                                      state.vocab_size, state.tool_syntax)
-    req = parsed.chat
-    prepared = await prepare(request, req.prompt, req.params, req.strict_max_tokens, req.names)
     tokenizer = state.client.engine.tokenizer
-    split = state.reasoning is not None and req.params.structured is None
-    choice = Choice(0, state.client.stream(prepared, req.params), tokenizer, True, req, None,
-                    reasoning_stream(tokenizer, prepared) if split else None)
-    out = ResponseBuilder(parsed, tokenizer)
-    async with aclosing(choice.events):
-        with client_names(req.names):  # admission errors surface here, before any byte
-            first = await anext(choice.events)
-        choice.start(first, prepared.token_ids)
-        async with aclosing(_answer(choice, first, out, prepared)) as answer:
-            if not req.stream:
-                async for _ in answer:
-                    pass
-                return web.json_response(out.snapshot())
-            response = await start_sse(request)
-            try:
-                async for events in answer:
-                    for e in events:
-                        await send_sse(response, e, event=e["type"])
-            except LlmcError as exc:
-                for e in out.fail(exc):
-                    await send_sse(response, e, event=e["type"])
-    await response.write_eof()
-    return response
+    return await serve_one_chat(request, parsed.chat, lambda prepared: ResponseBuilder(parsed, tokenizer, prepared))
 
 
 async def stored_response(request: web.Request) -> web.Response:

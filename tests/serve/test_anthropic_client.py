@@ -5,15 +5,13 @@ reasons, tool use and its results, a prefill continued, thinking blocks, usage w
 
 from __future__ import annotations
 
-import http.client
 import json
-import urllib.parse
 
 import anthropic
 import pytest
 
 from tests.serve.conftest import start_server
-from tests.serve.test_server import metric, sse, wait_idle
+from tests.serve.test_server import events_until_shutdown, metric, sse, wait_idle
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city", "input_schema": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}
@@ -191,20 +189,9 @@ def test_an_error_after_the_first_byte_is_an_error_event(serve_tiny_build):
 
 def test_a_request_aborted_by_the_server_is_an_overloaded_error(serve_tiny_build):
     server = start_server(serve_tiny_build)
-    try:
-        url = urllib.parse.urlparse(server.http)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-        conn.request("POST", "/v1/messages", json.dumps({
-            "max_tokens": 480, "min_tokens": 480, "stream": True, "messages": [{"role": "user", "content": ASK}]}),
-            {"Content-Type": "application/json"})
-        events = []
-        for raw in conn.getresponse():
-            line = raw.decode().strip()
-            if line.startswith("data:"):
-                events.append(json.loads(line[5:]))
-                if events[-1]["type"] == "content_block_delta" and len(events) == 3:
-                    server.engine.shutdown()
-        conn.close()
+    try:  # message_start, content_block_start, the first delta
+        events = events_until_shutdown(server, "/v1/messages", {
+            "max_tokens": 480, "min_tokens": 480, "stream": True, "messages": [{"role": "user", "content": ASK}]}, 3)
     finally:
         server.close()
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "error", events[-3:]

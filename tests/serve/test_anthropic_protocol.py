@@ -132,7 +132,7 @@ def test_count_only_needs_no_max_tokens_and_counts_the_tools():
     ({"messages": [ASK], "output_config": {"format": {"type": "json_object"}}}, "output_config.format",
      "json_schema"),
     ({"messages": [ASK], "mcp_servers": [{"url": "x"}]}, "mcp_servers", "not supported"),
-    ({"messages": [ASK], "system": [{"type": "image"}]}, "system[0]", "text models"),
+    ({"messages": [ASK], "system": [{"type": "image"}]}, "system[0]", "serves text only"),
 ])
 def test_bad_bodies_name_the_messages_field(body, field, words):
     with pytest.raises(RequestError) as err:

@@ -45,6 +45,23 @@ def sse(server, path, body, stop_after=None):
     return events
 
 
+def events_until_shutdown(server, path, body, after=1):
+    """POST a streaming ``body`` and read its SSE ``data:`` payloads, shutting the server's engine down (every request
+    aborted, as a drain past ``--grace`` does) once ``after`` events came; returns them all."""
+    url = urllib.parse.urlparse(server.http)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    events = []
+    for raw in conn.getresponse():
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            events.append(json.loads(line[5:]))
+            if len(events) == after:
+                server.engine.shutdown()
+    conn.close()
+    return events
+
+
 def wait_idle(engine, timeout=10.0):
     end = time.time() + timeout
     while time.time() < end:

@@ -4,9 +4,7 @@ client) against the server."""
 
 from __future__ import annotations
 
-import http.client
 import json
-import urllib.parse
 
 import pytest
 
@@ -16,7 +14,7 @@ from llmc.request.params import SamplingParams
 from llmc.serve.state import json_error
 from llmc.serve.tgi_protocol import TokenEntries, finish_reason, parse_tgi_request, tgi_error
 from tests.serve.conftest import start_server
-from tests.serve.test_server import metric, sse
+from tests.serve.test_server import events_until_shutdown, metric, sse
 
 PROMPT = "Request 3: tell me about rivers"
 
@@ -277,18 +275,8 @@ def test_an_aborted_request_ends_with_tgi_s_incomplete_generation(serve_tiny_bui
     assert greedy(offline, PROMPT, 480).finish_reason == "length"  # the request would not end on its own first
     server = start_server(serve_tiny_build)
     try:
-        url = urllib.parse.urlparse(server.http)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-        conn.request("POST", "/generate_stream", json.dumps({"inputs": PROMPT, "parameters": {"max_new_tokens": 480}}),
-                     {"Content-Type": "application/json"})
-        events = []
-        for raw in conn.getresponse():
-            line = raw.decode().strip()
-            if line.startswith("data:"):
-                events.append(json.loads(line[5:]))
-                if len(events) == 1:
-                    server.engine.shutdown()
-        conn.close()
+        events = events_until_shutdown(server, "/generate_stream", {"inputs": PROMPT,
+                                                                    "parameters": {"max_new_tokens": 480}})
     finally:
         server.close()
     assert "token" in events[0] and 1 < len(events) < 481
