@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timezone
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, aclosing
@@ -31,14 +32,20 @@ from llmc.serve.tool_syntax import CallStream, ParsedCalls
 
 
 def _model(state: ServerState, name: str) -> dict[str, Any]:
-    """A model card: OpenAI's fields, plus ``max_model_len`` (vLLM's name) so clients can size their requests."""
-    card = {"id": name, "object": "model", "created": state.created, "owned_by": "llmc"}
+    """A model card: OpenAI's fields, plus ``max_model_len`` (vLLM's name) so clients can size their requests, and
+    Anthropic's (``type``, ``display_name``, ``created_at``), which its client's ``models.list`` reads."""
+    created_at = datetime.fromtimestamp(state.created, timezone.utc).isoformat().replace("+00:00", "Z")
+    card = {"id": name, "object": "model", "created": state.created, "owned_by": "llmc", "type": "model",
+            "display_name": name, "created_at": created_at}
     return card if state.max_model_len is None else {**card, "max_model_len": state.max_model_len}
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The served model, in OpenAI's list (``object``, ``data``) and Anthropic's page (``has_more``, ...)."""
     state = request.app[STATE_KEY]
-    return web.json_response({"object": "list", "data": [_model(state, state.model_name)]})
+    name = state.model_name
+    return web.json_response({"object": "list", "data": [_model(state, name)], "has_more": False,
+                              "first_id": name, "last_id": name})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:

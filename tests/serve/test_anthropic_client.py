@@ -64,6 +64,13 @@ def test_the_stream_builds_the_same_message(tiny_server, script):
     assert set(kinds[2:-3]) == {"content_block_delta"} and events[0]["message"]["content"] == []
 
 
+def test_the_client_lists_and_retrieves_the_served_model(claude, client, tiny_server):
+    [card] = list(claude.models.list())
+    assert (card.id, card.display_name, card.type) == (tiny_server.model, tiny_server.model, "model")
+    assert card.created_at.timestamp() == client.models.retrieve(tiny_server.model).created  # one creation time
+    assert claude.models.retrieve(tiny_server.model).id == tiny_server.model
+
+
 def test_a_stop_sequence_is_named_and_left_out(tiny_server, script):
     script(tiny_server, "Hello there, friend.")
     reply = _client(tiny_server).messages.create(model=tiny_server.model, max_tokens=40, stop_sequences=[","],
