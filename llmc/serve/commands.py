@@ -15,7 +15,8 @@ from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
 @click.option("--port", type=int, default=None, help="HTTP port (default: serving.port).")
 @click.option("--grpc-port", type=int, default=None, help="gRPC port (default: serving.grpc_port; 0 disables).")
 @click.option("--api-key", default=None, envvar="LLMC_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every endpoint except health (env LLMC_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY', Anthropic's header) on every "
+                   "endpoint except health (env LLMC_API_KEY).")
 @click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
 @click.option("--max-queue-size", type=int, default=None, help="Waiting requests before 503 (default: recipe).")
 @click.option("--request-timeout", "request_timeout", type=float, default=None,
@@ -38,8 +39,8 @@ from llmc.runtime.scheduler.speculate import MAX_DRAFT_TOKENS
                    "serving.tool_call_syntax.")
 @click.option("--reasoning-syntax", type=click.Choice(["auto", "think", "none"]), default=None,
               help="think: a chat answer's <think> ... </think> goes out as message.reasoning_content, the rest as "
-                   "content; auto: when the chat template mentions <think>; none: answers as they come. Default: "
-                   "the recipe's serving.reasoning_syntax.")
+                   "content (thinking blocks on /v1/messages); auto: when the chat template mentions <think>; none: "
+                   "answers as they come. Default: the recipe's serving.reasoning_syntax.")
 @click.option("--speculative-tokens", type=click.IntRange(0, MAX_DRAFT_TOKENS), default=None,
               help="Draft tokens each step of a request verifies (prompt lookup), instead of the recipe's "
                    "serving.speculative_tokens; 0 = off (torch builds).")
