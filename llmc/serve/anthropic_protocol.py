@@ -3,8 +3,9 @@ runs (pure functions, no HTTP).
 
 A Messages body is translated into a ``/v1/chat/completions`` body and parsed by
 :func:`~llmc.serve.openai_protocol.parse_openai_request`, so both share sampling, structured outputs, function calling,
-the chat template and every limit. The request's fields, as Anthropic's API reference and its Python SDK (2.17) name
-them:
+the chat template and every limit (vLLM serves the same route the same way: vllm-project/vllm@82df3f4,
+``vllm/entrypoints/anthropic/protocol.py``). The request's fields, as Anthropic's Python SDK (2.17,
+``anthropic/types/message_create_params.py``) names them:
 
 - ``system`` (a string or text blocks) is a system message first; ``messages`` alternate ``user`` and ``assistant``,
   each a string or a list of content blocks: ``text``; an assistant's ``tool_use`` (``id``, ``name``, ``input``) is
