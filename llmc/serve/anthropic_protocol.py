@@ -62,7 +62,7 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 SERVER_TOOLS = "llmc runs no server tools; define a custom tool {\"name\", \"input_schema\"}"
 TEXT_ONLY = "llmc serves text models; send text blocks"
 # Chat's field names in errors raised by the chat parser -> this API's
-CLIENT_NAMES = {"response_format": "output_config.format", "stop": "stop_sequences", "max_tokens": "max_tokens"}
+CLIENT_NAMES = {"response_format": "output_config.format", "stop": "stop_sequences"}
 # Anthropic's error type per HTTP status (llmc's statuses; other 4xx are invalid requests, other 5xx api errors)
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error",
