@@ -1,6 +1,6 @@
 """The aiohttp application of ``llmc serve``: the KServe v2 and OpenAI routes (chat, completions, responses),
-Anthropic's Messages API, vLLM's utility routes (health, version, tokenize), TGI's routes (generate, generate_stream, info) and ``/metrics`` over one
-state."""
+Anthropic's Messages API, vLLM's utility routes (health, version, tokenize), TGI's routes (generate, generate_stream,
+info) and ``/metrics`` over one state."""
 
 from __future__ import annotations
 

@@ -148,7 +148,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
             call = {"id": string_field(item, "call_id", where), "type": "function",
-                    "function": {"name": string_field(item, "name", where), "arguments": string_field(item, "arguments", where)}}
+                    "function": {"name": string_field(item, "name", where),
+                                 "arguments": string_field(item, "arguments", where)}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:

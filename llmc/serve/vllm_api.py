@@ -7,8 +7,8 @@
   (the recipe's ``add_special_tokens`` unless the body sets it); ``messages`` (with ``tools`` and
   ``chat_template_kwargs``) as ``/v1/chat/completions`` renders them, the assistant's opening included unless
   ``add_generation_prompt`` is false; ``continue_final_message`` leaves the last (assistant) message open, as a
-  prefill is rendered (Anthropic's Messages API). A prompt over ``max_input_len`` is counted too: clients trim conversations
-  by this count, against the answer's ``max_model_len``. ``return_token_strs`` adds the tokens' strings.
+  prefill is rendered (Anthropic's Messages API). A prompt over ``max_input_len`` is counted too: clients trim
+  conversations by this count, against the answer's ``max_model_len``. ``return_token_strs`` adds the tokens' strings.
 - ``POST /detokenize``: ``{"tokens": [ids]}`` -> ``{"prompt": text}`` (special tokens kept).
 
 Errors are OpenAI's error object, as vLLM's; none of these counts as a request in ``/metrics``.
