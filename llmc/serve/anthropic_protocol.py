@@ -257,20 +257,19 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: Any, chat: dict[str, Any], count_only: bool) -> None:
     """``tool_choice`` -> chat's ``tool_choice`` and ``parallel_tool_calls`` (set in ``chat``)."""
-    if choice is None:
-        if count_only and chat.get("tools"):
-            chat["tool_choice"] = "required"  # the tools are in the prompt for every choice but none
-        return
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif kind in TOOL_CHOICES:
-        chat["tool_choice"] = "required" if count_only and kind == "auto" else TOOL_CHOICES[kind]
-    else:
-        raise RequestError("tool_choice", f'must be {{"type": "auto"}}, {{"type": "any"}}, {{"type": "none"}} or '
-                                          f'{{"type": "tool", "name": ...}}, got {short_repr(choice)}')
-    if choice.get("disable_parallel_tool_use"):
-        chat["parallel_tool_calls"] = False
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in TOOL_CHOICES:
+            chat["tool_choice"] = TOOL_CHOICES[kind]
+        else:
+            raise RequestError("tool_choice", f'must be {{"type": "auto"}}, {{"type": "any"}}, {{"type": "none"}} '
+                                              f'or {{"type": "tool", "name": ...}}, got {short_repr(choice)}')
+        if choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    if count_only and chat.get("tools") and chat.get("tool_choice", "auto") == "auto":
+        chat["tool_choice"] = "required"  # counted alike (the tools are in the prompt), with no tool syntax needed
 
 
 def stop_reason(final: StreamEvent, called: bool, capped: bool) -> tuple[str, str | None]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timezone
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, aclosing
+from datetime import datetime, timezone
 from typing import Any
 
 from aiohttp import web

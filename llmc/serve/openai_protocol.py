@@ -37,8 +37,8 @@ from typing import Any
 from llmc.errors import RequestError, UnknownModelError, short_repr
 from llmc.request.inputs import ChatPrompt
 from llmc.request.params import SamplingParams
-from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.chat_template_args import FIELDS as TEMPLATE_FIELDS, answer_start, chat_only, template_kwargs
+from llmc.serve.openai_tools import ToolCalls, parse_tools
 from llmc.serve.protocol import check_param_limits, client_names
 from llmc.serve.tgi_grammar import tgi_output_format
 from llmc.serve.tool_syntax import ToolSyntax
